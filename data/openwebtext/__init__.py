@@ -1,0 +1,1 @@
+"""OpenWebText, GPT-2 BPE: `python -m data.openwebtext.prepare`."""

@@ -1,0 +1,1 @@
+"""Shakespeare, GPT-2 BPE: `python -m data.shakespeare.prepare`."""

@@ -1,0 +1,1 @@
+"""Shakespeare, character level: `python -m data.shakespeare_char.prepare`."""
