@@ -87,7 +87,7 @@ def save_checkpoint(state: dict, out_dir, iter_num: int, keep_last_k: int, is_be
 def load_checkpoint(path, map_location="cpu") -> dict:
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"no checkpoint at {path}; train first, or use init_from=scratch")
+        raise CheckpointError(f"no checkpoint at {path}; train first (python train.py) or point at another out_dir")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as error:
