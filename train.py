@@ -251,10 +251,11 @@ class Batches:
         self.generator = torch.Generator().manual_seed(cfg.seed + runtime.rank)
 
     def get(self, split: str, generator: Optional[torch.Generator] = None):
+        if generator is None:  # the training stream: remember where this batch starts, for checkpoints
+            generator, self.state_before_last = self.generator, self.generator.get_state()
         # A fresh memmap per batch: a long-lived one grows the process's memory (numpy memmap leak).
         data = np.memmap(self.data_dir / f"{split}.bin", dtype=np.uint16, mode="r")
-        starts = torch.randint(len(data) - self.block_size, (self.batch_size,),
-                               generator=generator or self.generator).tolist()
+        starts = torch.randint(len(data) - self.block_size, (self.batch_size,), generator=generator).tolist()
         x = torch.from_numpy(np.stack([data[i:i + self.block_size] for i in starts]).astype(np.int64))
         y = torch.from_numpy(np.stack([data[i + 1:i + 1 + self.block_size] for i in starts]).astype(np.int64))
         if self.device.type == "cuda":
@@ -420,13 +421,73 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS; Linux reports KiB
 
 
+@dataclass
+class Training:
+    """What one optimizer step needs; train() and bench/bench_train.py build it the same way."""
+    cfg: TrainConfig
+    runtime: Runtime
+    model: GPT  # the plain module: checkpoints save its state_dict (no _orig_mod. or module. prefixes)
+    eval_model: torch.nn.Module  # compiled when compile is on
+    train_model: torch.nn.Module  # eval_model, wrapped in DDP under torchrun
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    accum: int  # micro-steps per optimizer step on this rank
+
+
+def build_training(cfg: TrainConfig, runtime: Runtime, model: GPT) -> Training:
+    device = runtime.device
+    model = model.to(device)
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
+    # The GradScaler finds inf/NaN gradients on the device and skips that optimizer step without a host
+    # sync (with fused AdamW). float16 needs its loss scaling; other dtypes keep the scale at exactly 1.
+    scaled = runtime.dtype == torch.float16
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**16 if scaled else 1.0,
+                                  enabled=device.type in ("cuda", "cpu"))
+    use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
+    eval_model = torch.compile(model) if use_compile else model
+    train_model = eval_model
+    if runtime.ddp:
+        from torch.nn.parallel import DistributedDataParallel
+        train_model = DistributedDataParallel(eval_model, device_ids=[device.index] if device.type == "cuda" else None)
+    return Training(cfg, runtime, model, eval_model, train_model, optimizer, scaler,
+                    cfg.gradient_accumulation_steps // runtime.world_size)
+
+
+def train_step(t: Training, x, y, next_batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One optimizer step over t.accum micro-batches, the first being (x, y); next_batch() draws the rest
+    and, last, the next step's first. Returns (mean loss, gradient norm, next x, next y), on the device."""
+    loss_sum = torch.zeros((), device=t.runtime.device)
+    for micro_step in range(t.accum):
+        last_micro_step = micro_step == t.accum - 1
+        ddp_sync = contextlib.nullcontext() if (last_micro_step or not t.runtime.ddp) else t.train_model.no_sync()
+        with ddp_sync:  # gradients are all-reduced on the last micro-step only
+            with t.runtime.autocast():
+                _, loss = t.train_model(x, y)
+                loss = loss / t.accum
+            x, y = next_batch()  # prefetch while the GPU works
+            t.scaler.scale(loss).backward()
+        loss_sum += loss.detach()
+    t.scaler.unscale_(t.optimizer)
+    grad_clip = t.cfg.grad_clip if t.cfg.grad_clip > 0 else math.inf
+    grad_norm = torch.nn.utils.clip_grad_norm_(t.model.parameters(), grad_clip)
+    if t.scaler.is_enabled():
+        t.scaler.step(t.optimizer)  # skipped on the device when a gradient is inf/NaN
+        if t.runtime.dtype == torch.float16:
+            t.scaler.update()
+        else:
+            t.scaler.update(1.0)
+    elif torch.isfinite(grad_norm):  # no GradScaler for this device type: check on the host
+        t.optimizer.step()
+    t.optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm, x, y
+
+
 def train(cfg: TrainConfig) -> int:
     runtime = setup_runtime(cfg)
     if runtime.master:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", force=True)
     device = runtime.device
-    accum = cfg.gradient_accumulation_steps // runtime.world_size
-    tokens_per_iter = accum * runtime.world_size * cfg.batch_size * cfg.block_size
+    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size  # over all ranks
 
     checkpoint = read_checkpoint(cfg)
     data_dir = find_data(cfg, runtime)
@@ -435,13 +496,8 @@ def train(cfg: TrainConfig) -> int:
     batches = Batches(data_dir, cfg, runtime, vocab_size)
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    model = build_model(cfg, vocab_size, checkpoint).to(device)
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
-    # The GradScaler finds inf/NaN gradients on the device and skips that optimizer step without a host
-    # sync (with fused AdamW). float16 needs its loss scaling; other dtypes keep the scale at exactly 1.
-    scaled = runtime.dtype == torch.float16
-    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**16 if scaled else 1.0,
-                                  enabled=device.type in ("cuda", "cpu"))
+    t = build_training(cfg, runtime, build_model(cfg, vocab_size, checkpoint))
+    model, optimizer, scaler = t.model, t.optimizer, t.scaler
     iter_num, best_val_loss = 0, float("inf")
     resuming = checkpoint is not None and cfg.init_from == "resume"
     if resuming:
@@ -461,21 +517,14 @@ def train(cfg: TrainConfig) -> int:
         settings = " ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items())
         print("config: " + textwrap.fill(settings, 110, subsequent_indent="  "))
         print(f"parameters: {model.num_params() / 1e6:.2f}M | tokens per iteration: {tokens_per_iter:,} "
-              f"({runtime.world_size} ranks x {accum} micro-steps x {cfg.batch_size} x {cfg.block_size}) | "
+              f"({runtime.world_size} ranks x {t.accum} micro-steps x {cfg.batch_size} x {cfg.block_size}) | "
               f"device {device} {str(runtime.dtype).removeprefix('torch.')}"
               + (f" | resuming at iter {iter_num}" if resuming else ""))
     with runtime.autocast():
         model.attention_for(device)  # logs the attention backend line, resolved for this device and dtype
 
-    use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
     if cfg.compile is None and device.type != "cuda" and runtime.master:
         print(f"compile off on {device.type} (slow to compile for little gain there); --compile=true forces it")
-    eval_model = torch.compile(model) if use_compile else model
-    train_model = eval_model
-    if runtime.ddp:
-        from torch.nn.parallel import DistributedDataParallel
-        train_model = DistributedDataParallel(eval_model, device_ids=[device.index] if device.type == "cuda" else None)
-
     peak, no_mfu_reason = peak_flops_for(device, runtime.dtype, cfg.peak_flops)
     if runtime.master and no_mfu_reason:
         print(f"MFU n/a: {no_mfu_reason}")
@@ -484,13 +533,11 @@ def train(cfg: TrainConfig) -> int:
 
     stop = StopFlags(runtime)
     stop.install()
-    params = [p for p in model.parameters() if p.requires_grad]
-    data_state = batches.generator.get_state()  # the generator state that draws the next step's batches
     x, y = batches.get("train")
     last_log_time, last_log_iter = time.time(), iter_num
 
     def save(is_best: bool) -> Path:
-        ranks = [{"rng": capture_rng(), "data": data_state}]
+        ranks = [{"rng": capture_rng(), "data": batches.state_before_last}]  # draws the next step's batch
         if runtime.ddp:
             gathered = [None] * runtime.world_size
             dist.all_gather_object(gathered, ranks[0])
@@ -509,7 +556,7 @@ def train(cfg: TrainConfig) -> int:
 
         at_end = iter_num >= cfg.max_iters
         if (iter_num % cfg.eval_interval == 0 and (iter_num > 0 or cfg.eval_on_start)) or at_end or cfg.eval_only:
-            losses = evaluate(eval_model, batches, cfg, runtime)
+            losses = evaluate(t.eval_model, batches, cfg, runtime)
             if runtime.master:
                 print(f"eval {iter_num} | train {losses['train']:.4f} | val {losses['val']:.4f}", flush=True)
                 if wandb:
@@ -523,27 +570,7 @@ def train(cfg: TrainConfig) -> int:
         if cfg.eval_only or at_end:
             break
 
-        loss_sum = torch.zeros((), device=device)
-        for micro_step in range(accum):
-            last_micro_step = micro_step == accum - 1
-            sync = contextlib.nullcontext() if (last_micro_step or not runtime.ddp) else train_model.no_sync()
-            with sync:
-                with runtime.autocast():
-                    _, loss = train_model(x, y)
-                    loss = loss / accum
-                if last_micro_step:
-                    data_state = batches.generator.get_state()
-                x, y = batches.get("train")  # prefetch while the GPU works
-                scaler.scale(loss).backward()
-            loss_sum += loss.detach()
-        scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-        if scaler.is_enabled():
-            scaler.step(optimizer)  # skipped on the device when a gradient is inf/NaN
-            scaler.update() if scaled else scaler.update(1.0)
-        elif torch.isfinite(grad_norm):  # no GradScaler on this device type: check on the host
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss_sum, grad_norm, x, y = train_step(t, x, y, lambda: batches.get("train"))
         iter_num += 1
 
         signalled, bad_streak = stop.record(grad_norm + loss_sum)  # both non-finite-checked in one number

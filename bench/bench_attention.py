@@ -1,0 +1,394 @@
+"""Time every attention backend of model.py on the same inputs: forward, forward+backward, memory, error.
+
+    python bench/bench_attention.py                     # H100 grid: D 64/128, T 512..32768, bf16, causal
+    python bench/bench_attention.py --docs              # also document-masked cells (~4 documents per row)
+    python bench/bench_attention.py --docs-only         # only those (-> <card>-attention-docs.json)
+    python bench/bench_attention.py --dtype float16 --budget 0
+    python bench/bench_attention.py --quick             # tiny CPU run (seconds), what tests/test_bench.py runs
+
+Every cell (head dim, sequence length, documents or not) gets fresh random inputs with the same number of
+tokens per call (batch = tokens // T, at least 1) and H = 16 heads for both head dims (so H*D is 1024 or
+2048), so the work per call, B*T^2 = tokens*T, grows linearly in T. Each backend runs through the very function the model
+calls (model.ATTENTION_FUNCTIONS / sdpa_attention(kernel=...)); `auto` is what resolve_attention_backend
+picks for training here. A backend that cannot run a cell records why ('OOM', the resolver's reason, or the
+exception's first line) in `status`; cells the --budget leaves no time for say so too.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch._dynamo
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import (DEFAULT_OUT, Budget, Column, failure_reason, free_device_memory,  # noqa: E402
+                          median_ms, plot_lines, results_header, synchronize, write_results)
+from model import (ATTENTION_FUNCTIONS, AttentionMask, backend_problem, resolve_attention_backend,  # noqa: E402
+                   resolve_sdpa_kernel, sdpa_attention)
+
+SDPA_VARIANTS = ("sdpa:auto", "sdpa:flash", "sdpa:cudnn", "sdpa:efficient", "sdpa:math")
+ALL_BACKENDS = ("manual", *SDPA_VARIANTS, "flex_attention", "flash_attn_2", "flash_attn_3", "auto")
+QUICK_BACKENDS = ("manual", *SDPA_VARIANTS, "flex_attention", "auto")
+# Seq lens in the order they are measured: the README's columns first, so a --budget cut loses the others.
+DEFAULT_SEQ_LENS = (1024, 4096, 16384, 512, 2048, 8192, 32768)
+FLOP_CONVENTION = ("causal attention FLOPs: fwd = 4*B*H*T^2*D / 2 (two matmuls, half the score matrix); "
+                   "fwd+bwd = 3.5 * fwd (backward = 2.5 * forward, FlashAttention's convention). Document-masked "
+                   "cells use the same causal count, so their TF/s compare time at equal nominal work.")
+REFERENCE_SCORES_BYTES = 2**30  # float32 scores per chunk of the reference: ~1 GiB, whatever T is
+
+
+@dataclass(frozen=True)
+class Cell:
+    head_dim: int
+    seq_len: int
+    docs: bool
+    dtype: torch.dtype
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs and the float32 reference
+
+def document_ids(batch: int, seq_len: int, generator: torch.Generator, n_docs: int = 4) -> torch.Tensor:
+    """(batch, T) ids: each row cut at n_docs-1 random distinct points into documents of random lengths."""
+    rows = []
+    for _ in range(batch):
+        cuts = torch.randperm(seq_len - 1, generator=generator)[: n_docs - 1] + 1
+        starts = torch.zeros(seq_len, dtype=torch.int32)
+        starts[cuts] = 1
+        rows.append(starts.cumsum(0))
+    return torch.stack(rows)
+
+
+def make_inputs(cell: Cell, heads: int, tokens: int, device: torch.device, seed: int):
+    """Fresh random q, k, v (requiring grad), an upstream gradient and the mask: never zeros, which can hide
+    unwritten outputs and run faster than real data."""
+    batch = max(1, tokens // cell.seq_len)
+    on_device = torch.Generator(device=device).manual_seed(seed)  # drawing 4 x 32M values on the host is slow
+    shape = (batch, heads, cell.seq_len, cell.head_dim)  # (B, H, T, D)
+    q, k, v, grad_out = (torch.randn(shape, generator=on_device, device=device, dtype=cell.dtype) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    on_host = torch.Generator().manual_seed(seed)
+    doc_ids = document_ids(batch, cell.seq_len, on_host).to(device) if cell.docs else None
+    return q, k, v, grad_out, AttentionMask(cell.seq_len, device, doc_ids)
+
+
+@contextlib.contextmanager
+def full_float32_matmuls():
+    """The reference must not use TF32 (~1e-3 relative error), whatever the process set before."""
+    saved = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.cudnn.allow_tf32 = saved[1]
+
+
+@torch.no_grad()
+def reference_attention(q, k, v, mask: AttentionMask) -> torch.Tensor:
+    """Causal (and same-document) attention in float32 on upcast inputs, one batch element and one chunk of
+    query rows at a time, so the reference exists at every T (T=32k scores alone would be 64 GiB)."""
+    B, H, T, D = q.shape
+    out = torch.empty(B, H, T, D, dtype=torch.float32, device=q.device)
+    rows = max(1, min(T, REFERENCE_SCORES_BYTES // (4 * H * T)))
+    positions = torch.arange(T, device=q.device)
+    with full_float32_matmuls():
+        for b in range(B):
+            qb, kb, vb = (x[b].float() for x in (q, k, v))  # (H, T, D)
+            for start in range(0, T, rows):
+                end = min(T, start + rows)  # causal: these queries see keys [0, end) only
+                scores = qb[:, start:end] @ kb[:, :end].transpose(-2, -1) / math.sqrt(D)  # (H, rows, end)
+                allowed = positions[start:end, None] >= positions[None, :end]
+                if mask.has_documents:
+                    segments = mask.segments[b]
+                    allowed &= segments[start:end, None] == segments[None, :end]
+                scores.masked_fill_(~allowed, float("-inf"))
+                out[b, :, start:end] = torch.softmax(scores, dim=-1) @ vb[:, :end]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Backends: the function to call, and why it cannot run (checked before running, for forward and backward)
+
+@dataclass
+class Plan:
+    fn: object
+    resolved: str  # what actually runs: the backend itself, or what auto picked
+    forward_problem: str
+    backward_problem: str
+
+
+def plan_backend(backend: str, cell: Cell, device: torch.device) -> Plan:
+    use = dict(doc_mask=cell.docs, head_dim=cell.head_dim)
+    if backend == "auto":  # resolved for training (backward=True), as the model resolves it
+        resolution = resolve_attention_backend("auto", device, cell.dtype, backward=True, **use)
+        return Plan(ATTENTION_FUNCTIONS[resolution.used], resolution.used, "", "")
+    if backend.startswith("sdpa:"):
+        kernel = backend.split(":", 1)[1]
+        problem = backend_problem("sdpa", device, cell.dtype, **use) or resolve_sdpa_kernel(
+            kernel, device, cell.dtype, doc_mask=cell.docs).reason  # pinned: never let PyTorch pick another
+        return Plan(functools.partial(sdpa_attention, kernel=kernel), backend, problem, problem)
+    return Plan(ATTENTION_FUNCTIONS[backend], backend,
+                backend_problem(backend, device, cell.dtype, backward=False, **use),
+                backend_problem(backend, device, cell.dtype, backward=True, **use))
+
+
+def attention_flops(batch: int, heads: int, seq_len: int, head_dim: int) -> tuple[float, float]:
+    forward = 4 * batch * heads * seq_len**2 * head_dim / 2
+    return forward, 3.5 * forward
+
+
+def memory_mib(run, device: torch.device, grads) -> float | None:
+    """Peak memory of one run() beyond what was allocated before it (inputs, mask, reference): the
+    attention's own memory, gradients of q, k, v included."""
+    if device.type != "cuda":
+        return None
+    for t in grads:
+        t.grad = None
+    synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run()
+    synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    for t in grads:
+        t.grad = None
+    return (peak - base) / 2**20
+
+
+def measure_backend(backend: str, cell: Cell, inputs, reference, args, device) -> dict:
+    q, k, v, grad_out, mask = inputs
+    batch = q.size(0)
+    row = empty_row(backend, cell, batch)
+    plan = plan_backend(backend, cell, device)
+    row["resolved"] = plan.resolved
+    skip = quick_skip_reason(backend, cell, args)
+    if plan.forward_problem or skip:
+        return finish_row(row, plan.forward_problem or skip, plan.forward_problem or skip)
+    if plan.backward_problem:  # forward-only (flex on CPU): autograd inputs would make it refuse to run
+        q, k, v = (t.detach() for t in (q, k, v))
+
+    def forward():
+        return plan.fn(q, k, v, mask, 0.0)
+
+    def forward_backward():
+        plan.fn(q, k, v, mask, 0.0).backward(grad_out)
+
+    fwd_flops, fwd_bwd_flops = attention_flops(batch, q.size(1), cell.seq_len, cell.head_dim)
+    timing = dict(device=device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    # Any exception a kernel raises (RuntimeError, a Triton compile error, OOM) becomes this cell's reason.
+    try:
+        start = time.perf_counter()
+        out = forward()  # first call: compiles (flex) and builds the mask form the backend needs
+        synchronize(device)
+        row["first_call_s"] = time.perf_counter() - start
+        error = out.detach().float() - reference
+        row["max_err"] = error.abs().max().item()
+        row["rel_err"] = (error.norm() / reference.norm()).item()
+        del out, error
+        if not math.isfinite(row["max_err"]):  # a NaN-producing kernel's time means nothing
+            raise FloatingPointError(f"non-finite output (max error {row['max_err']})")
+        row["fwd_ms"] = median_ms(forward, **timing)
+        row["fwd_tflops"] = fwd_flops / row["fwd_ms"] / 1e9
+        fwd_status = "ok"
+    except Exception as error:  # noqa: BLE001 - recorded, never swallowed
+        fwd_status = failure_reason(error)
+    if fwd_status != "ok" or plan.backward_problem:
+        if fwd_status == "ok" and device.type == "cuda":
+            row["peak_mem_mib"], row["mem_pass"] = memory_mib(forward, device, ()), "fwd"
+        return finish_row(row, fwd_status, plan.backward_problem or fwd_status)
+    try:
+        forward_backward()  # compiles the backward (flex) before memory is measured
+        if device.type == "cuda":
+            row["peak_mem_mib"], row["mem_pass"] = memory_mib(forward_backward, device, (q, k, v)), "fwd_bwd"
+        row["fwd_bwd_ms"] = median_ms(forward_backward, grad_to_none=(q, k, v), **timing)
+        row["fwd_bwd_tflops"] = fwd_bwd_flops / row["fwd_bwd_ms"] / 1e9
+        fwd_bwd_status = "ok"
+    except Exception as error:  # noqa: BLE001 - recorded, never swallowed
+        fwd_bwd_status = failure_reason(error)
+    for t in (q, k, v):
+        t.grad = None
+    return finish_row(row, fwd_status, fwd_bwd_status)
+
+
+def quick_skip_reason(backend: str, cell: Cell, args) -> str:
+    """--quick on CPU: flex_attention compiles for 5-20 s per new shape there, so it runs in one cell only."""
+    if args.quick and backend == "flex_attention" and (cell.head_dim, cell.seq_len, cell.docs) != args.flex_cell:
+        d, t, _ = args.flex_cell
+        return f"skipped in --quick: flex_attention compiles ~5-20 s per shape on CPU; measured at D={d}, T={t} only"
+    return ""
+
+
+def empty_row(backend: str, cell: Cell, batch: int) -> dict:
+    return {"backend": backend, "resolved": None, "head_dim": cell.head_dim, "seq_len": cell.seq_len,
+            "batch_size": batch, "docs": cell.docs, "dtype": str(cell.dtype).removeprefix("torch."),
+            "fwd_ms": None, "fwd_bwd_ms": None, "fwd_tflops": None, "fwd_bwd_tflops": None,
+            "peak_mem_mib": None, "mem_pass": None, "max_err": None, "rel_err": None, "first_call_s": None}
+
+
+def finish_row(row: dict, fwd_status: str, fwd_bwd_status: str) -> dict:
+    row["fwd_status"], row["fwd_bwd_status"] = fwd_status, fwd_bwd_status
+    if fwd_status != "ok":
+        row["status"] = fwd_status
+    elif fwd_bwd_status != "ok":
+        row["status"] = f"fwd only; fwd_bwd: {fwd_bwd_status}"
+    else:
+        row["status"] = "ok"
+    return row
+
+
+# ----------------------------------------------------------------------------------------------
+# The grid
+
+def cells_in_order(args) -> list[Cell]:
+    """Causal cells before document cells; within each, seq lens in the order given (most wanted first)."""
+    dtype = getattr(torch, args.dtype)
+    return [Cell(d, t, docs, dtype) for docs in mask_kinds(args) for t in args.seq_lens for d in args.head_dims]
+
+
+def mask_kinds(args) -> tuple[bool, ...]:
+    """The values of `docs` to run: causal only, documents only, or both (causal first)."""
+    return (True,) if args.docs_only else (False, True) if args.docs else (False,)
+
+
+def run_grid(args, device: torch.device) -> list[dict]:
+    budget = Budget(args.budget)
+    rows = []
+    for index, cell in enumerate(cells_in_order(args)):
+        batch = max(1, args.tokens // cell.seq_len)
+        if budget.exhausted():
+            rows += [finish_row(empty_row(b, cell, batch), budget.reason(), budget.reason()) for b in args.backends]
+            continue
+        inputs = make_inputs(cell, args.heads, args.tokens, device, seed=1000 + index)
+        reference = reference_attention(*inputs[:3], inputs[4])
+        for backend in args.backends:
+            if budget.exhausted():
+                row = finish_row(empty_row(backend, cell, batch), budget.reason(), budget.reason())
+            else:
+                row = measure_backend(backend, cell, inputs, reference, args, device)
+            rows.append(row)
+            print(progress_line(row, budget.elapsed()), flush=True)
+            if "OOM" in row["status"]:
+                free_device_memory()  # the failed call's tensors may sit in reference cycles until collected
+        del inputs, reference
+        free_device_memory()
+    return rows
+
+
+def progress_line(row: dict, elapsed: float) -> str:
+    def num(key, fmt):
+        return fmt.format(row[key]) if row[key] is not None else "-"
+    return (f"[{elapsed:6.1f}s] D={row['head_dim']:<3} T={row['seq_len']:<5} docs={int(row['docs'])} "
+            f"{row['backend']:<15} fwd {num('fwd_ms', '{:.3f}'):>8} ms  fwd+bwd {num('fwd_bwd_ms', '{:.3f}'):>8} ms "
+            f"{num('fwd_bwd_tflops', '{:.0f}'):>4} TF/s  mem {num('peak_mem_mib', '{:.0f}'):>6} MiB  "
+            f"err {num('max_err', '{:.1e}')}  {row['status'] if row['status'] != 'ok' else ''}")
+
+
+COLUMNS = [Column("backend", "backend"), Column("resolved", "runs"), Column("head_dim", "D"),
+           Column("seq_len", "T"), Column("batch_size", "B"), Column("docs", "docs"), Column("dtype", "dtype"),
+           Column("fwd_ms", "fwd ms", "{:.3f}"), Column("fwd_bwd_ms", "fwd+bwd ms", "{:.3f}"),
+           Column("fwd_tflops", "fwd TF/s", "{:.3g}"), Column("fwd_bwd_tflops", "fwd+bwd TF/s", "{:.3g}"),
+           Column("peak_mem_mib", "mem MiB", "{:.0f}"), Column("max_err", "max err", "{:.1e}"),
+           Column("status", "status")]
+
+
+def plot(rows: list[dict], path: Path):
+    def series(row):
+        return row["backend"] + (" +docs" if row["docs"] else "")
+    y = "fwd_bwd_tflops" if any(r["fwd_bwd_tflops"] for r in rows) else "fwd_tflops"
+    masks = "causal, dashed: + document masks" if any(r["docs"] for r in rows) else "causal"
+    plot_lines(rows, path, x="seq_len", y=y, y_label=y.replace("_tflops", "").replace("_", "+") + " TF/s",
+               panel="head_dim", series=series, title=f"attention, {rows[0]['dtype']}, {masks}",
+               dashed=lambda name: name.endswith("+docs"))
+
+
+# ----------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny CPU run: T 64/128, D 64, float32, manual/sdpa/flex/auto (flex in one cell)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present; --quick: cpu)")
+    parser.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                        help="input dtype (default bfloat16; --quick: float32)")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=None, help="default 64 128")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=None,
+                        help="default 1024 4096 16384 512 2048 8192 32768 (measured in this order)")
+    parser.add_argument("--tokens", type=int, default=None, help="B*T per call (default 16384; B >= 1)")
+    parser.add_argument("--heads", type=int, default=16, help="attention heads H, for every head dim (default 16)")
+    parser.add_argument("--docs", action="store_true",
+                        help="also run every cell with document masks (~4 documents per row), after the causal ones")
+    parser.add_argument("--docs-only", action="store_true",
+                        help="only the document-masked cells (default name attention-docs), e.g. in a second call")
+    parser.add_argument("--backends", nargs="+", default=None, choices=ALL_BACKENDS, help="default: all")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds for the whole grid; later cells are recorded as skipped (default 240; 0: none)")
+    parser.add_argument("--warmup-ms", type=float, default=None, help="do_bench warm-up per timing (default 25 ms)")
+    parser.add_argument("--rep-ms", type=float, default=None, help="do_bench repetition time per timing (default 100 ms)")
+    parser.add_argument("--name", default=None, help="results name (default attention[-float16] / attention-quick)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        defaults = dict(device="cpu", dtype="float32", head_dims=[64], seq_lens=[64, 128], tokens=256,
+                        backends=list(QUICK_BACKENDS), budget=0, name="attention-quick", warmup_ms=5, rep_ms=20)
+        args.docs = True  # cheap on CPU, and it exercises the document path
+    else:
+        defaults = dict(device="cuda" if torch.cuda.is_available() else "cpu", dtype="bfloat16",
+                        head_dims=[64, 128], seq_lens=list(DEFAULT_SEQ_LENS), tokens=16384,
+                        backends=list(ALL_BACKENDS), budget=240, name=None, warmup_ms=25, rep_ms=100)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.name is None:
+        args.name = "attention" + ("-docs" if args.docs_only else "") + (
+            "" if args.dtype == "bfloat16" else f"-{args.dtype}")
+    args.flex_cell = (args.head_dims[0], args.seq_lens[0], False)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if args.quick:
+        torch.set_num_threads(1)  # tiny ops gain nothing from threads, and a shared CPU makes them crawl
+    # flex_attention is compiled with static shapes: one recompile per cell, more than dynamo's default 8.
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 256))
+    start = time.perf_counter()
+    rows = run_grid(args, device)
+    header = results_header(
+        args.name, device, grid={"backends": args.backends, "head_dims": args.head_dims, "seq_lens": args.seq_lens,
+                         "docs": list(mask_kinds(args)), "dtype": args.dtype,
+                         "tokens_per_call": args.tokens, "heads": args.heads},
+        flop_convention=FLOP_CONVENTION, wall_s=round(time.perf_counter() - start, 1),
+        notes={
+            "shapes": f"B = max(1, {args.tokens} // T), H = {args.heads} for every D; {args.dtype} inputs (B, H, T, D)",
+            "timing": "median of triton.testing.do_bench (CUDA events, L2 flushed before each run; "
+                      "host clock on CPU); forward timed with autograd on, as in training; "
+                      "mask forms (dense, BlockMask, cu_seqlens) built before timing, as the model builds them "
+                      "once per forward for all layers",
+            "flops": FLOP_CONVENTION,
+            "memory": "peak_mem_mib = max_memory_allocated during one fwd+bwd (mem_pass) minus what was "
+                      "allocated before (inputs, grad_out, mask, reference)",
+            "error": "max_err = max |out - ref|, rel_err = ||out - ref|| / ||ref||; ref = float32 attention "
+                     "on upcast inputs, computed in query-row chunks, no TF32",
+        })
+    for path in write_results(args.out, args.name, header, rows, COLUMNS, plot):
+        print(f"wrote {path}")
+    from bench.readme_table import backend_table
+    print(backend_table({"header": header, "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""Time train.py's training step for GPT-2 124M per attention backend, batch size and context length.
+
+    python bench/bench_train.py                 # H100 grid (compile on, as train.py does on CUDA), --budget 200 s
+    python bench/bench_train.py --budget 0      # the whole grid, however long it takes
+    python bench/bench_train.py --quick         # tiny CPU model, 3 steps, no compile: seconds
+
+Each row builds a fresh model, optimizer and GradScaler with train.py's own functions (TrainConfig,
+setup_runtime, build_model, GPT.configure_optimizers, learning_rate_at, StopFlags) and runs the loop body of
+train.train on synthetic random tokens (no dataset needed). train.py has no reusable step function, so
+`train_step` below mirrors the loop body line for line; keep the two in step (or move it into train.py).
+
+Rows, most wanted first, so a --budget cut drops the least wanted: every backend at T=1024 batch 16; the
+long-context model (same GPT-2 at T=8192 and T=32768, batch 1); then batch 32 and 8 at T=1024. `manual`
+runs at T <= 1024 only: at T=8192 its (T, T) scores alone would need tens of GiB.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch._dynamo
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import (DEFAULT_OUT, Budget, Column, failure_reason, free_device_memory, plot_lines,  # noqa: E402
+                          results_header, synchronize, write_results)
+from model import backend_problem  # noqa: E402
+from train import (Runtime, StopFlags, TrainConfig, build_model, learning_rate_at, peak_flops_for,  # noqa: E402
+                   setup_runtime)
+
+GPT2_124M = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, bias=False, dropout=0.0)
+TINY = dict(n_layer=2, n_head=2, n_embd=64, vocab_size=512, bias=False, dropout=0.0)
+BACKENDS = ("auto", "sdpa", "flash_attn_2", "flex_attention", "manual")
+MANUAL_MAX_SEQ_LEN = 1024
+
+
+@dataclass(frozen=True)
+class Case:
+    backend: str
+    seq_len: int
+    batch_size: int
+
+
+def default_cases(backends, batch_sizes, long_seq_lens) -> list[Case]:
+    """Most wanted first: all backends at the first batch size, the long context, then the other batches."""
+    first, *others = batch_sizes
+    cases = [Case(b, 1024, first) for b in backends]
+    cases += [Case(b, t, 1) for t in long_seq_lens for b in backends]
+    cases += [Case(b, 1024, bs) for bs in others for b in backends]
+    return cases
+
+
+# ----------------------------------------------------------------------------------------------
+# One training setup and its step, as train.train builds and runs them
+
+@dataclass
+class Training:
+    cfg: TrainConfig
+    runtime: Runtime
+    model: torch.nn.Module
+    train_model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    stop: StopFlags
+    resolved: str
+    fallback: str  # why the requested backend does not run here ('' when it does)
+
+
+def build_training(cfg: TrainConfig) -> Training:
+    runtime = setup_runtime(cfg)
+    device = runtime.device
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, cfg.vocab_size, None).to(device)
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
+    scaled = runtime.dtype == torch.float16  # as train.py: loss scaling for float16 only
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**16 if scaled else 1.0,
+                                  enabled=device.type in ("cuda", "cpu"))
+    with runtime.autocast():
+        _, resolution = model.attention_for(device)
+    requested = cfg.attention_backend
+    fallback = resolution.reason if requested != "auto" and resolution.used != requested else ""
+    use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
+    train_model = torch.compile(model) if use_compile else model
+    return Training(cfg, runtime, model, train_model, optimizer, scaler, StopFlags(runtime), resolution.used, fallback)
+
+
+def train_step(t: Training, iter_num: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """One optimizer step: the loop body of train.train (single process, no eval, no logging)."""
+    cfg, runtime = t.cfg, t.runtime
+    lr = learning_rate_at(iter_num, cfg)
+    for group in t.optimizer.param_groups:
+        group["lr"] = lr
+    accum = cfg.gradient_accumulation_steps
+    loss_sum = torch.zeros((), device=runtime.device)
+    for micro_step in range(accum):
+        x, y = batches[(iter_num * accum + micro_step) % len(batches)]
+        with runtime.autocast():
+            _, loss = t.train_model(x, y)
+            loss = loss / accum
+        t.scaler.scale(loss).backward()
+        loss_sum += loss.detach()
+    t.scaler.unscale_(t.optimizer)
+    params = [p for p in t.model.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    if t.scaler.is_enabled():
+        t.scaler.step(t.optimizer)
+        t.scaler.update() if runtime.dtype == torch.float16 else t.scaler.update(1.0)
+    elif torch.isfinite(grad_norm):
+        t.optimizer.step()
+    t.optimizer.zero_grad(set_to_none=True)
+    t.stop.record(grad_norm + loss_sum)
+    return loss_sum
+
+
+def random_batches(cfg: TrainConfig, device: torch.device, count: int = 4):
+    """Synthetic tokens: uniform random ids, a few batches used in turn (no data loading in the timing)."""
+    generator = torch.Generator().manual_seed(cfg.seed)
+    shape = (cfg.batch_size, cfg.block_size)
+    return [tuple(torch.randint(cfg.vocab_size, shape, generator=generator).to(device) for _ in range(2))
+            for _ in range(count)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring one row
+
+def case_config(case: Case, args) -> TrainConfig:
+    model = TINY if args.quick else GPT2_124M
+    return TrainConfig(out_dir="bench-unused", batch_size=case.batch_size, block_size=case.seq_len,
+                       attention_backend=case.backend, compile=args.compile, dtype=args.dtype,
+                       device=args.device, **model)
+
+
+def skip_reason(case: Case, cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> str:
+    if case.backend == "manual" and case.seq_len > MANUAL_MAX_SEQ_LEN:
+        gib = cfg.n_layer * cfg.n_head * case.seq_len**2 * 4 / 2**30
+        return (f"not run: manual keeps (T, T) float32 scores, {cfg.n_layer} layers x {cfg.n_head} heads = "
+                f"{gib:,.0f} GiB at T={case.seq_len}; measured at T <= {MANUAL_MAX_SEQ_LEN} only")
+    if case.backend == "auto":
+        return ""
+    return backend_problem(case.backend, device, dtype, backward=True, head_dim=cfg.n_embd // cfg.n_head)
+
+
+def empty_row(case: Case, cfg: TrainConfig, dtype: torch.dtype) -> dict:
+    return {"backend": case.backend, "resolved": None, "seq_len": case.seq_len, "batch_size": case.batch_size,
+            "head_dim": cfg.n_embd // cfg.n_head, "docs": False, "dtype": str(dtype).removeprefix("torch."),
+            "compile": None, "ms_per_iter": None, "tokens_per_sec": None, "mfu": None, "peak_mem_mib": None,
+            "first_step_s": None, "compile_s": None, "loss": None}
+
+
+def measure_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> dict:
+    cfg = case_config(case, args)
+    row = empty_row(case, cfg, dtype)
+    reason = skip_reason(case, cfg, device, dtype)
+    if reason:
+        return {**row, "status": reason}
+    torch._dynamo.reset()  # each row compiles afresh, as a new train.py process would
+    training = None
+    try:  # any failure (OOM, a kernel's refusal, a compile error) becomes this row's status
+        training = build_training(cfg)
+        row["resolved"] = training.resolved
+        row["compile"] = training.train_model is not training.model
+        if training.fallback:  # never time another backend under this one's name
+            return {**row, "status": f"falls back to {training.resolved}: {training.fallback}"}
+        row.update(time_steps(training, args))
+        row["status"] = "ok" if math.isfinite(row["loss"]) else f"non-finite loss {row['loss']}"
+    except Exception as error:  # noqa: BLE001 - recorded, never swallowed
+        row["status"] = failure_reason(error)
+    finally:
+        del training
+        torch._dynamo.reset()
+        free_device_memory()
+    return row
+
+
+def time_steps(training: Training, args) -> dict:
+    cfg, device = training.cfg, training.runtime.device
+    batches = random_batches(cfg, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    synchronize(device)
+    start = time.perf_counter()
+    train_step(training, 0, batches)  # compiles
+    synchronize(device)
+    first_step_s = time.perf_counter() - start
+    iter_num = 1
+    for _ in range(args.warmup_steps):
+        train_step(training, iter_num, batches)
+        iter_num += 1
+    chunk_ms = []
+    for _ in range(args.chunks):  # median over chunks of mean step time (train.py's log line is a mean too)
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            loss = train_step(training, iter_num, batches)
+            iter_num += 1
+        synchronize(device)
+        chunk_ms.append((time.perf_counter() - start) * 1000 / args.steps)
+    ms = statistics.median(chunk_ms)
+    tokens = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
+    peak, _ = peak_flops_for(device, training.runtime.dtype, cfg.peak_flops)
+    flops = training.model.flops_per_token(cfg.block_size) * tokens
+    return {"ms_per_iter": ms, "tokens_per_sec": tokens / (ms / 1000), "mfu": flops / (ms / 1000) / peak if peak else None,
+            "peak_mem_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+            "first_step_s": first_step_s, "compile_s": max(0.0, first_step_s - ms / 1000), "loss": loss.item()}
+
+
+def run_cases(cases: list[Case], args, device, dtype) -> list[dict]:
+    budget = Budget(args.budget)
+    rows = []
+    for case in cases:
+        if budget.exhausted():
+            row = {**empty_row(case, case_config(case, args), dtype), "status": budget.reason()}
+        else:
+            row = measure_case(case, args, device, dtype)
+        rows.append(row)
+        print(progress_line(row, budget.elapsed()), flush=True)
+    return rows
+
+
+def progress_line(row: dict, elapsed: float) -> str:
+    def num(key, fmt):
+        return fmt.format(row[key]) if row.get(key) is not None else "-"
+    return (f"[{elapsed:6.1f}s] T={row['seq_len']:<5} B={row['batch_size']:<3} {row['backend']:<15} "
+            f"{num('ms_per_iter', '{:.1f}'):>7} ms  {num('tokens_per_sec', '{:,.0f}'):>10} tok/s  "
+            f"MFU {num('mfu', '{:.1%}'):>6}  mem {num('peak_mem_mib', '{:,.0f}'):>7} MiB  "
+            f"compile {num('compile_s', '{:.1f}'):>5} s  {row['status'] if row['status'] != 'ok' else ''}")
+
+
+COLUMNS = [Column("backend", "backend"), Column("resolved", "runs"), Column("seq_len", "T"),
+           Column("batch_size", "B"), Column("dtype", "dtype"), Column("compile", "compile"),
+           Column("ms_per_iter", "ms/iter", "{:.1f}"), Column("tokens_per_sec", "tok/s", "{:,.0f}"),
+           Column("mfu", "MFU", "{:.1%}"), Column("peak_mem_mib", "peak MiB", "{:,.0f}"),
+           Column("compile_s", "compile s", "{:.1f}"), Column("loss", "loss", "{:.3f}"), Column("status", "status")]
+
+
+def plot(rows: list[dict], path: Path):
+    plot_lines(rows, path, x="batch_size", y="tokens_per_sec", y_label="tokens/s", panel="seq_len",
+               series=lambda r: r["backend"], title=f"train step, {rows[0]['dtype']}")
+
+
+# ----------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny CPU model, T=64, 3 steps, no compile")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
+    parser.add_argument("--device", default=None, help="auto | cpu | cuda (default auto; --quick: cpu)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                        help="as train.py's --dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--compile", default=None, choices=("true", "false"),
+                        help="torch.compile the model (default: as train.py, on for CUDA)")
+    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                        help="at T=1024; the first runs for every backend first (default 16 32 8)")
+    parser.add_argument("--long-seq-lens", type=int, nargs="*", default=None,
+                        help="long-context rows at batch 1 (default 8192 32768)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per chunk (default 10)")
+    parser.add_argument("--chunks", type=int, default=None, help="timed chunks; the median is kept (default 3)")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="untimed steps after the first (default 2)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds for all rows; later rows are recorded as skipped (default 200; 0: none)")
+    parser.add_argument("--name", default=None, help="results name (default train / train-quick)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        defaults = dict(device="cpu", batch_sizes=[4, 8], long_seq_lens=[], steps=2, chunks=1, warmup_steps=0,
+                        budget=0, name="train-quick", compile="false")
+    else:
+        defaults = dict(device="auto", batch_sizes=[16, 32, 8], long_seq_lens=[8192, 32768], steps=10, chunks=3,
+                        warmup_steps=2, budget=200, name="train")
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.compile = None if args.compile is None else args.compile == "true"
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.quick:
+        torch.set_num_threads(1)  # a tiny model gains nothing from threads, and a shared CPU makes them crawl
+        cases = [Case(b, 64, bs) for bs in args.batch_sizes for b in args.backends]
+    else:
+        cases = default_cases(args.backends, args.batch_sizes, args.long_seq_lens)
+    probe = setup_runtime(case_config(cases[0], args))  # the device and dtype every row will use
+    start = time.perf_counter()
+    rows = run_cases(cases, args, probe.device, probe.dtype)
+    model = TINY if args.quick else GPT2_124M
+    header = results_header(
+        args.name, probe.device, model=model, wall_s=round(time.perf_counter() - start, 1),
+        grid={"backends": args.backends, "cases": [vars(c) for c in cases], "dtype": str(probe.dtype)},
+        flop_convention="MFU = model.flops_per_token(T) * tokens / time / train.peak_flops_for(card): "
+                        "6N + 12*L*H*D*T per token (PaLM, nanoGPT), dense bf16 datasheet peak",
+        notes={
+            "model": ", ".join(f"{k}={v}" for k, v in model.items()),
+            "step": "train.py's loop body: autocast, GradScaler, grad clip 1.0, fused AdamW on CUDA, "
+                    "torch.compile as train.py decides (--compile), synthetic random tokens",
+            "timing": f"first step timed alone (compile_s = first step - steady step); then {args.warmup_steps} "
+                      f"untimed steps; ms_per_iter = median over {args.chunks} chunks of the mean of {args.steps} "
+                      f"steps (host clock, synchronised at chunk ends); inductor's on-disk caches carry over "
+                      f"between rows, so a row after a similar one compiles faster",
+            "memory": "peak_mem_mib = torch.cuda.max_memory_allocated over the row (weights, optimizer, "
+                      "activations); none on CPU",
+        })
+    for path in write_results(args.out, args.name, header, rows, COLUMNS, plot):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

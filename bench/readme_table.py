@@ -1,0 +1,230 @@
+"""The README's attention table, made from a results file, and the checks of the attention targets.
+
+    python bench/readme_table.py                                   # print the table of bench/results/h100-attention.json
+    python bench/readme_table.py RESULTS.json --readme README.md   # also write it between the README's markers
+    python bench/readme_table.py --check                           # PASS/FAIL per target; exit 1 on any FAIL
+
+The README keeps the table between `<!-- bench:attention:start -->` and `<!-- bench:attention:end -->`;
+only that part is replaced, and without a README or its markers the table is only printed.
+
+Targets checked by --check, in every (dtype, docs, head dim, seq len) cell of the file:
+  1. `auto` is within --tolerance (5%) of the fastest backend's fwd+bwd time;
+  2. every backend that does not materialise (T, T) scores by design has attention memory per sequence
+     (peak_mem_mib / batch_size) that grows ~linearly in T: slope of log(memory) vs log(T) <= --max-slope (1.2).
+     At a constant token count, memory per sequence is what separates O(T) (slope 1) from O(T^2) (slope 2).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_RESULTS = REPO_ROOT / "bench" / "results" / "h100-attention.json"
+START, END = "<!-- bench:attention:start -->", "<!-- bench:attention:end -->"
+README_SEQ_LENS = (1024, 4096, 16384)
+
+
+# ----------------------------------------------------------------------------------------------
+# The table
+
+def short_t(seq_len: int) -> str:
+    return f"{seq_len // 1024}k" if seq_len % 1024 == 0 else str(seq_len)
+
+
+def number(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 10 else f"{value:.2g}"
+
+
+def cell_text(row: dict | None, key: str) -> str:
+    """The number, or why there is none: OOM, skipped (budget), n/a (cannot run here: reason in the file)."""
+    if row is None:
+        return "–"
+    if row.get(key) is not None:
+        return number(row[key])
+    status = row.get("fwd_bwd_status") or row.get("status", "")
+    if "OOM" in status:
+        return "OOM"
+    return "skipped" if status.startswith("skipped") else "n/a"
+
+
+def select_rows(results: dict, docs: bool, dtype: str | None) -> tuple[list[dict], str]:
+    dtype = dtype or results["header"].get("grid", {}).get("dtype") or results["rows"][0]["dtype"]
+    return [r for r in results["rows"] if r["docs"] == docs and r["dtype"] == dtype], dtype
+
+
+def backend_label(rows: list[dict], backend: str) -> str:
+    if backend != "auto":
+        return backend
+    picks = sorted({r["resolved"] for r in rows if r["backend"] == "auto" and r.get("resolved")})
+    return f"auto (→ {', '.join(picks)})" if picks else "auto"
+
+
+def backend_table(results: dict, seq_lens=README_SEQ_LENS, docs: bool = False, dtype: str | None = None,
+                  source: str | None = None) -> str:
+    """Rows = backends; columns = fwd+bwd TF/s at a few seq lens per head dim, then memory at the longest
+    seq len every head dim has; the results file and its card named under the table."""
+    rows, dtype = select_rows(results, docs, dtype)
+    if not rows:
+        return f"(no {dtype} rows with docs={docs} in the results)"
+    index = {(r["backend"], r["head_dim"], r["seq_len"]): r for r in rows}
+    backends = list(dict.fromkeys(r["backend"] for r in rows))
+    head_dims = sorted({r["head_dim"] for r in rows})
+    present = sorted({r["seq_len"] for r in rows})
+    shown = [t for t in seq_lens if t in present] or present[:4]
+    longest = max((t for t in present if all((b, d, t) in index for b in backends for d in head_dims)),
+                  default=present[-1])
+    titles = [f"D={d} T={short_t(t)}" for d in head_dims for t in shown]
+    titles += [f"mem D={d} T={short_t(longest)} (MiB)" for d in head_dims]
+    lines = ["| backend | " + " | ".join(titles) + " |", "|---|" + "---:|" * len(titles)]
+    for backend in backends:
+        cells = [cell_text(index.get((backend, d, t)), "fwd_bwd_tflops") for d in head_dims for t in shown]
+        cells += [cell_text(index.get((backend, d, longest)), "peak_mem_mib") for d in head_dims]
+        lines.append(f"| {backend_label(rows, backend)} | " + " | ".join(cells) + " |")
+    header = results["header"]
+    grid = header.get("grid", {})
+    masking = "causal, document masks" if docs else "causal"
+    lines += ["", f"fwd+bwd TF/s ({masking}, {dtype}, B·T = {grid.get('tokens_per_call', '?')} tokens, "
+                  f"H = {grid.get('heads', '?')}; FLOPs: fwd = 2·B·H·T²·D, fwd+bwd = 3.5 × fwd); mem = the "
+                  f"attention's own peak memory in one fwd+bwd. OOM: out of memory; n/a: cannot run here; "
+                  f"the reasons are in the results file.",
+              f"Source: `{source or 'results file'}` ({header.get('device_name')}, torch {header.get('torch')}, "
+              f"{header.get('date', '')[:10]})."]
+    return "\n".join(lines)
+
+
+def update_readme(readme: Path, table: str) -> bool:
+    """Replace what is between the markers; False (and the file untouched) when there are no markers."""
+    if not readme.is_file():
+        return False
+    text = readme.read_text()
+    start, end = text.find(START), text.find(END)
+    if start < 0 or end < start:
+        return False
+    readme.write_text(text[:start + len(START)] + "\n" + table + "\n" + text[end:])
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# The targets
+
+def materialises_scores(row: dict) -> str:
+    """Why this backend's memory is O(T^2) by design ('' if it is not): such backends are exempt from target 2."""
+    runs = row.get("resolved") or row["backend"]
+    if runs == "manual":
+        return "manual attention keeps the (T, T) scores"
+    if runs == "sdpa:math":
+        return "SDPA's math kernel keeps the (T, T) scores"
+    if row["docs"] and runs.startswith("sdpa"):
+        return "SDPA takes documents as a dense (T, T) mask"
+    return ""
+
+
+def check_auto_fastest(rows: list[dict], tolerance: float, metric: str = "fwd_bwd_ms") -> list[tuple[str, str]]:
+    """(verdict, detail) per cell: auto's time against the fastest other backend's."""
+    cells = {}
+    for row in rows:
+        cells.setdefault((row["dtype"], row["docs"], row["head_dim"], row["seq_len"]), []).append(row)
+    results = []
+    for (dtype, docs, head_dim, seq_len), group in sorted(cells.items()):
+        where = f"{dtype} {'docs' if docs else 'causal'} D={head_dim} T={seq_len}"
+        auto = next((r for r in group if r["backend"] == "auto"), None)
+        others = [r for r in group if r["backend"] != "auto" and r.get(metric) is not None]
+        if auto is None or not others:
+            results.append(("SKIP", f"{where}: {'no auto row' if auto is None else 'no other backend ran'}"))
+            continue
+        if auto.get(metric) is None:
+            verdict = "SKIP" if auto["status"].startswith("skipped") else "FAIL"
+            results.append((verdict, f"{where}: auto has no {metric}: {auto['status']}"))
+            continue
+        fastest = min(others, key=lambda r: r[metric])
+        excess = auto[metric] / fastest[metric] - 1
+        verdict = "PASS" if excess <= tolerance else "FAIL"
+        results.append((verdict, f"{where}: auto ({auto.get('resolved')}) {auto[metric]:.3f} ms vs fastest "
+                                 f"{fastest['backend']} {fastest[metric]:.3f} ms ({excess:+.1%})"))
+    return results
+
+
+def log_log_slope(points: list[tuple[float, float]]) -> float:
+    xs, ys = [math.log(x) for x, _ in points], [math.log(y) for _, y in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def check_memory_linear(rows: list[dict], max_slope: float) -> list[tuple[str, str]]:
+    """(verdict, detail) per (dtype, docs, backend, head dim): slope of memory per sequence against T."""
+    series = {}
+    for row in rows:
+        series.setdefault((row["dtype"], row["docs"], row["backend"], row["head_dim"]), []).append(row)
+    results = []
+    for (dtype, docs, backend, head_dim), group in series.items():
+        where = f"{dtype} {'docs' if docs else 'causal'} {backend} D={head_dim}"
+        exempt = {materialises_scores(r) for r in group} - {""}
+        if exempt:
+            results.append(("SKIP", f"{where}: O(T^2) by design ({'; '.join(sorted(exempt))})"))
+            continue
+        points = sorted((r["seq_len"], r["peak_mem_mib"] / r["batch_size"]) for r in group
+                        if r.get("mem_pass") == "fwd_bwd" and r.get("peak_mem_mib") and r["peak_mem_mib"] > 0)
+        if len(points) < 2:
+            results.append(("SKIP", f"{where}: fewer than 2 seq lens with a fwd+bwd memory figure"))
+            continue
+        slope = log_log_slope(points)
+        verdict = "PASS" if slope <= max_slope else "FAIL"
+        results.append((verdict, f"{where}: memory/sequence ~ T^{slope:.2f} over T={points[0][0]}..{points[-1][0]} "
+                                 f"({points[0][1]:.1f} -> {points[-1][1]:.1f} MiB)"))
+    return results
+
+
+def run_checks(results: dict, tolerance: float = 0.05, max_slope: float = 1.2, out=print) -> bool:
+    """Print PASS/FAIL/SKIP per target and cell; True when nothing failed."""
+    rows = results["rows"]
+    ok = True
+    for target, checks in ((f"auto within {tolerance:.0%} of the fastest", check_auto_fastest(rows, tolerance)),
+                           (f"memory ~linear in T (slope <= {max_slope})", check_memory_linear(rows, max_slope))):
+        for verdict, detail in checks:
+            out(f"{verdict} [{target}] {detail}")
+        counts = {v: sum(1 for c, _ in checks if c == v) for v in ("PASS", "FAIL", "SKIP")}
+        overall = "FAIL" if counts["FAIL"] else "PASS" if counts["PASS"] else "SKIP"
+        out(f"== {overall}: {target}: {counts['PASS']} pass, {counts['FAIL']} fail, {counts['SKIP']} skipped")
+        ok &= not counts["FAIL"]
+    return ok
+
+
+# ----------------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", nargs="?", type=Path, default=DEFAULT_RESULTS,
+                        help="results JSON of bench_attention.py (default bench/results/h100-attention.json)")
+    parser.add_argument("--readme", type=Path, default=REPO_ROOT / "README.md", help="README to update")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=list(README_SEQ_LENS),
+                        help="seq lens shown (default 1024 4096 16384)")
+    parser.add_argument("--docs", action="store_true", help="table of the document-masked rows instead")
+    parser.add_argument("--dtype", default=None, help="dtype of the rows shown (default the file's)")
+    parser.add_argument("--check", action="store_true", help="check the targets instead of writing the table")
+    parser.add_argument("--tolerance", type=float, default=0.05, help="auto may be this much slower (0.05)")
+    parser.add_argument("--max-slope", type=float, default=1.2, help="largest log-log memory slope (1.2)")
+    args = parser.parse_args(argv)
+    if not args.results.is_file():
+        print(f"error: no results file {args.results}; run bench/bench_attention.py first", file=sys.stderr)
+        return 2
+    results = json.loads(args.results.read_text())
+    if args.check:
+        return 0 if run_checks(results, args.tolerance, args.max_slope) else 1
+    try:
+        source = str(args.results.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        source = str(args.results)
+    table = backend_table(results, args.seq_lens, args.docs, args.dtype, source)
+    print(table)
+    if update_readme(args.readme, table):
+        print(f"updated {args.readme} between {START} and {END}", file=sys.stderr)
+    else:
+        print(f"({args.readme} has no {START} ... {END} markers: printed only)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

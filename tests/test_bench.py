@@ -1,0 +1,187 @@
+"""The benches (bench/): both --quick runs end to end, the README table, and the checks of the targets.
+
+The two quick runs start together in one fixture (each uses one CPU thread) and take ~20 s; the rest is
+pure Python on small synthetic results.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench import readme_table  # noqa: E402
+from bench.common import card_slug, parse_log_line  # noqa: E402
+from train import format_log_line  # noqa: E402
+
+HEADER_FIELDS = ("device_name", "card", "torch", "cuda", "cudnn", "triton", "flash_attn", "date", "command",
+                 "flop_convention")
+ATTENTION_FIELDS = ("backend", "head_dim", "seq_len", "batch_size", "docs", "dtype", "fwd_ms", "fwd_bwd_ms",
+                    "fwd_tflops", "fwd_bwd_tflops", "peak_mem_mib", "max_err", "status")
+TRAIN_FIELDS = ("backend", "seq_len", "batch_size", "dtype", "ms_per_iter", "tokens_per_sec", "mfu",
+                "peak_mem_mib", "compile_s", "status")
+
+
+# ---- the quick runs ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory):
+    """{name: (results dict, out folder)} for bench_attention.py and bench_train.py --quick, run in parallel."""
+    runs = {}
+    for script, name in (("bench_attention.py", "attention-quick"), ("bench_train.py", "train-quick")):
+        out = tmp_path_factory.mktemp(name)
+        command = [sys.executable, str(ROOT / "bench" / script), "--quick", "--out", str(out)]
+        runs[name] = (subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True), out)
+    results = {}
+    for name, (process, out) in runs.items():
+        output, _ = process.communicate(timeout=180)
+        assert process.returncode == 0, f"{name} failed:\n{output[-3000:]}"
+        results[name] = (json.loads((out / f"cpu-{name}.json").read_text()), out)
+    return results
+
+
+def test_attention_quick_has_a_row_with_a_status_for_every_backend_and_cell(quick_runs):
+    results, out = quick_runs["attention-quick"]
+    header, rows = results["header"], results["rows"]
+    assert all(header.get(k) is not None or k in ("cuda", "cudnn", "triton", "flash_attn") for k in HEADER_FIELDS)
+    assert "3.5" in header["flop_convention"]
+    grid = header["grid"]
+    expected = {(b, d, t, docs) for b in grid["backends"] for d in grid["head_dims"] for t in grid["seq_lens"]
+                for docs in grid["docs"]}
+    assert sorted((r["backend"], r["head_dim"], r["seq_len"], r["docs"]) for r in rows) == sorted(expected)
+    for row in rows:
+        assert set(ATTENTION_FIELDS) <= set(row), row
+        assert isinstance(row["status"], str) and row["status"], row
+        if row["fwd_status"] == "ok":  # float32 on CPU: every backend is near the float32 reference
+            assert math.isfinite(row["max_err"]) and row["max_err"] < 1e-4, row
+            assert row["fwd_ms"] > 0 and row["fwd_tflops"] > 0
+        if row["status"] == "ok":
+            assert row["fwd_bwd_ms"] > 0 and row["fwd_bwd_tflops"] > 0
+    by_key = {(r["backend"], r["seq_len"], r["docs"]): r for r in rows}
+    assert by_key[("manual", 64, True)]["status"] == "ok"
+    assert by_key[("auto", 64, False)]["resolved"] == "sdpa"
+    assert "CUDA only" in by_key[("sdpa:cudnn", 64, False)]["status"]
+    flex = by_key[("flex_attention", 64, False)]
+    assert flex["fwd_status"] == "ok" and "backward" in flex["fwd_bwd_status"]  # CPU flex: forward only
+    assert by_key[("flex_attention", 128, False)]["status"].startswith("skipped in --quick")
+    assert (out / "cpu-attention-quick.md").stat().st_size > 0
+    assert (out / "cpu-attention-quick.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_train_quick_times_the_real_step_and_records_why_a_backend_cannot_run(quick_runs):
+    results, out = quick_runs["train-quick"]
+    header, rows = results["header"], results["rows"]
+    assert all(k in header for k in HEADER_FIELDS)
+    assert len(rows) == len(header["grid"]["cases"])
+    for row in rows:
+        assert set(TRAIN_FIELDS) <= set(row), row
+        assert row["status"]
+        if row["status"] == "ok":
+            assert row["ms_per_iter"] > 0 and row["tokens_per_sec"] > 0 and math.isfinite(row["loss"])
+    statuses = {r["backend"]: r["status"] for r in rows}
+    assert statuses["auto"] == statuses["sdpa"] == statuses["manual"] == "ok"
+    assert "backward" in statuses["flex_attention"]  # CPU flex cannot train: recorded, not timed as sdpa
+    assert (out / "cpu-train-quick.md").exists() and (out / "cpu-train-quick.png").exists()
+
+
+# ---- shared helpers ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, slug", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                                        ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA GeForce RTX 4090", "rtx-4090"),
+                                        ("NVIDIA GH200 480GB", "gh200"), ("Tesla T4", "t4")])
+def test_card_slug(name, slug):
+    assert card_slug(name) == slug
+
+
+@pytest.mark.parametrize("mfu", [0.391, None])
+def test_log_line_parser_reads_what_train_py_writes(mfu):
+    line = format_log_line(120, 2.913, 6e-4, 0.0362, 452424.0, mfu, 11.5)
+    parsed = parse_log_line("some prefix " + line)
+    assert parsed["iter"] == 120 and parsed["loss"] == pytest.approx(2.913)
+    assert parsed["ms_per_iter"] == pytest.approx(36.2) and parsed["tokens_per_sec"] == 452424
+    assert parsed["mfu"] == (pytest.approx(mfu, abs=1e-3) if mfu else None) and parsed["mem_gib"] == 11.5
+    assert parse_log_line("eval 100 | train 2.9 | val 3.0") is None
+
+
+# ---- README table and target checks, on synthetic results ------------------------------------
+
+SEQ_LENS = (1024, 2048, 4096, 8192, 16384)
+
+
+def synthetic_results(auto_slowdown: float = 1.0, flex_memory_power: float = 1.0) -> dict:
+    """Times proportional to T (equal tokens per call), memory per sequence ~ T (flex: T^power, manual: T^2)."""
+    speed = {"sdpa:auto": 1.0, "flex_attention": 1.3, "manual": 10.0, "auto": auto_slowdown}
+    rows = []
+    for head_dim in (64, 128):
+        for seq_len in SEQ_LENS:
+            batch = 16384 // seq_len
+            for backend, factor in speed.items():
+                power = {"manual": 2.0, "flex_attention": flex_memory_power}.get(backend, 1.0)
+                manual_oom = backend == "manual" and seq_len == 16384
+                rows.append({
+                    "backend": backend, "resolved": "sdpa" if backend == "auto" else backend,
+                    "head_dim": head_dim, "seq_len": seq_len, "batch_size": batch, "docs": False,
+                    "dtype": "bfloat16", "fwd_ms": None, "fwd_tflops": None, "max_err": 1e-3,
+                    "fwd_bwd_ms": None if manual_oom else factor * seq_len / 1024,
+                    "fwd_bwd_tflops": None if manual_oom else 300 / factor,
+                    "peak_mem_mib": None if manual_oom else batch * 0.01 * (seq_len / 1024) ** power * 1024,
+                    "mem_pass": None if manual_oom else "fwd_bwd",
+                    "fwd_bwd_status": "OOM" if manual_oom else "ok", "status": "OOM" if manual_oom else "ok"})
+    header = {"device_name": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "date": "2026-11-26T00:00:00+00:00",
+              "grid": {"dtype": "bfloat16", "tokens_per_call": 16384, "heads": 16}}
+    return {"header": header, "rows": rows}
+
+
+def test_readme_table_has_backends_seq_lens_memory_and_source():
+    table = readme_table.backend_table(synthetic_results(), source="bench/results/h100-attention.json")
+    lines = table.splitlines()
+    assert lines[0] == ("| backend | D=64 T=1k | D=64 T=4k | D=64 T=16k | D=128 T=1k | D=128 T=4k | D=128 T=16k "
+                        "| mem D=64 T=16k (MiB) | mem D=128 T=16k (MiB) |")
+    manual = next(line for line in lines if line.startswith("| manual"))
+    assert manual.split("|")[3].strip() == "30" and "OOM" in manual
+    assert any(line.startswith("| auto (→ sdpa) |") for line in lines)
+    assert "bench/results/h100-attention.json" in lines[-1] and "NVIDIA H100" in lines[-1]
+
+
+def test_readme_update_replaces_only_between_markers(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{readme_table.START}\nold table\n{readme_table.END}\noutro\n")
+    assert readme_table.update_readme(readme, "| new |")
+    assert readme.read_text() == f"intro\n{readme_table.START}\n| new |\n{readme_table.END}\noutro\n"
+    plain = tmp_path / "PLAIN.md"
+    plain.write_text("no markers\n")
+    assert not readme_table.update_readme(plain, "| new |") and plain.read_text() == "no markers\n"
+    assert not readme_table.update_readme(tmp_path / "missing.md", "| new |")
+
+
+def check_lines(results: dict) -> tuple[bool, list[str]]:
+    lines = []
+    return readme_table.run_checks(results, out=lines.append), lines
+
+
+def test_checks_pass_on_good_results_and_exempt_quadratic_manual():
+    ok, lines = check_lines(synthetic_results(auto_slowdown=1.03))
+    assert ok, "\n".join(lines)
+    assert any(line.startswith("SKIP") and "manual" in line and "T^2" in line for line in lines)
+    assert any(line.startswith("PASS") and "flex_attention D=64" in line and "T^1.00" in line for line in lines)
+
+
+def test_checks_catch_a_slow_auto_and_a_quadratic_backend(tmp_path):
+    slow_auto = synthetic_results(auto_slowdown=1.10)
+    ok, lines = check_lines(slow_auto)
+    assert not ok and sum(line.startswith("FAIL [auto") for line in lines) == 2 * len(SEQ_LENS)
+    quadratic = synthetic_results(flex_memory_power=2.0)
+    ok, lines = check_lines(quadratic)
+    assert not ok and [line for line in lines if line.startswith("FAIL")] == [
+        line for line in lines if line.startswith("FAIL [memory") and "flex_attention" in line]
+    path = tmp_path / "h100-attention.json"
+    path.write_text(json.dumps(quadratic))
+    assert readme_table.main([str(path), "--check"]) == 1
+    path.write_text(json.dumps(synthetic_results()))
+    assert readme_table.main([str(path), "--check"]) == 0
