@@ -78,7 +78,8 @@ def save_checkpoint(state: dict, out_dir, iter_num: int, keep_last_k: int, is_be
     _atomic_link(numbered, out_dir / LATEST)
     if is_best or not (out_dir / BEST).exists():
         _atomic_link(numbered, out_dir / BEST)
-    for old in sorted(out_dir.glob("ckpt-*.pt"))[:-keep_last_k]:
+    by_age = sorted(out_dir.glob("ckpt-*.pt"), key=lambda p: (p.stat().st_mtime_ns, p.name))  # save order, not
+    for old in by_age[:-keep_last_k]:  # iteration order: a resumed run may save a lower iteration again
         old.unlink()  # best.pt and ckpt.pt keep their data through their own links
     _fsync_dir(out_dir)
     return out_dir / LATEST
@@ -90,7 +91,8 @@ def load_checkpoint(path, map_location="cpu") -> dict:
         raise CheckpointError(f"no checkpoint at {path}; train first (python train.py) or point at another out_dir")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as error:
+    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError,
+            IndexError, KeyError, TypeError, AttributeError) as error:  # what torch's loader raises on garbage
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(f"{path} is not a readable checkpoint ({first_line[:200]})") from None
     if not isinstance(state, dict) or "model" not in state or "model_config" not in state:

@@ -99,8 +99,13 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1 or None, got {self.vocab_size}")
-        if not self.learning_rate > 0 or self.min_lr < 0 or self.min_lr > self.learning_rate:
-            raise ValueError(f"need 0 <= min_lr <= learning_rate and learning_rate > 0, got "
+        for name in ("learning_rate", "min_lr", "weight_decay", "beta1", "beta2", "grad_clip", "dropout"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.decay_lr and not 0 <= self.min_lr <= self.learning_rate:
+            raise ValueError(f"need 0 <= min_lr <= learning_rate when decay_lr is on, got "
                              f"min_lr={self.min_lr}, learning_rate={self.learning_rate}")
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ValueError("weight_decay and grad_clip must be >= 0")
@@ -376,9 +381,14 @@ class StopFlags:
         self.host = torch.zeros(2, pin_memory=runtime.device.type == "cuda")
         self.pending = None
 
-    def install(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
+    @contextlib.contextmanager
+    def handling_signals(self):
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def _on_signal(self, signum, frame):
         self.signal_name = signal.Signals(signum).name
@@ -489,6 +499,9 @@ def train(cfg: TrainConfig) -> int:
     device = runtime.device
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size  # over all ranks
 
+    if Path(cfg.out_dir).exists() and not Path(cfg.out_dir).is_dir():
+        raise UsageError(f"out_dir {cfg.out_dir!r} exists and is not a folder")
+    wandb = start_wandb(cfg) if cfg.wandb_log and runtime.master else None
     checkpoint = read_checkpoint(cfg)
     data_dir = find_data(cfg, runtime)
     meta = read_meta(data_dir)
@@ -529,10 +542,8 @@ def train(cfg: TrainConfig) -> int:
     if runtime.master and no_mfu_reason:
         print(f"MFU n/a: {no_mfu_reason}")
     flops_per_iter = model.flops_per_token() * tokens_per_iter
-    wandb = start_wandb(cfg) if cfg.wandb_log and runtime.master else None
 
     stop = StopFlags(runtime)
-    stop.install()
     x, y = batches.get("train")
     last_log_time, last_log_iter = time.time(), iter_num
 
@@ -549,64 +560,65 @@ def train(cfg: TrainConfig) -> int:
                  "best_val_loss": best_val_loss, "config": dataclasses.asdict(cfg), "meta": meta, "rng": ranks}
         return save_checkpoint(state, cfg.out_dir, iter_num, cfg.keep_last_k, is_best)
 
-    while True:
-        lr = learning_rate_at(iter_num, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    with stop.handling_signals():
+        while True:
+            lr = learning_rate_at(iter_num, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
 
-        at_end = iter_num >= cfg.max_iters
-        if (iter_num % cfg.eval_interval == 0 and (iter_num > 0 or cfg.eval_on_start)) or at_end or cfg.eval_only:
-            losses = evaluate(t.eval_model, batches, cfg, runtime)
-            if runtime.master:
-                print(f"eval {iter_num} | train {losses['train']:.4f} | val {losses['val']:.4f}", flush=True)
-                if wandb:
-                    wandb.log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr})
-            improved = losses["val"] < best_val_loss
-            best_val_loss = min(best_val_loss, losses["val"])
-            if iter_num > 0 and (improved or cfg.always_save_checkpoint):
-                path = save(improved)
+            at_end = iter_num >= cfg.max_iters
+            if (iter_num % cfg.eval_interval == 0 and (iter_num > 0 or cfg.eval_on_start)) or at_end or cfg.eval_only:
+                losses = evaluate(t.eval_model, batches, cfg, runtime)
                 if runtime.master:
-                    print(f"saved {path} (iter {iter_num}, val {losses['val']:.4f})", flush=True)
-        if cfg.eval_only or at_end:
-            break
+                    print(f"eval {iter_num} | train {losses['train']:.4f} | val {losses['val']:.4f}", flush=True)
+                    if wandb:
+                        wandb.log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr})
+                improved = losses["val"] < best_val_loss
+                best_val_loss = min(best_val_loss, losses["val"])
+                if iter_num > 0 and (improved or cfg.always_save_checkpoint):
+                    path = save(improved)
+                    if runtime.master:
+                        print(f"saved {path} (iter {iter_num}, val {losses['val']:.4f})", flush=True)
+            if cfg.eval_only or at_end:
+                break
 
-        loss_sum, grad_norm, x, y = train_step(t, x, y, lambda: batches.get("train"))
-        iter_num += 1
+            loss_sum, grad_norm, x, y = train_step(t, x, y, lambda: batches.get("train"))
+            iter_num += 1
 
-        signalled, bad_streak = stop.record(grad_norm + loss_sum)  # both non-finite-checked in one number
-        if bad_streak:
-            if runtime.master:
-                log.warning(f"iter {iter_num - 1}: loss or gradients not finite for {bad_streak} consecutive "
-                            f"step(s); those steps were skipped")
-            if bad_streak >= cfg.max_bad_steps:
+            signalled, bad_streak = stop.record(grad_norm + loss_sum)  # both non-finite-checked in one number
+            if bad_streak:
                 if runtime.master:
-                    print(f"stopping at iter {iter_num}: {bad_streak} consecutive steps with non-finite loss or "
-                          f"gradients (max_bad_steps={cfg.max_bad_steps}); the last good checkpoint in "
-                          f"{cfg.out_dir} is untouched", file=sys.stderr, flush=True)
-                return 1
+                    log.warning(f"iter {iter_num - 1}: loss or gradients not finite for {bad_streak} consecutive "
+                                f"step(s); those steps were skipped")
+                if bad_streak >= cfg.max_bad_steps:
+                    if runtime.master:
+                        print(f"stopping at iter {iter_num}: {bad_streak} consecutive steps with non-finite loss or "
+                              f"gradients (max_bad_steps={cfg.max_bad_steps}); the last good checkpoint in "
+                              f"{cfg.out_dir} is untouched", file=sys.stderr, flush=True)
+                    return 1
 
-        if iter_num % cfg.log_interval == 0 or signalled:
-            if runtime.ddp:
-                dist.all_reduce(loss_sum)
-                loss_sum /= runtime.world_size
-            loss_value = loss_sum.item()
-            now = time.time()
-            dt = (now - last_log_time) / max(1, iter_num - last_log_iter)
-            last_log_time, last_log_iter = now, iter_num
-            tokens_per_sec = tokens_per_iter / dt
-            mfu = flops_per_iter / dt / (peak * runtime.world_size) if peak else None
-            if runtime.master:
-                print(format_log_line(iter_num, loss_value, lr, dt, tokens_per_sec, mfu,
-                                      peak_memory_gib(device)), flush=True)
-                if wandb:
-                    wandb.log({"iter": iter_num, "train/step_loss": loss_value, "lr": lr,
-                               "tokens_per_sec": tokens_per_sec, **({"mfu": mfu} if mfu else {})})
-        if signalled:
-            path = save(False)
-            if runtime.master:
-                print(f"received {stop.signal_name or 'a stop signal'}; saved {path} at iter {iter_num}; exiting",
-                      flush=True)
-            return 0
+            if iter_num % cfg.log_interval == 0 or signalled:
+                if runtime.ddp:
+                    dist.all_reduce(loss_sum)
+                    loss_sum /= runtime.world_size
+                loss_value = loss_sum.item()
+                now = time.time()
+                dt = (now - last_log_time) / max(1, iter_num - last_log_iter)
+                last_log_time, last_log_iter = now, iter_num
+                tokens_per_sec = tokens_per_iter / dt
+                mfu = flops_per_iter / dt / (peak * runtime.world_size) if peak else None
+                if runtime.master:
+                    print(format_log_line(iter_num, loss_value, lr, dt, tokens_per_sec, mfu,
+                                          peak_memory_gib(device)), flush=True)
+                    if wandb:
+                        wandb.log({"iter": iter_num, "train/step_loss": loss_value, "lr": lr,
+                                   "tokens_per_sec": tokens_per_sec, **({"mfu": mfu} if mfu else {})})
+            if signalled:
+                path = save(False)
+                if runtime.master:
+                    print(f"received {stop.signal_name or 'a stop signal'}; saved {path} at iter {iter_num}; exiting",
+                          flush=True)
+                return 0
     return 0
 
 

@@ -4,10 +4,8 @@
     python bench/bench_train.py --budget 0      # the whole grid, however long it takes
     python bench/bench_train.py --quick         # tiny CPU model, 3 steps, no compile: seconds
 
-Each row builds a fresh model, optimizer and GradScaler with train.py's own functions (TrainConfig,
-setup_runtime, build_model, GPT.configure_optimizers, learning_rate_at, StopFlags) and runs the loop body of
-train.train on synthetic random tokens (no dataset needed). train.py has no reusable step function, so
-`train_step` below mirrors the loop body line for line; keep the two in step (or move it into train.py).
+Each row builds a fresh model, optimizer and GradScaler with train.py's own functions (setup_runtime,
+build_model, build_training) and times train.py's train_step on synthetic random tokens (no dataset needed).
 
 Rows, most wanted first, so a --budget cut drops the least wanted: every backend at T=1024 batch 16; the
 long-context model (same GPT-2 at T=8192 and T=32768, batch 1); then batch 32 and 8 at T=1024. `manual`
@@ -30,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (DEFAULT_OUT, Budget, Column, failure_reason, free_device_memory, plot_lines,  # noqa: E402
                           results_header, synchronize, write_results)
 from model import backend_problem  # noqa: E402
-from train import (Runtime, StopFlags, TrainConfig, build_model, learning_rate_at, peak_flops_for,  # noqa: E402
-                   setup_runtime)
+from train import (StopFlags, TrainConfig, Training, build_model, build_training, learning_rate_at,  # noqa: E402
+                   peak_flops_for, setup_runtime, train_step)
 
 GPT2_124M = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, bias=False, dropout=0.0)
 TINY = dict(n_layer=2, n_head=2, n_embd=64, vocab_size=512, bias=False, dropout=0.0)
@@ -56,64 +54,36 @@ def default_cases(backends, batch_sizes, long_seq_lens) -> list[Case]:
 
 
 # ----------------------------------------------------------------------------------------------
-# One training setup and its step, as train.train builds and runs them
+# One training setup and its step: train.py's own build_training and train_step
 
 @dataclass
-class Training:
-    cfg: TrainConfig
-    runtime: Runtime
-    model: torch.nn.Module
-    train_model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
+class BenchSetup:
+    training: Training
     stop: StopFlags
     resolved: str
     fallback: str  # why the requested backend does not run here ('' when it does)
 
 
-def build_training(cfg: TrainConfig) -> Training:
+def build_setup(cfg: TrainConfig) -> BenchSetup:
     runtime = setup_runtime(cfg)
-    device = runtime.device
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg, cfg.vocab_size, None).to(device)
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
-    scaled = runtime.dtype == torch.float16  # as train.py: loss scaling for float16 only
-    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**16 if scaled else 1.0,
-                                  enabled=device.type in ("cuda", "cpu"))
+    training = build_training(cfg, runtime, build_model(cfg, cfg.vocab_size, None))
     with runtime.autocast():
-        _, resolution = model.attention_for(device)
+        _, resolution = training.model.attention_for(runtime.device)
     requested = cfg.attention_backend
     fallback = resolution.reason if requested != "auto" and resolution.used != requested else ""
-    use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
-    train_model = torch.compile(model) if use_compile else model
-    return Training(cfg, runtime, model, train_model, optimizer, scaler, StopFlags(runtime), resolution.used, fallback)
+    return BenchSetup(training, StopFlags(runtime), resolution.used, fallback)
 
 
-def train_step(t: Training, iter_num: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """One optimizer step: the loop body of train.train (single process, no eval, no logging)."""
-    cfg, runtime = t.cfg, t.runtime
-    lr = learning_rate_at(iter_num, cfg)
+def bench_step(setup: BenchSetup, iter_num: int, batches: list) -> torch.Tensor:
+    """train.py's loop body without eval and logging: set the LR, one train_step, the stop-flag record."""
+    t = setup.training
     for group in t.optimizer.param_groups:
-        group["lr"] = lr
-    accum = cfg.gradient_accumulation_steps
-    loss_sum = torch.zeros((), device=runtime.device)
-    for micro_step in range(accum):
-        x, y = batches[(iter_num * accum + micro_step) % len(batches)]
-        with runtime.autocast():
-            _, loss = t.train_model(x, y)
-            loss = loss / accum
-        t.scaler.scale(loss).backward()
-        loss_sum += loss.detach()
-    t.scaler.unscale_(t.optimizer)
-    params = [p for p in t.model.parameters() if p.requires_grad]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
-    if t.scaler.is_enabled():
-        t.scaler.step(t.optimizer)
-        t.scaler.update() if runtime.dtype == torch.float16 else t.scaler.update(1.0)
-    elif torch.isfinite(grad_norm):
-        t.optimizer.step()
-    t.optimizer.zero_grad(set_to_none=True)
-    t.stop.record(grad_norm + loss_sum)
+        group["lr"] = learning_rate_at(iter_num, t.cfg)
+    cursor = iter(batches[(iter_num * t.accum + k + 1) % len(batches)] for k in range(t.accum))
+    x, y = batches[(iter_num * t.accum) % len(batches)]
+    loss_sum, grad_norm, _, _ = train_step(t, x, y, lambda: next(cursor))
+    setup.stop.record(grad_norm + loss_sum)
     return loss_sum
 
 
@@ -161,9 +131,9 @@ def measure_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> 
     torch._dynamo.reset()  # each row compiles afresh, as a new train.py process would
     training = None
     try:  # any failure (OOM, a kernel's refusal, a compile error) becomes this row's status
-        training = build_training(cfg)
+        training = build_setup(cfg)
         row["resolved"] = training.resolved
-        row["compile"] = training.train_model is not training.model
+        row["compile"] = training.training.train_model is not training.training.model
         if training.fallback:  # never time another backend under this one's name
             return {**row, "status": f"falls back to {training.resolved}: {training.fallback}"}
         row.update(time_steps(training, args))
@@ -177,26 +147,27 @@ def measure_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> 
     return row
 
 
-def time_steps(training: Training, args) -> dict:
+def time_steps(setup: BenchSetup, args) -> dict:
+    training = setup.training
     cfg, device = training.cfg, training.runtime.device
     batches = random_batches(cfg, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     synchronize(device)
     start = time.perf_counter()
-    train_step(training, 0, batches)  # compiles
+    bench_step(setup, 0, batches)  # compiles
     synchronize(device)
     first_step_s = time.perf_counter() - start
     iter_num = 1
     for _ in range(args.warmup_steps):
-        train_step(training, iter_num, batches)
+        bench_step(setup, iter_num, batches)
         iter_num += 1
     chunk_ms = []
     for _ in range(args.chunks):  # median over chunks of mean step time (train.py's log line is a mean too)
         synchronize(device)
         start = time.perf_counter()
         for _ in range(args.steps):
-            loss = train_step(training, iter_num, batches)
+            loss = bench_step(setup, iter_num, batches)
             iter_num += 1
         synchronize(device)
         chunk_ms.append((time.perf_counter() - start) * 1000 / args.steps)

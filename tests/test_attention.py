@@ -1,0 +1,584 @@
+"""Attention backends, masks, the resolver and its logging (model.py).
+
+Numerics follow the project METHOD: every backend is compared with `manual` on fresh random inputs,
+float64 to ~1e-10 and float32 to ~1e-5 relative (‖out − ref‖ / ‖ref‖), forward and q/k/v gradients;
+`manual` itself is checked against an independent per-document loop written here.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import sys
+import warnings
+import zlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import model  # noqa: E402
+from model import GPT, GPTConfig, AttentionMask, Package, Resolution  # noqa: E402
+
+CPU = torch.device("cpu")
+CUDA = torch.device("cuda")  # an object only: the resolver tests never touch a real GPU
+MPS = torch.device("mps")
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+RTOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def generator_for(*case) -> torch.Generator:
+    """A seed per test case: reproducible, yet different inputs for every case."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
+
+
+def random_qkv(shape, dtype, gen, device=CPU):
+    tensors = [torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(4)]  # q, k, v, dy
+    return [t.to(device=device, dtype=dtype) for t in tensors]
+
+
+def doc_ids_for(B: int, T: int, device=CPU) -> torch.Tensor:
+    """Rows cycle through: one document; several of uneven length (one of length 1); unsorted ids
+    whose first id comes back after other documents (so only *runs* of equal ids are documents)."""
+    patterns = [
+        [5] * T,
+        [0] * 1 + [1] * (T // 5) + [2] * (T // 2) + [3] * (T - 1 - T // 5 - T // 2),
+        [3] * (T // 6) + [1] * (T // 3) + [7] * (T // 4) + [3] * (T - T // 6 - T // 3 - T // 4),
+    ]
+    assert all(len(p) == T for p in patterns)
+    return torch.tensor([patterns[b % 3] for b in range(B)], device=device)
+
+
+def runs(row: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of each run of equal values, by a plain loop."""
+    bounds, start = [], 0
+    for i in range(1, len(row) + 1):
+        if i == len(row) or row[i] != row[i - 1]:
+            bounds.append((start, i))
+            start = i
+    return bounds
+
+
+def reference_attention(q, k, v, doc_ids=None):
+    """Independent float64 reference: per batch row, per document, a plain causal softmax."""
+    q, k, v = (t.double() for t in (q, k, v))
+    B, H, T, D = q.shape
+    rows = []
+    for b in range(B):
+        bounds = [(0, T)] if doc_ids is None else runs(doc_ids[b].tolist())
+        pieces = []
+        for s, e in bounds:
+            scores = q[b, :, s:e] @ k[b, :, s:e].transpose(-1, -2) / math.sqrt(D)  # (H, n, n)
+            future = torch.ones(e - s, e - s, dtype=torch.bool).triu(1)
+            pieces.append(torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1) @ v[b, :, s:e])
+        rows.append(torch.cat(pieces, dim=1))  # (H, T, D)
+    return torch.stack(rows)
+
+
+def forward_backward(fn, q, k, v, dy, *args):
+    """Output and q/k/v gradients of fn for upstream gradient dy (inputs are not modified)."""
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    out = fn(q, k, v, *args)
+    grads = torch.autograd.grad(out, (q, k, v), dy.to(out.dtype))
+    return out.detach(), grads
+
+
+def assert_matches(out, grads, ref_out, ref_grads, rtol, what=""):
+    assert torch.isfinite(out).all(), f"{what}: output has NaN/inf (not fully written?)"
+    err = rel_err(out, ref_out)
+    assert err < rtol, f"{what}: forward relative error {err:.3g} >= {rtol:g}"
+    for name, g, rg in zip("qkv", grads, ref_grads):
+        assert torch.isfinite(g).all(), f"{what}: d{name} has NaN/inf"
+        err = rel_err(g, rg)
+        assert err < rtol, f"{what}: d{name} relative error {err:.3g} >= {rtol:g}"
+
+
+def assert_docs_masked(out_docs, out_causal, doc_ids, same=1e-4):
+    """Rows holding one document must equal plain causal attention (within `same`), rows with several
+    must not (by far more than `same`): the mask is really applied, and only where it should be."""
+    for b in range(doc_ids.size(0)):
+        n_docs = len(runs(doc_ids[b].tolist()))
+        diff = rel_err(out_docs[b], out_causal[b])
+        if n_docs == 1:
+            assert diff < same, f"row {b} is one document yet differs from causal ({diff:.3g})"
+        else:
+            assert diff > 0.1, f"row {b} has {n_docs} documents yet equals causal ({diff:.3g}): mask not applied"
+
+
+# ---- masks ------------------------------------------------------------------------------------
+
+def test_dense_mask_uses_runs_of_ids_not_sorted_ids():
+    ids = torch.tensor([[3, 3, 1, 1, 1, 7], [4, 4, 4, 4, 4, 4], [2, 9, 9, 2, 2, 2]])
+    dense = AttentionMask(6, CPU, ids).dense()
+    assert dense.shape == (3, 1, 6, 6) and dense.dtype == torch.bool
+    for b in range(3):
+        expected = torch.zeros(6, 6, dtype=torch.bool)
+        for s, e in runs(ids[b].tolist()):
+            expected[s:e, s:e] = torch.ones(e - s, e - s, dtype=torch.bool).tril()
+        assert torch.equal(dense[b, 0], expected), f"row {b}"
+
+
+def test_dense_mask_without_documents_is_causal():
+    dense = AttentionMask(5, CPU).dense()
+    assert not AttentionMask(5, CPU).has_documents
+    assert torch.equal(dense.reshape(5, 5), torch.ones(5, 5, dtype=torch.bool).tril())
+
+
+def test_varlen_cu_seqlens_over_flattened_rows():
+    ids = torch.tensor([[3, 3, 1, 1, 1, 7], [0, 0, 0, 0, 0, 0], [1, 2, 1, 1, 2, 2]])
+    cu_seqlens, max_len = AttentionMask(6, CPU, ids).varlen()
+    assert cu_seqlens.dtype == torch.int32
+    assert cu_seqlens.tolist() == [0, 2, 5, 6, 12, 13, 14, 16, 18]
+    assert max_len == 6
+
+
+# ---- manual vs an independent reference (so the reference of the other tests cannot be wrong) -----
+
+SHAPES = [(3, 2, 77, 64), (3, 4, 130, 128)]  # (B, H, T, D): T not a multiple of 128, B > 1, H > 1
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("docs", [False, True], ids=["causal", "docs"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_manual_matches_independent_reference(shape, docs, dtype):
+    q, k, v, dy = random_qkv(shape, dtype, generator_for("manual", shape, docs, dtype))
+    doc_ids = doc_ids_for(shape[0], shape[2]) if docs else None
+    out, grads = forward_backward(model.manual_attention, q, k, v, dy, AttentionMask(shape[2], CPU, doc_ids))
+    assert out.dtype == dtype
+    ref_out, ref_grads = forward_backward(reference_attention, q.double(), k.double(), v.double(), dy.double(),
+                                          doc_ids)
+    assert_matches(out, grads, ref_out, ref_grads, RTOL[dtype], f"manual {dtype}")
+    if docs:
+        assert_docs_masked(out, reference_attention(q, k, v), doc_ids)
+
+
+def test_reference_is_not_trivially_causal():
+    """Poison check of the reference itself: documents must change its answer."""
+    q, k, v, _ = random_qkv((3, 1, 12, 8), torch.float64, generator_for("poison"))
+    doc_ids = doc_ids_for(3, 12)
+    assert_docs_masked(reference_attention(q, k, v, doc_ids), reference_attention(q, k, v), doc_ids)
+
+
+# ---- every CPU backend vs manual, float64 and float32, forward and gradients ---------------------
+
+def sdpa_with(kernel):
+    return functools.partial(model.sdpa_attention, kernel=kernel)
+
+
+CPU_BACKENDS = {"sdpa-auto": sdpa_with("auto"), "sdpa-math": sdpa_with("math"), "sdpa-flash": sdpa_with("flash")}
+
+
+@functools.cache
+def cpu_sdpa_kernel_problem(kernel: str, dtype: torch.dtype, with_mask: bool) -> str:
+    """'' when PyTorch's CPU build runs this SDPA kernel for this dtype and mask form, else why not."""
+    x = torch.randn(1, 1, 8, 8, dtype=dtype)
+    mask = AttentionMask(8, CPU, torch.tensor([[0] * 4 + [1] * 4]) if with_mask else None)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sdpa_with(kernel)(x, x, x, mask)
+    except RuntimeError as error:
+        return f"PyTorch {torch.__version__} CPU has no SDPA {kernel} kernel for {dtype}: {error}".splitlines()[0]
+    return ""
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("docs", [False, True], ids=["causal", "docs"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("backend", sorted(CPU_BACKENDS))
+def test_cpu_backend_matches_manual(backend, dtype, docs, shape):
+    kernel = backend.split("-")[1]
+    problem = cpu_sdpa_kernel_problem(kernel, dtype, docs)
+    if problem:
+        pytest.skip(problem)
+    q, k, v, dy = random_qkv(shape, dtype, generator_for(backend, shape, docs, dtype))
+    B, _, T, _ = shape
+    doc_ids = doc_ids_for(B, T) if docs else None
+    mask = AttentionMask(T, CPU, doc_ids)
+    out, grads = forward_backward(CPU_BACKENDS[backend], q, k, v, dy, mask)
+    assert out.dtype == dtype and out.shape == q.shape
+    ref_out, ref_grads = forward_backward(model.manual_attention, q.double(), k.double(), v.double(), dy.double(),
+                                          AttentionMask(T, CPU, doc_ids))
+    assert_matches(out, grads, ref_out, ref_grads, RTOL[dtype], f"{backend} {dtype}")
+    if docs:
+        causal, _ = forward_backward(CPU_BACKENDS[backend], q, k, v, dy, AttentionMask(T, CPU))
+        assert_docs_masked(out, causal, doc_ids)
+
+
+@contextlib.contextmanager
+def no_eager_flex():
+    """Fail, rather than pass slowly, if flex_attention silently ran uncompiled (e.g. past dynamo's
+    recompile limit, where torch.compile falls back to eager)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="flex_attention called without torch.compile")
+        yield
+
+
+def allow_flex_recompiles(monkeypatch):
+    """Each shape/dtype/mask is a new compile of the one cached flex function; dynamo's default limit (8)
+    would silently fall back to eager in a full run."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    monkeypatch.setattr(config, name, max(64, getattr(config, name)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("docs, shape", [(False, (2, 3, 130, 64)), (True, (3, 2, 77, 64))],
+                         ids=["causal-2x3x130x64", "docs-3x2x77x64"])
+def test_flex_attention_cpu_forward_matches_manual(docs, shape):
+    """flex_attention on CPU: compiled, forward only, float32. One shape each (a compile is ~10 s)."""
+    problem = model.backend_problem("flex_attention", CPU, torch.float32, doc_mask=docs, head_dim=shape[-1])
+    if problem:
+        pytest.skip(problem)
+    q, k, v, _ = random_qkv(shape, torch.float32, generator_for("flex", shape, docs))
+    B, _, T, _ = shape
+    doc_ids = doc_ids_for(B, T) if docs else None
+    with torch.no_grad(), no_eager_flex():
+        out = model.flex_attention_fn(q, k, v, AttentionMask(T, CPU, doc_ids))
+        ref = model.manual_attention(q.double(), k.double(), v.double(), AttentionMask(T, CPU, doc_ids))
+    assert out.shape == q.shape and out.dtype == torch.float32
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < RTOL[torch.float32]
+    if docs:
+        assert_docs_masked(out, model.manual_attention(q, k, v, AttentionMask(T, CPU)), doc_ids)
+
+
+# ---- the flash-attn call path (layout, varlen, tuple outputs), with stand-in kernels on CPU -------
+
+def fake_flash_module(returns_tuple: bool, calls: list):
+    """A stand-in flash-attn module: same (B, T, H, D) / varlen (tokens, H, D) API, computed by the reference."""
+    def flash_attn_func(q, k, v, causal, **kwargs):
+        calls.append(("dense", kwargs))
+        assert causal is True and q.dim() == 4
+        y = reference_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2).to(q.dtype)
+        return (y, None) if returns_tuple else y
+
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal, **kwargs):
+        calls.append(("varlen", kwargs))
+        assert causal is True and q.dim() == 3 and torch.equal(cu_q, cu_k) and max_q == max_k
+        bounds = cu_q.tolist()
+        pieces = []
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            assert e - s <= max_q
+            seg = (t[s:e].transpose(0, 1)[None] for t in (q, k, v))  # (1, H, n, D)
+            pieces.append(reference_attention(*seg)[0].transpose(0, 1))
+        y = torch.cat(pieces).to(q.dtype)
+        return (y, None) if returns_tuple else y
+
+    return SimpleNamespace(flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func,
+                           __version__="0.0-fake")
+
+
+@pytest.mark.parametrize("docs", [False, True], ids=["causal", "docs"])
+@pytest.mark.parametrize("name", ["flash_attn_2", "flash_attn_3"])
+def test_flash_call_path_with_stand_in_kernels(monkeypatch, name, docs):
+    calls = []
+    fake = fake_flash_module(returns_tuple=name == "flash_attn_3", calls=calls)
+    monkeypatch.setattr(model, "_load_package", lambda pkg: Package(fake, "0.0-fake", ""))
+    q, k, v, _ = random_qkv((3, 2, 30, 16), torch.float64, generator_for("fakeflash", name, docs))
+    doc_ids = doc_ids_for(3, 30) if docs else None
+    out = model.ATTENTION_FUNCTIONS[name](q, k, v, AttentionMask(30, CPU, doc_ids), 0.0)
+    assert [c[0] for c in calls] == ["varlen" if docs else "dense"]
+    assert out.shape == q.shape
+    assert rel_err(out, model.manual_attention(q, k, v, AttentionMask(30, CPU, doc_ids))) < 1e-12
+
+
+# ---- resolution: the fallback chain, with availability simulated ----------------------------------
+
+@pytest.fixture
+def fake_env(monkeypatch):
+    """Simulate installed packages, the GPU's compute capability and the torch version."""
+    def guard(*args, **kwargs):
+        raise AssertionError("a resolver test touched real CUDA")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", guard)
+    monkeypatch.setattr(torch.cuda, "get_device_name", guard)
+
+    def configure(installed=(), capability=(9, 0), torch_version=(2, 11)):
+        def load(name):
+            if name in installed:
+                module = SimpleNamespace(__name__=name, flash_attn_func=None, flash_attn_varlen_func=None)
+                return Package(module, "9.9", "")
+            pretty = {"flash_attn": "flash-attn"}.get(name, name)
+            return Package(None, "", f"{pretty} is not installed")
+        monkeypatch.setattr(model, "_load_package", load)
+        monkeypatch.setattr(model, "_cuda_capability", lambda device: capability)
+        monkeypatch.setattr(model, "_torch_version", lambda: torch_version)
+    return configure
+
+
+def resolve(name, device, dtype=torch.bfloat16, **use):
+    return model.resolve_attention_backend(name, device, dtype, **use)
+
+
+def test_flash_attn_missing_on_cuda_falls_back_to_sdpa(fake_env):
+    fake_env(installed=())
+    assert resolve("flash_attn_2", CUDA) == Resolution("sdpa", "flash-attn is not installed")
+
+
+def test_flash_attn_on_sm75_falls_back_with_capability_reason(fake_env):
+    fake_env(installed=("flash_attn",), capability=(7, 5))
+    used, reason = resolve("flash_attn_2", CUDA)
+    assert used == "sdpa" and "sm75" in reason
+
+
+def test_flash_attn_3_on_sm80_falls_back_to_flash_attn_2(fake_env):
+    fake_env(installed=("flash_attn", "flash_attn_interface"), capability=(8, 0))
+    used, reason = resolve("flash_attn_3", CUDA)
+    assert used == "flash_attn_2"
+    assert "Hopper" in reason and "sm90" in reason and "sm80" in reason
+
+
+def test_flash_attn_3_not_installed_falls_back_to_flash_attn_2(fake_env):
+    fake_env(installed=("flash_attn",), capability=(9, 0))
+    used, reason = resolve("flash_attn_3", CUDA)
+    assert used == "flash_attn_2" and "not installed" in reason
+
+
+def test_flash_attn_3_module_under_its_new_name_is_used(fake_env):
+    fake_env(installed=("flash_attn_3",), capability=(9, 0))
+    assert resolve("flash_attn_3", CUDA) == Resolution("flash_attn_3", "")
+
+
+def test_mps_uses_sdpa_and_manual_for_documents(fake_env):
+    fake_env(installed=("flash_attn",))
+    used, reason = resolve("flash_attn_2", MPS, torch.float16)
+    assert used == "sdpa" and "mps" in reason
+    assert resolve("sdpa", MPS, torch.float32) == Resolution("sdpa", "")
+    used, reason = resolve("sdpa", MPS, torch.float32, doc_mask=True)
+    assert used == "manual" and "MPS" in reason
+    assert resolve("flash_attn_2", MPS, torch.float16, doc_mask=True).used == "manual"
+
+
+def test_float32_on_cuda_with_flash_attn_falls_back_to_sdpa(fake_env):
+    fake_env(installed=("flash_attn",), capability=(9, 0))
+    used, reason = resolve("flash_attn_2", CUDA, torch.float32)
+    assert used == "sdpa" and "float32" in reason
+    assert resolve("flash_attn_2", CUDA, torch.bfloat16) == Resolution("flash_attn_2", "")
+    assert resolve("flash_attn_2", CUDA, torch.float16) == Resolution("flash_attn_2", "")
+
+
+def test_flash_attn_head_dim_limits(fake_env):
+    fake_env(installed=("flash_attn",), capability=(9, 0))
+    assert resolve("flash_attn_2", CUDA, head_dim=128).used == "flash_attn_2"
+    assert resolve("flash_attn_2", CUDA, head_dim=12).used == "sdpa"
+    assert resolve("flash_attn_2", CUDA, head_dim=264).used == "sdpa"
+
+
+def test_old_torch_has_no_flex_attention(fake_env):
+    fake_env(torch_version=(2, 4))
+    used, reason = resolve("flex_attention", CUDA)
+    assert used == "sdpa" and "torch >= 2.5" in reason
+    fake_env(torch_version=(2, 5))
+    assert resolve("flex_attention", CUDA) == Resolution("flex_attention", "")
+
+
+def test_flex_on_cpu_is_inference_only(fake_env):
+    fake_env()
+    used, reason = resolve("flex_attention", CPU, torch.float32, backward=True)
+    assert used == "sdpa" and "CPU" in reason
+    assert resolve("flex_attention", CPU, torch.float32, backward=False) == Resolution("flex_attention", "")
+    assert resolve("flex_attention", CPU, torch.float64, backward=False).used == "sdpa"
+
+
+def test_flex_with_dropout_falls_back(fake_env):
+    fake_env()
+    used, reason = resolve("flex_attention", CUDA, dropout=True, backward=True)
+    assert used == "sdpa" and "dropout" in reason
+    assert resolve("flex", CUDA, dropout=False, backward=True) == Resolution("flex_attention", "")
+
+
+def test_flash_attn_3_has_no_dropout(fake_env):
+    fake_env(installed=("flash_attn", "flash_attn_interface"), capability=(9, 0))
+    assert resolve("flash_attn_3", CUDA) == Resolution("flash_attn_3", "")
+    used, reason = resolve("flash_attn_3", CUDA, dropout=True)
+    assert used == "flash_attn_2" and "dropout" in reason
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("doc_mask", [False, True])
+def test_auto_on_cpu_picks_sdpa(fake_env, dtype, doc_mask):
+    fake_env(installed=("flash_attn", "flash_attn_interface"))
+    used, reason = resolve("auto", CPU, dtype, doc_mask=doc_mask, backward=True)
+    assert used == "sdpa"
+    assert reason.startswith(f"auto: first that runs on cpu/{str(dtype)[6:]}")
+
+
+def test_auto_on_sm90_without_flash_attn_picks_sdpa(fake_env):
+    fake_env(installed=(), capability=(9, 0))
+    assert resolve("auto", CUDA, backward=True).used == "sdpa"
+    used, reason = resolve("auto", CUDA, doc_mask=True, backward=True)
+    assert used == "flex_attention" and "flash-attn is not installed" in reason
+
+
+def test_auto_with_documents_on_sm90_prefers_flash_attn_2(fake_env):
+    fake_env(installed=("flash_attn",), capability=(9, 0))
+    used, reason = resolve("auto", CUDA, torch.bfloat16, doc_mask=True, backward=True)
+    assert used == "flash_attn_2"
+    assert "flash_attn_3" in reason and "skipped" in reason
+    assert resolve("auto", CUDA, torch.bfloat16, doc_mask=False, backward=True).used == "sdpa"
+
+
+def test_auto_on_older_gpu_prefers_flash_attn_2(fake_env):
+    fake_env(installed=("flash_attn",), capability=(8, 0))
+    assert resolve("auto", CUDA, torch.bfloat16, backward=True).used == "flash_attn_2"
+    assert resolve("auto", CUDA, torch.float32, backward=True).used == "sdpa"
+
+
+def test_every_fallback_chain_ends_in_manual_and_every_backend_has_a_function():
+    assert set(model.ATTENTION_FUNCTIONS) == set(model.BACKENDS) - {"auto"}
+    for name in model.BACKENDS[1:]:
+        assert model.FALLBACKS[name][0] == name and model.FALLBACKS[name][-1] == "manual"
+    for chain in model.AUTO_PREFERENCE.values():
+        assert chain[-1] == "manual" and set(chain) <= set(model.ATTENTION_FUNCTIONS)
+
+
+def test_sdpa_kernel_resolution():
+    assert model.resolve_sdpa_kernel("math", CPU, torch.float32) == Resolution("math", "")
+    assert model.resolve_sdpa_kernel("flash", CPU, torch.float32) == Resolution("flash", "")
+    used, reason = model.resolve_sdpa_kernel("cudnn", CPU, torch.bfloat16)
+    assert used == "auto" and "CUDA only" in reason
+    used, reason = model.resolve_sdpa_kernel("flash", CPU, torch.float32, doc_mask=True)
+    assert used == "auto" and "document mask" in reason
+
+
+# ---- the model logs its choice once, and resolves for the device/dtype it runs with ---------------
+
+def tiny_config(**overrides) -> GPTConfig:
+    base = dict(block_size=32, vocab_size=64, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True)
+    return GPTConfig(**{**base, **overrides})
+
+
+def model_records(caplog):
+    return [r for r in caplog.records if r.name == "model"]
+
+
+def train_and_eval(gpt, steps=3, T=16):
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, gpt.config.vocab_size, (2, T), generator=gen)
+    gpt.train()
+    for _ in range(steps):
+        gpt.zero_grad()
+        _, loss = gpt(idx, idx)
+        loss.backward()
+    gpt.eval()
+    with torch.no_grad():
+        gpt(idx)
+
+
+def test_fallback_is_logged_once_per_model(monkeypatch, caplog):
+    monkeypatch.setattr(model, "_load_package", lambda name: Package(None, "", "flash-attn is not installed"))
+    caplog.set_level(logging.DEBUG, logger="model")
+    torch.manual_seed(0)
+    train_and_eval(GPT(tiny_config(n_layer=3, attention_backend="flash_attn_2")))
+    records = model_records(caplog)
+    warnings_ = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    infos = [r.getMessage() for r in records if r.levelno == logging.INFO]
+    assert warnings_ == ["flash_attn_2 requested but flash-attn is not installed; falling back to sdpa"]
+    assert infos == ["attention backend: sdpa (requested flash_attn_2: flash-attn is not installed)"]
+    caplog.clear()
+    train_and_eval(GPT(tiny_config(n_layer=3, attention_backend="flash_attn_2")), steps=1)
+    assert len(model_records(caplog)) == 2, "a new model logs its own choice once"
+
+
+def test_auto_logs_one_info_line_and_no_warning(caplog):
+    caplog.set_level(logging.DEBUG, logger="model")
+    torch.manual_seed(0)
+    train_and_eval(GPT(tiny_config(attention_backend="auto")))
+    records = model_records(caplog)
+    assert [r.levelno for r in records] == [logging.INFO]
+    assert records[0].getMessage().startswith("attention backend: sdpa (auto: first that runs on cpu/float32")
+
+
+def test_unusable_sdpa_kernel_warns_once(caplog):
+    caplog.set_level(logging.DEBUG, logger="model")
+    torch.manual_seed(0)
+    train_and_eval(GPT(tiny_config(attention_backend="sdpa", sdpa_kernel="cudnn")))
+    warnings_ = [r.getMessage() for r in model_records(caplog) if r.levelno == logging.WARNING]
+    assert warnings_ == ["sdpa_kernel=cudnn requested but SDPA's cudnn kernel runs on CUDA only (device is cpu); "
+                         "letting PyTorch choose"]
+
+
+def test_resolution_follows_cpu_autocast_dtype():
+    torch.manual_seed(0)
+    gpt = GPT(tiny_config(attention_backend="auto"))
+    idx = torch.randint(0, 64, (2, 8))
+    gpt(idx, idx)
+    assert [k for k in gpt._resolutions if torch.bfloat16 in k] == []
+    assert [k for k in gpt._resolutions if torch.float32 in k] != []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = gpt(idx, idx)
+        _, resolution = gpt.attention_for(CPU)
+    assert torch.isfinite(loss)
+    assert [k for k in gpt._resolutions if torch.bfloat16 in k] != []
+    assert "cpu/bfloat16" in resolution.reason
+    _, resolution = gpt.attention_for(CPU)
+    assert "cpu/float32" in resolution.reason
+    gpt.double()
+    _, resolution = gpt.attention_for(CPU)
+    assert "cpu/float64" in resolution.reason
+
+
+def test_resolution_follows_grad_mode_for_flex_on_cpu():
+    """Training on CPU cannot use flex (no backward there); inference may."""
+    gpt = GPT(tiny_config(attention_backend="flex_attention"))
+    assert gpt.attention_for(CPU)[1].used == "sdpa"
+    with torch.no_grad():
+        assert gpt.attention_for(CPU)[1].used == "flex_attention"
+
+
+# ---- GPU: every backend there vs a float32 manual reference (run on the device) -------------------
+
+GPU_SHAPES = [(77, 64), (77, 128), (1000, 64), (1000, 128), (2048, 64), (2048, 128)]  # (T, D)
+FLEX_GPU_SHAPES = [(77, 128), (2048, 64)]  # each (shape, dtype, docs) compiles flex fwd+bwd: keep them few
+GPU_BACKENDS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "flex_attention", "flash_attn_2",
+                "flash_attn_3"]
+GPU_CASES = [(b, T, D) for b in GPU_BACKENDS for T, D in (FLEX_GPU_SHAPES if b == "flex_attention" else GPU_SHAPES)]
+
+
+def gpu_attention(backend, dtype, docs, head_dim):
+    """The function under test, or pytest.skip with the resolver's reason when it cannot run here."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    if backend.startswith("sdpa-"):
+        kernel = backend.split("-")[1]
+        used, reason = model.resolve_sdpa_kernel(kernel, device, dtype, doc_mask=docs)
+        if reason:
+            pytest.skip(reason)
+        return sdpa_with(used)
+    problem = model.backend_problem(backend, device, dtype, doc_mask=docs, backward=True, head_dim=head_dim)
+    if problem:
+        pytest.skip(problem)
+    return model.ATTENTION_FUNCTIONS[backend]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("backend, T, D", GPU_CASES, ids=[f"{b}-T{T}-D{D}" for b, T, D in GPU_CASES])
+@pytest.mark.parametrize("docs", [False, True], ids=["causal", "docs"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_backend_matches_float32_manual(monkeypatch, backend, dtype, docs, T, D):
+    attend = gpu_attention(backend, dtype, docs, D)
+    if backend == "flex_attention":
+        allow_flex_recompiles(monkeypatch)
+    B, H = 3, 4
+    q, k, v, dy = random_qkv((B, H, T, D), dtype, generator_for("gpu", backend, dtype, docs, T, D), device="cuda")
+    doc_ids = doc_ids_for(B, T, device="cuda") if docs else None
+    with no_eager_flex():
+        out, grads = forward_backward(attend, q, k, v, dy, AttentionMask(T, q.device, doc_ids))
+    assert out.dtype == dtype and out.shape == q.shape
+    ref_out, ref_grads = forward_backward(model.manual_attention, q.float(), k.float(), v.float(), dy.float(),
+                                          AttentionMask(T, q.device, doc_ids))
+    assert_matches(out, grads, ref_out, ref_grads, 2e-2, f"{backend} {dtype} T={T} D={D}")
+    if docs:
+        causal = model.manual_attention(q.float(), k.float(), v.float(), AttentionMask(T, q.device))
+        assert_docs_masked(out.cpu(), causal.cpu(), doc_ids.cpu(), same=2e-2)

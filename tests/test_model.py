@@ -1,0 +1,402 @@
+"""The GPT-2 model of model.py: structure, init, forward/loss, helpers for training, generation,
+documents in packed rows, `python model.py` and the GPU smoke tests."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import model  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+ALL_NAMES = model.BACKENDS + tuple(model.ALIASES)
+
+
+def tiny_config(**overrides) -> GPTConfig:
+    base = dict(block_size=32, vocab_size=64, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True)
+    return GPTConfig(**{**base, **overrides})
+
+
+def tiny_model(seed=0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(tiny_config(**overrides))
+
+
+def tokens(B, T, vocab=64, seed=1, device="cpu"):
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def allow_flex_recompiles(monkeypatch):
+    """The compiled flex function is shared by the whole process; past dynamo's recompile limit (8 shapes,
+    dtypes or masks, which earlier tests may have used up) torch.compile silently falls back to eager."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    monkeypatch.setattr(config, name, max(64, getattr(config, name)))
+
+
+def hand_param_count(c: GPTConfig) -> tuple[int, int]:
+    """(all, without wpe), counted from GPT-2's layout; the tied lm_head adds nothing."""
+    C = c.n_embd
+    per_layer = 2 * C + (3 * C * C + 3 * C) + (C * C + C) + 2 * C + (4 * C * C + 4 * C) + (4 * C * C + C)
+    total = c.vocab_size * C + c.block_size * C + c.n_layer * per_layer + 2 * C
+    return total, total - c.block_size * C
+
+
+# ---- config validation -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(n_embd=30, n_head=4), r"n_embd \(30\) must be divisible by n_head \(4\)"),
+    (dict(n_embd=6, n_head=2), "head dim n_embd/n_head = 3 must be even"),
+    (dict(n_layer=0), "n_layer must be a positive integer, got 0"),
+    (dict(n_head=-2), "n_head must be a positive integer, got -2"),
+    (dict(n_embd=0), "n_embd must be a positive integer, got 0"),
+    (dict(block_size=0), "block_size must be a positive integer, got 0"),
+    (dict(vocab_size=-1), "vocab_size must be a positive integer, got -1"),
+    (dict(n_layer=2.0), "n_layer must be a positive integer, got 2.0"),
+    (dict(n_layer=True), "n_layer must be a positive integer, got True"),
+    (dict(dropout=-0.1), r"dropout must be in \[0, 1\), got -0.1"),
+    (dict(dropout=1.0), r"dropout must be in \[0, 1\), got 1.0"),
+    (dict(sdpa_kernel="fast"), "unknown sdpa_kernel 'fast'; choose one of auto, flash, cudnn, efficient, math"),
+])
+def test_config_validation(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_config(**overrides)
+
+
+def test_valid_config_keeps_values():
+    c = tiny_config(dropout=0.5, sdpa_kernel="math", attention_backend="Eager")
+    assert (c.dropout, c.sdpa_kernel, c.attention_backend, c.head_dim) == (0.5, "math", "manual", 16)
+
+
+# ---- backend names, aliases, deprecation -------------------------------------------------------
+
+@pytest.mark.parametrize("alias, canonical", sorted(model.ALIASES.items()))
+def test_aliases_map_to_canonical_names(alias, canonical):
+    assert tiny_config(attention_backend=alias).attention_backend == canonical
+    assert tiny_config(attention_backend=alias.upper()).attention_backend == canonical
+    assert model.canonical_backend(alias) == canonical
+
+
+def test_canonical_names_map_to_themselves():
+    for name in model.BACKENDS:
+        assert model.canonical_backend(name) == name
+
+
+@pytest.mark.parametrize("value, backend", [(True, "flash_attn_2"), (False, "manual")])
+def test_use_flash_attention_is_deprecated(value, backend):
+    with pytest.warns(DeprecationWarning, match="use_flash_attention is deprecated"):
+        config = tiny_config(use_flash_attention=value)
+    assert config.attention_backend == backend and config.use_flash_attention is None
+
+
+def test_unknown_backend_name_lists_every_choice():
+    for make in (lambda: tiny_config(attention_backend="flash"),
+                 lambda: model.resolve_attention_backend("flash", "cpu", torch.float32)):
+        with pytest.raises(ValueError, match="unknown attention_backend 'flash'") as info:
+            make()
+        for name in ALL_NAMES:
+            assert name in str(info.value)
+
+
+# ---- structure and init ----------------------------------------------------------------------
+
+def test_gpt2_parameter_names_and_shapes():
+    gpt = tiny_model(n_layer=2)
+    shapes = {name: tuple(p.shape) for name, p in gpt.named_parameters()}
+    C, V, T = 32, 64, 32
+    expected = {
+        "transformer.wte.weight": (V, C), "transformer.wpe.weight": (T, C),
+        "transformer.h.0.ln_1.weight": (C,), "transformer.h.0.ln_1.bias": (C,),
+        "transformer.h.0.attn.c_attn.weight": (3 * C, C), "transformer.h.0.attn.c_attn.bias": (3 * C,),
+        "transformer.h.0.attn.c_proj.weight": (C, C), "transformer.h.0.attn.c_proj.bias": (C,),
+        "transformer.h.0.ln_2.weight": (C,), "transformer.h.0.ln_2.bias": (C,),
+        "transformer.h.0.mlp.c_fc.weight": (4 * C, C), "transformer.h.0.mlp.c_fc.bias": (4 * C,),
+        "transformer.h.0.mlp.c_proj.weight": (C, 4 * C), "transformer.h.0.mlp.c_proj.bias": (C,),
+        "transformer.h.1.attn.c_attn.weight": (3 * C, C),
+        "transformer.ln_f.weight": (C,), "transformer.ln_f.bias": (C,),
+    }
+    for name, shape in expected.items():
+        assert shapes.get(name) == shape, name
+    assert len(shapes) == 2 + 12 * 2 + 2  # wte, wpe, 12 tensors per block, ln_f (lm_head is tied)
+    assert "lm_head.weight" in gpt.state_dict()
+
+
+def test_no_bias_config_has_no_biases():
+    gpt = tiny_model(bias=False)
+    assert not [n for n, _ in gpt.named_parameters() if n.endswith(".bias")]
+    assert torch.isfinite(gpt(tokens(2, 8), tokens(2, 8, seed=2))[1])
+
+
+def test_lm_head_is_tied_to_wte():
+    gpt = tiny_model()
+    assert gpt.lm_head.weight is gpt.transformer.wte.weight
+    assert gpt.lm_head.weight.data_ptr() == gpt.transformer.wte.weight.data_ptr()
+    with torch.no_grad():
+        gpt.transformer.wte.weight[3, 5] = 7.0
+    assert gpt.lm_head.weight[3, 5].item() == 7.0
+
+
+def test_init_std_and_scaled_residual_projections():
+    torch.manual_seed(0)
+    n_layer = 4
+    gpt = GPT(GPTConfig(block_size=256, vocab_size=1024, n_layer=n_layer, n_head=4, n_embd=256))
+    residual_std = 0.02 / math.sqrt(2 * n_layer)
+    for name, p in gpt.named_parameters():
+        if name.endswith("c_proj.weight"):
+            assert p.std().item() == pytest.approx(residual_std, rel=0.03), name
+        elif p.dim() == 2:
+            assert p.std().item() == pytest.approx(0.02, rel=0.03), name
+        if p.dim() == 2:
+            assert abs(p.mean().item()) < 1e-3, name
+        elif name.endswith("bias"):
+            assert torch.count_nonzero(p) == 0, name
+        else:
+            assert torch.equal(p, torch.ones_like(p)), name  # LayerNorm gains
+
+
+def test_mlp_uses_tanh_gelu():
+    gpt = tiny_model().double()
+    mlp = gpt.transformer.h[0].mlp
+    x = torch.randn(4, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 40
+    h = mlp.c_fc(x)
+    tanh_gelu = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
+    torch.testing.assert_close(mlp(x), mlp.c_proj(tanh_gelu), rtol=1e-12, atol=1e-12)
+    erf = mlp.c_proj(F.gelu(h))
+    assert (mlp(x) - erf).abs().max() > 1e-6, "indistinguishable from erf GELU: the test lost its power"
+
+
+# ---- forward and loss ------------------------------------------------------------------------
+
+def test_forward_without_targets_returns_last_position_only():
+    gpt = tiny_model().eval()
+    idx = tokens(3, 10)
+    logits, loss = gpt(idx)
+    assert loss is None and logits.shape == (3, 1, 64)
+    full, loss = gpt(idx, tokens(3, 10, seed=2))
+    assert full.shape == (3, 10, 64) and loss.dim() == 0
+    torch.testing.assert_close(logits[:, 0], full[:, -1])
+
+
+def test_loss_is_cross_entropy_with_ignore_index():
+    gpt = tiny_model().eval()
+    idx, targets = tokens(2, 12), tokens(2, 12, seed=2)
+    logits, loss = gpt(idx, targets)
+    torch.testing.assert_close(loss, F.cross_entropy(logits.reshape(-1, 64), targets.reshape(-1)))
+    masked = targets.clone()
+    masked[:, :5] = -1
+    _, loss_masked = gpt(idx, masked)
+    torch.testing.assert_close(loss_masked, F.cross_entropy(logits[:, 5:].reshape(-1, 64), targets[:, 5:].reshape(-1)))
+
+
+def test_loss_at_init_is_about_log_vocab():
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(block_size=64, vocab_size=512, n_layer=2, n_head=2, n_embd=64))
+    _, loss = gpt(tokens(4, 64, vocab=512), tokens(4, 64, vocab=512, seed=2))
+    assert abs(loss.item() - math.log(512)) < 0.3
+
+
+def test_sequence_longer_than_block_size_is_an_error():
+    gpt = tiny_model(block_size=8)
+    gpt(tokens(1, 8))
+    with pytest.raises(ValueError, match="sequence of length 9 is longer than block_size 8"):
+        gpt(tokens(1, 9))
+
+
+# ---- helpers for training --------------------------------------------------------------------
+
+def test_num_params_counts_by_hand():
+    gpt = tiny_model()
+    total, non_embedding = hand_param_count(gpt.config)
+    assert gpt.num_params(non_embedding=False) == total
+    assert gpt.num_params() == non_embedding
+    assert total - non_embedding == gpt.config.block_size * gpt.config.n_embd  # wpe only
+
+
+def test_flops_per_token_by_hand():
+    gpt = tiny_model()  # L=2, H=2, Q=16, block 32
+    _, N = hand_param_count(gpt.config)
+    assert gpt.flops_per_token() == 6 * N + 12 * 2 * 2 * 16 * 32
+    assert gpt.flops_per_token(seq_len=8) == 6 * N + 12 * 2 * 2 * 16 * 8
+
+
+def test_configure_optimizers_decays_matrices_only():
+    gpt = tiny_model()
+    opt = gpt.configure_optimizers(weight_decay=0.1, learning_rate=3e-4, betas=(0.9, 0.95), device_type="cpu")
+    assert isinstance(opt, torch.optim.AdamW) and len(opt.param_groups) == 2
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(g["lr"] == 3e-4 and g["betas"] == (0.9, 0.95) for g in opt.param_groups)
+    names = {id(p): n for n, p in gpt.named_parameters()}
+    decayed = [names[id(p)] for p in decay["params"]]
+    not_decayed = [names[id(p)] for p in no_decay["params"]]
+    assert sorted(decayed + not_decayed) == sorted(names.values())  # every parameter once
+    assert len(set(decayed + not_decayed)) == len(decayed) + len(not_decayed)
+    assert all(dict(gpt.named_parameters())[n].dim() >= 2 for n in decayed)
+    assert "transformer.wte.weight" in decayed and "transformer.h.1.mlp.c_fc.weight" in decayed
+    assert all(n.endswith(".bias") or ".ln_" in n for n in not_decayed)
+    assert "transformer.ln_f.weight" in not_decayed and "transformer.h.0.attn.c_attn.bias" in not_decayed
+
+
+def test_crop_block_size():
+    gpt = tiny_model(block_size=32)
+    old = gpt.transformer.wpe.weight.detach().clone()
+    gpt.crop_block_size(16)
+    assert gpt.config.block_size == 16
+    assert torch.equal(gpt.transformer.wpe.weight, old[:16])
+    assert gpt.transformer.wpe.weight.is_leaf and gpt.transformer.wpe.weight.requires_grad
+    _, loss = gpt(tokens(2, 16), tokens(2, 16, seed=2))
+    loss.backward()
+    assert gpt.transformer.wpe.weight.grad.shape == (16, 32)
+    assert gpt.num_params(non_embedding=False) - gpt.num_params() == 16 * 32
+    with pytest.raises(ValueError, match="longer than block_size 16"):
+        gpt(tokens(2, 17))
+    for bad in (0, 17):
+        with pytest.raises(ValueError, match="block_size must be in 1..16"):
+            gpt.crop_block_size(bad)
+
+
+# ---- generation ------------------------------------------------------------------------------
+
+def test_generate_appends_tokens_and_keeps_the_prompt():
+    gpt = tiny_model(block_size=8).eval()
+    prompt = tokens(2, 5)
+    out = gpt.generate(prompt, max_new_tokens=6, temperature=0.8)  # runs past block_size: context is cropped
+    assert out.shape == (2, 11) and out.dtype == prompt.dtype
+    assert torch.equal(out[:, :5], prompt)
+    assert ((out >= 0) & (out < 64)).all()
+
+
+def test_generate_top_k_1_is_greedy_and_deterministic():
+    gpt = tiny_model().eval()
+    prompt = tokens(2, 4)
+    torch.manual_seed(1)
+    first = gpt.generate(prompt, max_new_tokens=5, top_k=1)
+    torch.manual_seed(2)
+    second = gpt.generate(prompt, max_new_tokens=5, top_k=1)
+    assert torch.equal(first, second)
+    greedy = prompt
+    with torch.no_grad():
+        for _ in range(5):
+            greedy = torch.cat([greedy, gpt(greedy)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(first, greedy)
+
+
+# ---- every backend name trains on CPU --------------------------------------------------------
+
+@pytest.mark.filterwarnings("error:flex_attention called without torch.compile")
+@pytest.mark.parametrize("name", ALL_NAMES)
+def test_every_backend_name_trains_on_cpu(monkeypatch, name):
+    allow_flex_recompiles(monkeypatch)  # the final no-grad loss may run flex (compiled) on CPU
+    gpt = tiny_model(attention_backend=name)
+    opt = gpt.configure_optimizers(weight_decay=0.1, learning_rate=1e-2, betas=(0.9, 0.95), device_type="cpu")
+    idx, targets = tokens(4, 16), tokens(4, 16, seed=2)
+    losses = []
+    for _ in range(3):
+        _, loss = gpt(idx, targets)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    with torch.no_grad():
+        losses.append(gpt(idx, targets)[1].item())
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0] - 0.05, losses
+
+
+# ---- documents in a packed row ---------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["manual", "sdpa"])
+def test_documents_do_not_see_each_other(name):
+    gpt = tiny_model(attention_backend=name).eval()
+    T, split = 24, 10
+    doc_ids = torch.tensor([[4] * split + [2] * (T - split), [9] * T])
+    idx = tokens(2, T)
+    changed_doc2, changed_doc1 = idx.clone(), idx.clone()
+    changed_doc2[0, split:] = (idx[0, split:] + 1) % 64
+    changed_doc1[0, :split] = (idx[0, :split] + 1) % 64
+    targets = tokens(2, T, seed=3)
+    with torch.no_grad():
+        base = gpt(idx, targets, doc_ids=doc_ids)[0]
+        after_doc2 = gpt(changed_doc2, targets, doc_ids=doc_ids)[0]
+        after_doc1 = gpt(changed_doc1, targets, doc_ids=doc_ids)[0]
+        without_docs = gpt(changed_doc1, targets)[0]
+        base_without_docs = gpt(idx, targets)[0]
+    # document 1 (the first run) is unaffected by document 2's tokens
+    torch.testing.assert_close(after_doc2[0, :split], base[0, :split], rtol=0, atol=1e-6)
+    # document 2 is unaffected by document 1's tokens (positions stay absolute in the packed row)
+    torch.testing.assert_close(after_doc1[0, split:], base[0, split:], rtol=0, atol=1e-6)
+    # ... which only holds because of the mask: without doc_ids document 2 sees document 1
+    assert (without_docs[0, split:] - base_without_docs[0, split:]).abs().max() > 1e-3
+    # a row that is one document is plain causal attention
+    torch.testing.assert_close(base[1], base_without_docs[1], rtol=1e-5, atol=1e-5)
+
+
+# ---- python model.py and attention_report ------------------------------------------------------
+
+def test_python_model_py_reports_every_backend():
+    result = subprocess.run([sys.executable, "model.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for name in model.BACKENDS[1:]:
+        assert f"  {name} " in result.stdout, name
+    assert "auto picks" in result.stdout
+
+
+def test_attention_report_keys():
+    report = model.attention_report("cpu")
+    assert set(report) == {"torch", "cuda", "cudnn", "device", "gpu", "capability", "dtype", "backends", "auto"}
+    assert report["device"] == "cpu" and report["dtype"] == "float32" and report["torch"] == torch.__version__
+    assert set(report["backends"]) == set(model.BACKENDS) - {"auto"}
+    for name, row in report["backends"].items():
+        assert set(row) == {"available", "version", "why"}, name
+        assert row["available"] == (row["why"] == ""), name
+    assert report["backends"]["manual"]["available"] and report["backends"]["sdpa"]["available"]
+    assert not report["backends"]["flash_attn_2"]["available"]  # CUDA only
+    assert set(report["auto"]) == {"bfloat16", "float16", "float32"}
+    assert set(report["auto"].values()) == {"sdpa"}
+
+
+# ---- GPU (run on the device) -----------------------------------------------------------------
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.filterwarnings("error:flex_attention called without torch.compile")
+@pytest.mark.parametrize("name", ALL_NAMES)
+def test_tiny_gpt_trains_on_cuda_under_bf16_autocast(monkeypatch, name):
+    allow_flex_recompiles(monkeypatch)
+    gpt = tiny_model(attention_backend=name, block_size=64, n_head=2, n_embd=128).cuda()
+    opt = gpt.configure_optimizers(weight_decay=0.1, learning_rate=1e-2, betas=(0.9, 0.95), device_type="cuda")
+    idx, targets = tokens(4, 64, device="cuda"), tokens(4, 64, seed=2, device="cuda")
+    losses = []
+    for _ in range(5):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = gpt(idx, targets)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0] - 0.05, losses
+    assert all(key[1] == torch.bfloat16 and key[0].type == "cuda" for key in gpt._resolutions)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cpu_built_model_resolves_for_cuda_bf16():
+    gpt = tiny_model(attention_backend="auto")
+    gpt(tokens(2, 8))  # resolved once on CPU
+    gpt = gpt.cuda()
+    device = torch.device("cuda", torch.cuda.current_device())
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits, _ = gpt(tokens(2, 8, device="cuda"))
+        _, resolution = gpt.attention_for(device)
+    assert logits.device.type == "cuda" and torch.isfinite(logits).all()
+    assert "cuda/bfloat16" in resolution.reason
+    assert any(key[0].type == "cuda" and torch.bfloat16 in key for key in gpt._resolutions)

@@ -1,0 +1,272 @@
+"""train.py: the log a person reads, the config surface, the LR schedule, MFU peaks, exact resume after a
+kill -9, dataset auto-prepare, and wandb. CPU only; subprocesses only where a real process is the point."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import runpy
+import signal
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from conftest import REPO, TINY_MODEL, Child, run_script, tiny_args
+
+import train
+from checkpoint import load_checkpoint
+from configurator import ConfigError, load_config
+from data.common import prepare_text
+from model import GPT, GPTConfig
+from train import TrainConfig, UsageError, learning_rate_at, peak_flops_for
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ITER_LINE = re.compile(r"iter \d+ \| loss \d+\.\d{4} \| lr \d\.\de[-+]\d{2} \| \d+\.\d ms \| "
+                       r"\d{1,3}(,\d{3})* tok/s \| MFU n/a \| mem \d+\.\d GiB")
+EVAL_LINE = re.compile(r"eval \d+ \| train \d+\.\d{4} \| val \d+\.\d{4}")
+
+
+def lines_starting(text: str, prefix: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(prefix)]
+
+
+# ---- a real run: the log, the checkpoint ----
+
+def test_smoke_run_log_lines_and_checkpoint(char_data, tmp_path):
+    out = tmp_path / "out"
+    result = run_script("train.py", tiny_args(char_data, out, "--max_iters=4", "--eval_interval=2"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    stdout = result.stdout.splitlines()
+
+    # the start of the run: config, parameter count and tokens per iteration, attention backend, why no MFU
+    assert stdout[0].startswith("config: out_dir=") and "n_layer=2" in result.stdout
+    params = lines_starting(result.stdout, "parameters: ")
+    assert len(params) == 1
+    assert re.match(r"parameters: \d+\.\d+M \| tokens per iteration: 64\b", params[0]), params[0]  # 4 x 16 x 1
+    assert re.search(r"^INFO: attention backend: (sdpa|manual)\b", result.stderr, re.M), result.stderr
+    mfu = [line for line in stdout if line.startswith("MFU n/a")]
+    assert len(mfu) == 1 and "cpu" in mfu[0] and "--peak_flops" in mfu[0], mfu
+
+    iters = lines_starting(result.stdout, "iter ")
+    assert [int(line.split()[1]) for line in iters] == [1, 2, 3, 4]
+    for line in iters:
+        assert ITER_LINE.fullmatch(line), line
+    evals = lines_starting(result.stdout, "eval ")
+    assert [int(line.split()[1]) for line in evals] == [0, 2, 4]
+    for line in evals:
+        assert EVAL_LINE.fullmatch(line), line
+    assert re.search(rf"^saved {re.escape(str(out / 'ckpt.pt'))} \(iter 4, val \d+\.\d{{4}}\)$", result.stdout, re.M)
+
+    state = load_checkpoint(out / "ckpt.pt")
+    assert state["iter_num"] == 4
+    assert not [k for k in state["model"] if "_orig_mod." in k]
+    GPT(GPTConfig(**state["model_config"])).load_state_dict(state["model"])  # strict: the keys are the model's
+
+
+@pytest.mark.slow
+def test_compiled_run_saves_unwrapped_state_dict(char_data, tmp_path):
+    """torch.compile wraps the model; the checkpoint must still hold the plain model's keys."""
+    out = tmp_path / "out"
+    args = tiny_args(char_data, out, "--compile=true", "--max_iters=1", "--eval_interval=1", "--eval_iters=1",
+                     "--eval_on_start=false")
+    try:
+        result = run_script("train.py", args, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.skip("torch.compile on this CPU took over 60 s (cold inductor cache)")
+    if result.returncode != 0 and re.search(r"(InductorError|CppCompileError|BackendCompilerFailed)", result.stderr):
+        pytest.skip("torch.compile does not work on this machine: " + result.stderr.strip().splitlines()[-1])
+    assert result.returncode == 0, result.stderr
+    state = load_checkpoint(out / "ckpt.pt")
+    assert not [k for k in state["model"] if "_orig_mod." in k]
+    GPT(GPTConfig(**state["model_config"])).load_state_dict(state["model"])
+
+
+# ---- the config surface ----
+
+def test_help_lists_every_field():
+    result = run_script("train.py", ["--help"], timeout=60)
+    assert result.returncode == 0, result.stderr
+    for field in dataclasses.fields(TrainConfig):
+        assert re.search(rf"^\s+--{field.name}=", result.stdout, re.M), f"--help does not list {field.name}"
+    assert "checkpoints go here" in result.stdout  # the field comments are the documentation
+
+
+def test_default_config_file_equals_train_config_defaults():
+    path = REPO / "config" / "train_shakespeare_char.py"
+    names = [name for name in runpy.run_path(str(path)) if not name.startswith("_")]
+    assert len(names) > 10
+    loaded, defaults = load_config(TrainConfig(), [str(path)]), TrainConfig()
+    differ = {name: (getattr(loaded, name), getattr(defaults, name)) for name in names
+              if getattr(loaded, name) != getattr(defaults, name)}
+    assert not differ, f"config file vs TrainConfig defaults: {differ}"
+    assert loaded == defaults
+
+
+def config_files():
+    return [pytest.param(path, id=path.name) for path in sorted((REPO / "config").glob("*.py"))]
+
+
+@pytest.mark.parametrize("path", config_files())
+def test_every_config_file_loads(path):
+    cfg = load_config(TrainConfig(), [str(path)])
+    assert cfg != TrainConfig() or path.name == "train_shakespeare_char.py"
+
+
+# ---- learning rate schedule ----
+
+SCHEDULE = TrainConfig(learning_rate=1e-3, min_lr=1e-4, warmup_iters=10, lr_decay_iters=100, max_iters=120)
+
+
+def test_learning_rate_is_nonzero_at_iter_0():
+    assert learning_rate_at(0, SCHEDULE) > 0
+    assert learning_rate_at(0, dataclasses.replace(SCHEDULE, warmup_iters=0)) == pytest.approx(1e-3)
+
+
+def test_learning_rate_warmup_is_linear():
+    lrs = [learning_rate_at(it, SCHEDULE) for it in range(SCHEDULE.warmup_iters + 1)]
+    steps = [b - a for a, b in zip(lrs, lrs[1:])]
+    assert all(step == pytest.approx(steps[0]) for step in steps) and steps[0] > 0
+    assert lrs[-1] == pytest.approx(SCHEDULE.learning_rate)  # the peak at warmup_iters
+
+
+def test_learning_rate_decays_to_min_lr_at_lr_decay_iters():
+    decay = [learning_rate_at(it, SCHEDULE) for it in range(SCHEDULE.warmup_iters, SCHEDULE.lr_decay_iters + 1)]
+    assert all(b <= a for a, b in zip(decay, decay[1:]))
+    assert decay[-1] == pytest.approx(SCHEDULE.min_lr)
+    assert learning_rate_at(SCHEDULE.lr_decay_iters + 15, SCHEDULE) == pytest.approx(SCHEDULE.min_lr)
+
+
+def test_learning_rate_constant_without_decay():
+    cfg = dataclasses.replace(SCHEDULE, decay_lr=False)
+    assert {learning_rate_at(it, cfg) for it in (0, 5, 10, 50, 100, 500)} == {cfg.learning_rate}
+
+
+# ---- MFU peak FLOP/s ----
+
+@pytest.mark.parametrize("name, flops", [
+    ("NVIDIA H100 80GB HBM3", 989.5e12),
+    ("NVIDIA H100 PCIe", 756e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12),
+])
+def test_peak_flops_for_known_gpus(monkeypatch, name, flops):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_flops_for(torch.device("cuda"), torch.bfloat16, None) == (flops, "")
+
+
+def test_peak_flops_for_unknown_gpu_cpu_and_override(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Acme Tensor Card 9000")
+    peak, why = peak_flops_for(torch.device("cuda"), torch.bfloat16, None)
+    assert peak == 0 and "Acme Tensor Card 9000" in why and "--peak_flops" in why
+    peak, why = peak_flops_for(torch.device("cpu"), torch.float32, None)
+    assert peak == 0 and "cpu" in why and "--peak_flops" in why
+    assert peak_flops_for(torch.device("cuda"), torch.bfloat16, 123e12) == (123e12, "")
+    assert peak_flops_for(torch.device("cpu"), torch.float32, 5e11) == (5e11, "")
+
+
+# ---- exact resume after kill -9 ----
+
+def iter_fields(output: str) -> dict[int, str]:
+    """{k: 'iter k | loss X | lr Y'}: the timing fields dropped."""
+    found = {}
+    for line in output.splitlines():
+        match = re.match(r"(iter (\d+) \| loss \S+ \| lr \S+) \|", line)
+        if match:
+            found[int(match.group(2))] = match.group(1)
+    return found
+
+
+def test_exact_resume_after_kill_9(char_data, tmp_path):
+    """2N iterations straight == N, kill -9 (no clean exit), resume to 2N: the same losses and learning
+    rates at every iteration after N. Dropout is on, so the RNG streams must be restored too."""
+    n = 60  # > the ~50 log lines the one-page pipe holds: the killed run blocks long before its save at 2N
+    common = (f"--max_iters={2 * n}", f"--eval_interval={n}", "--always_save_checkpoint=true", "--dropout=0.1")
+    killed_out = tmp_path / "killed"
+    with Child("train.py", tiny_args(char_data, tmp_path / "straight", *common)) as straight, \
+            Child("train.py", tiny_args(char_data, killed_out, *common)) as killed:
+        killed.wait_for(lambda line: line.startswith("saved ") and f"(iter {n}," in line)
+        assert killed.proc.poll() is None
+        os.kill(killed.pid, signal.SIGKILL)
+        killed_code, killed_output = killed.finish(timeout=60)
+        straight_code, straight_output = straight.finish(timeout=180)
+    assert killed_code == -signal.SIGKILL
+    assert straight_code == 0, straight_output
+    assert load_checkpoint(killed_out / "ckpt.pt")["iter_num"] == n
+    assert f"(iter {2 * n}," not in killed_output
+
+    resumed = run_script("train.py", tiny_args(char_data, killed_out, *common, "--init_from=resume"))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resuming at iter {n}" in resumed.stdout
+    want, got = iter_fields(straight_output), iter_fields(resumed.stdout)
+    assert sorted(got) == list(range(n + 1, 2 * n + 1))
+    assert [got[k] for k in got] == [want[k] for k in got]
+    assert lines_starting(resumed.stdout, f"eval {2 * n} ") == lines_starting(straight_output, f"eval {2 * n} ")
+    before_kill = iter_fields(killed_output)
+    assert all(before_kill[k] == want[k] for k in range(1, n + 1))
+
+
+# ---- datasets: auto-prepare and unknown names ----
+
+def test_find_data_unknown_dataset_lists_known_ones():
+    cfg = TrainConfig(dataset="no_such_dataset", data_dir="")
+    runtime = train.Runtime(torch.device("cpu"), torch.float32)
+    with pytest.raises(UsageError) as error:
+        train.find_data(cfg, runtime)
+    message = str(error.value)
+    assert "no_such_dataset" in message and "shakespeare_char" in message and "--data_dir" in message
+
+
+def test_missing_bins_run_the_dataset_prepare(monkeypatch, tmp_path, capsys):
+    root = tmp_path / "data"
+    (root / "fakeds").mkdir(parents=True)
+    (root / "fakeds" / "prepare.py").write_text("# stands in for a real prepare script\n")
+    calls = []
+
+    def fake_prepare_main(argv):
+        calls.append(argv)
+        prepare_text("the king and the queen speak of love and death.\n" * 40, root / "fakeds", "char")
+
+    real_import = train.importlib.import_module
+
+    def import_module(name, *args):
+        if name == "data.fakeds.prepare":
+            return types.SimpleNamespace(main=fake_prepare_main)
+        return real_import(name, *args)
+
+    monkeypatch.setattr(train, "DATA_ROOT", root)
+    monkeypatch.setattr(train.importlib, "import_module", import_module)
+    argv = ["--dataset=fakeds", f"--out_dir={tmp_path / 'out'}", *TINY_MODEL, "--max_iters=2", "--eval_interval=2"]
+    assert train.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"{root / 'fakeds'}: train.bin, val.bin, meta.json missing; running python -m data.fakeds.prepare" in out
+    assert calls == [[]]
+    assert "iter 2 |" in out
+
+    assert train.main(argv) == 0  # the bins exist now: no second prepare
+    assert calls == [[]]
+
+
+# ---- wandb ----
+
+def test_wandb_missing_is_a_usage_error(monkeypatch, char_data, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    code = train.main(tiny_args(char_data, tmp_path / "out", "--wandb_log=true", "--max_iters=2"))
+    err = capsys.readouterr().err
+    assert code == 2
+    errors = lines_starting(err, "error: ")
+    assert len(errors) == 1 and "pip install wandb" in errors[0], err
+    assert "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_wandb_offline_run(monkeypatch, char_data, tmp_path, capsys):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    code = train.main(tiny_args(char_data, tmp_path / "out", "--wandb_log=true", "--max_iters=2",
+                                "--eval_interval=2"))
+    assert code == 0, capsys.readouterr().err
