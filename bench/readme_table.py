@@ -23,8 +23,14 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = REPO_ROOT / "bench" / "results" / "h100-attention.json"
-START, END = "<!-- bench:attention:start -->", "<!-- bench:attention:end -->"
 README_SEQ_LENS = (1024, 4096, 16384)
+
+
+def markers(docs: bool = False, train: bool = False) -> tuple[str, str]:
+    """The README markers of the causal table, the document-masked one, or the train-step one."""
+    name = "train" if train else "attention-docs" if docs else "attention"
+    return f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+
 
 
 # ----------------------------------------------------------------------------------------------
@@ -95,15 +101,35 @@ def backend_table(results: dict, seq_lens=README_SEQ_LENS, docs: bool = False, d
     return "\n".join(lines)
 
 
-def update_readme(readme: Path, table: str) -> bool:
+def train_table(results_list: list[dict], sources: list[str]) -> str:
+    """The measured rows of bench_train.py results (one or more files of the same card)."""
+    lines = ["| backend | T | batch | ms/iter | tokens/s | MFU | peak memory |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for results in results_list:
+        for r in results["rows"]:
+            if r.get("ms_per_iter") is None:
+                continue
+            name = f"auto (→ {r['resolved']})" if r["backend"] == "auto" else r["backend"]
+            mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
+            mem = f"{r['peak_mem_mib'] / 1024:.1f} GiB" if r.get("peak_mem_mib") is not None else "n/a"
+            lines.append(f"| {name} | {r['seq_len']} | {r['batch_size']} | {r['ms_per_iter']:.1f} | "
+                         f"{r['tokens_per_sec']:,.0f} | {mfu} | {mem} |")
+    header = results_list[0]["header"]
+    files = ", ".join(f"`{s}`" for s in sources)
+    lines += ["", f"Source: {files} ({header.get('device_name')}, torch {header.get('torch')}, "
+                  f"{header.get('date', '')[:10]})."]
+    return "\n".join(lines)
+
+
+def update_readme(readme: Path, table: str, docs: bool = False, train: bool = False) -> bool:
     """Replace what is between the markers; False (and the file untouched) when there are no markers."""
     if not readme.is_file():
         return False
+    start_marker, end_marker = markers(docs, train)
     text = readme.read_text()
-    start, end = text.find(START), text.find(END)
+    start, end = text.find(start_marker), text.find(end_marker)
     if start < 0 or end < start:
         return False
-    readme.write_text(text[:start + len(START)] + "\n" + table + "\n" + text[end:])
+    readme.write_text(text[:start + len(start_marker)] + "\n" + table + "\n" + text[end:])
     return True
 
 
@@ -194,35 +220,46 @@ def run_checks(results: dict, tolerance: float = 0.05, max_slope: float = 1.2, o
 
 # ----------------------------------------------------------------------------------------------
 
+def repo_relative(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", nargs="?", type=Path, default=DEFAULT_RESULTS,
-                        help="results JSON of bench_attention.py (default bench/results/h100-attention.json)")
+    parser.add_argument("results", nargs="*", type=Path, default=[DEFAULT_RESULTS],
+                        help="results JSON of bench_attention.py (default bench/results/h100-attention.json), "
+                             "or with --train one or more of bench_train.py")
     parser.add_argument("--readme", type=Path, default=REPO_ROOT / "README.md", help="README to update")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=list(README_SEQ_LENS),
                         help="seq lens shown (default 1024 4096 16384)")
     parser.add_argument("--docs", action="store_true", help="table of the document-masked rows instead")
+    parser.add_argument("--train", action="store_true", help="table of bench_train.py results instead")
     parser.add_argument("--dtype", default=None, help="dtype of the rows shown (default the file's)")
     parser.add_argument("--check", action="store_true", help="check the targets instead of writing the table")
     parser.add_argument("--tolerance", type=float, default=0.05, help="auto may be this much slower (0.05)")
     parser.add_argument("--max-slope", type=float, default=1.2, help="largest log-log memory slope (1.2)")
     args = parser.parse_args(argv)
-    if not args.results.is_file():
-        print(f"error: no results file {args.results}; run bench/bench_attention.py first", file=sys.stderr)
+    missing = [str(path) for path in args.results if not path.is_file()]
+    if missing:
+        print(f"error: no results file {', '.join(missing)}; run the bench first", file=sys.stderr)
         return 2
-    results = json.loads(args.results.read_text())
+    loaded = [json.loads(path.read_text()) for path in args.results]
     if args.check:
-        return 0 if run_checks(results, args.tolerance, args.max_slope) else 1
-    try:
-        source = str(args.results.resolve().relative_to(REPO_ROOT))
-    except ValueError:
-        source = str(args.results)
-    table = backend_table(results, args.seq_lens, args.docs, args.dtype, source)
-    print(table)
-    if update_readme(args.readme, table):
-        print(f"updated {args.readme} between {START} and {END}", file=sys.stderr)
+        return 0 if all(run_checks(results, args.tolerance, args.max_slope) for results in loaded) else 1
+    sources = [repo_relative(path) for path in args.results]
+    if args.train:
+        table = train_table(loaded, sources)
     else:
-        print(f"({args.readme} has no {START} ... {END} markers: printed only)", file=sys.stderr)
+        table = backend_table(loaded[0], args.seq_lens, args.docs, args.dtype, sources[0])
+    print(table)
+    start_marker, end_marker = markers(args.docs, args.train)
+    if update_readme(args.readme, table, args.docs, args.train):
+        print(f"updated {args.readme} between {start_marker} and {end_marker}", file=sys.stderr)
+    else:
+        print(f"({args.readme} has no {start_marker} ... {end_marker} markers: printed only)", file=sys.stderr)
     return 0
 
 

@@ -418,15 +418,17 @@ def test_auto_on_sm90_without_flash_attn_picks_sdpa(fake_env):
     fake_env(installed=(), capability=(9, 0))
     assert resolve("auto", CUDA, backward=True).used == "sdpa"
     used, reason = resolve("auto", CUDA, doc_mask=True, backward=True)
-    assert used == "flex_attention" and "flash-attn is not installed" in reason
+    assert used == "flex_attention" and "skipped" not in reason
 
 
-def test_auto_with_documents_on_sm90_prefers_flash_attn_2(fake_env):
+def test_auto_with_documents_on_sm90_prefers_flex_then_flash_attn_2(fake_env, monkeypatch):
     fake_env(installed=("flash_attn",), capability=(9, 0))
+    assert resolve("auto", CUDA, torch.bfloat16, doc_mask=True, backward=True).used == "flex_attention"
+    assert resolve("auto", CUDA, torch.bfloat16, doc_mask=False, backward=True).used == "sdpa"
+    monkeypatch.setattr(model, "_torch_version", lambda: (2, 4))  # no flex: the varlen flash kernel is next
     used, reason = resolve("auto", CUDA, torch.bfloat16, doc_mask=True, backward=True)
     assert used == "flash_attn_2"
-    assert "flash_attn_3" in reason and "skipped" in reason
-    assert resolve("auto", CUDA, torch.bfloat16, doc_mask=False, backward=True).used == "sdpa"
+    assert "flex_attention: flex_attention needs torch >= 2.5" in reason and "flash_attn_3" in reason
 
 
 def test_auto_on_older_gpu_prefers_flash_attn_2(fake_env):

@@ -151,9 +151,10 @@ def test_readme_table_has_backends_seq_lens_memory_and_source():
 
 def test_readme_update_replaces_only_between_markers(tmp_path):
     readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{readme_table.START}\nold table\n{readme_table.END}\noutro\n")
+    start, end = readme_table.markers(docs=False)
+    readme.write_text(f"intro\n{start}\nold table\n{end}\noutro\n")
     assert readme_table.update_readme(readme, "| new |")
-    assert readme.read_text() == f"intro\n{readme_table.START}\n| new |\n{readme_table.END}\noutro\n"
+    assert readme.read_text() == f"intro\n{start}\n| new |\n{end}\noutro\n"
     plain = tmp_path / "PLAIN.md"
     plain.write_text("no markers\n")
     assert not readme_table.update_readme(plain, "| new |") and plain.read_text() == "no markers\n"
