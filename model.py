@@ -335,9 +335,9 @@ FALLBACKS = {
 
 # What `auto` tries, fastest first. Measured with bench/bench_attention.py on an H100 (torch 2.11, bf16):
 # - causal: bench/results/h100-attention.json. cuDNN-SDPA (PyTorch's default kernel choice there) beats
-#   the flash-attn 2 package (~0.7x) and flex_attention (~0.75x) at every T from 512 to 32k, D 64 and 128.
+#   the flash-attn 2 package (0.59-0.85x) and flex_attention (0.71-0.90x) at every T from 512 to 32k, D 64 and 128.
 # - documents: bench/results/h100-attention-docs.json. SDPA needs a dense mask (its efficient kernel,
-#   ~0.2x); flex_attention's BlockMask skips whole tiles and is fastest in 5 of 6 cells, within 5% of
+#   0.16-0.60x); flex_attention's BlockMask skips whole tiles and is fastest in 5 of 6 cells, within 5% of
 #   flash-attn 2's varlen kernel in the sixth.
 # Older GPUs and FA3 are not measured here: there the order follows the kernels' published speeds.
 AUTO_PREFERENCE = {

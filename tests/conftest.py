@@ -182,6 +182,19 @@ def one_thread():
         yield
 
 
+@pytest.fixture
+def allow_flex_recompiles():
+    """Each shape/dtype/mask is a new compile of the one cached flex function; past dynamo's recompile limit
+    (8, which earlier tests may have used up) torch.compile silently falls back to eager. Patched through
+    dynamo's own config.patch: pytest's monkeypatch cannot undo a torch config attribute cleanly."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    with config.patch(**{name: max(64, getattr(config, name))}):
+        yield
+
+
 @pytest.fixture(scope="session")
 def char_data(tmp_path_factory) -> Path:
     """A prepared tiny char dataset (train.bin, val.bin, meta.json). Shared: copy it before changing it."""

@@ -225,14 +225,6 @@ def no_eager_flex():
         yield
 
 
-def allow_flex_recompiles(monkeypatch):
-    """Each shape/dtype/mask is a new compile of the one cached flex function; dynamo's default limit (8)
-    would silently fall back to eager in a full run."""
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    monkeypatch.setattr(config, name, max(64, getattr(config, name)))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("docs, shape", [(False, (2, 3, 130, 64)), (True, (3, 2, 77, 64))],
                          ids=["causal-2x3x130x64", "docs-3x2x77x64"])
@@ -584,10 +576,9 @@ def gpu_attention(backend, dtype, docs, head_dim):
 @pytest.mark.parametrize("backend, T, D", GPU_CASES, ids=[f"{b}-T{T}-D{D}" for b, T, D in GPU_CASES])
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "docs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.usefixtures("allow_flex_recompiles")
 def test_gpu_backend_matches_float32_manual(monkeypatch, backend, dtype, docs, T, D):
     attend = gpu_attention(backend, dtype, docs, D)
-    if backend == "flex_attention":
-        allow_flex_recompiles(monkeypatch)
     B, H = 3, 4
     q, k, v, dy = random_qkv((B, H, T, D), dtype, generator_for("gpu", backend, dtype, docs, T, D), device="cuda")
     doc_ids = doc_ids_for(B, T, device="cuda") if docs else None

@@ -34,14 +34,6 @@ def tokens(B, T, vocab=64, seed=1, device="cpu"):
     return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
-def allow_flex_recompiles(monkeypatch):
-    """The compiled flex function is shared by the whole process; past dynamo's recompile limit (8 shapes,
-    dtypes or masks, which earlier tests may have used up) torch.compile silently falls back to eager."""
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    monkeypatch.setattr(config, name, max(64, getattr(config, name)))
-
-
 def hand_param_count(c: GPTConfig) -> tuple[int, int]:
     """(all, without wpe), counted from GPT-2's layout; the tied lm_head adds nothing."""
     C = c.n_embd
@@ -293,8 +285,8 @@ def test_generate_top_k_1_is_greedy_and_deterministic():
 
 @pytest.mark.filterwarnings("error:flex_attention called without torch.compile")
 @pytest.mark.parametrize("name", ALL_NAMES)
+@pytest.mark.usefixtures("allow_flex_recompiles")  # the final no-grad loss may run flex on CPU
 def test_every_backend_name_trains_on_cpu(monkeypatch, name):
-    allow_flex_recompiles(monkeypatch)  # the final no-grad loss may run flex (compiled) on CPU
     gpt = tiny_model(attention_backend=name)
     opt = gpt.configure_optimizers(weight_decay=0.1, learning_rate=1e-2, betas=(0.9, 0.95), device_type="cpu")
     idx, targets = tokens(4, 16), tokens(4, 16, seed=2)
@@ -369,8 +361,8 @@ def test_attention_report_keys():
 @requires_cuda
 @pytest.mark.filterwarnings("error:flex_attention called without torch.compile")
 @pytest.mark.parametrize("name", ALL_NAMES)
+@pytest.mark.usefixtures("allow_flex_recompiles")
 def test_tiny_gpt_trains_on_cuda_under_bf16_autocast(monkeypatch, name):
-    allow_flex_recompiles(monkeypatch)
     gpt = tiny_model(attention_backend=name, block_size=64, n_head=2, n_embd=128).cuda()
     opt = gpt.configure_optimizers(weight_decay=0.1, learning_rate=1e-2, betas=(0.9, 0.95), device_type="cuda")
     idx, targets = tokens(4, 64, device="cuda"), tokens(4, 64, seed=2, device="cuda")
