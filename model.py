@@ -189,14 +189,13 @@ def _flash_call(func, varlen_func, q, k, v, mask: AttentionMask, **kwargs):
     return y.reshape(B, T, H, D).transpose(1, 2)
 
 
-# `package` is bound when the model resolves its backend, so compiled code never calls the cached import.
-def flash_attn_2_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0, package=None):
-    fa2 = package or _load_package("flash_attn").module
+def flash_attn_2_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
+    fa2 = _load_package("flash_attn").module
     return _flash_call(fa2.flash_attn_func, fa2.flash_attn_varlen_func, q, k, v, mask, dropout_p=dropout_p)
 
 
-def flash_attn_3_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0, package=None):
-    fa3 = package or _flash_attn_3_package().module
+def flash_attn_3_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
+    fa3 = _flash_attn_3_module()
     return _flash_call(fa3.flash_attn_func, fa3.flash_attn_varlen_func, q, k, v, mask)  # FA3 has no dropout
 
 
@@ -263,6 +262,10 @@ def _flash_attn_3_package() -> Package:
     if second.module is not None and hasattr(second.module, "flash_attn_func"):
         return second
     return first
+
+
+def _flash_attn_3_module():
+    return _flash_attn_3_package().module
 
 
 def _cuda_capability(device: torch.device) -> tuple[int, int]:
@@ -518,10 +521,6 @@ class GPT(nn.Module):
             self._log_once(logging.WARNING,
                            f"{requested} requested but {resolution.reason}; falling back to {resolution.used}")
         attend, detail = ATTENTION_FUNCTIONS[resolution.used], ""
-        if resolution.used == "flash_attn_2":
-            attend = functools.partial(attend, package=_load_package("flash_attn").module)
-        elif resolution.used == "flash_attn_3":
-            attend = functools.partial(attend, package=_flash_attn_3_package().module)
         if resolution.used == "sdpa" and self.config.sdpa_kernel != "auto":
             kernel = resolve_sdpa_kernel(self.config.sdpa_kernel, device, dtype, use["doc_mask"])
             if kernel.reason:

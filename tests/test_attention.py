@@ -286,22 +286,6 @@ def test_flash_call_path_with_stand_in_kernels(monkeypatch, name, docs):
     assert rel_err(out, model.manual_attention(q, k, v, AttentionMask(30, CPU, doc_ids))) < 1e-12
 
 
-
-def test_model_binds_the_flash_package_when_it_resolves(monkeypatch):
-    """The model hands the imported package to the kernel, so compiled code never traces the cached import."""
-    calls = []
-    fake = fake_flash_module(returns_tuple=False, calls=calls)
-    monkeypatch.setattr(model, "_load_package", lambda pkg: Package(fake, "0.0-fake", ""))
-    monkeypatch.setattr(model, "backend_problem", lambda *args, **kwargs: "")
-    gpt = model.GPT(model.GPTConfig(block_size=32, vocab_size=40, n_layer=1, n_head=2, n_embd=32,
-                                    attention_backend="flash_attn_2"))
-    attend, resolution = gpt._resolve(CPU, torch.float32, doc_mask=False, dropout=False, backward=True)
-    assert resolution.used == "flash_attn_2" and attend.keywords == {"package": fake}
-    monkeypatch.setattr(model, "_load_package", lambda pkg: pytest.fail("the kernel imported the package again"))
-    q, k, v, _ = random_qkv((2, 2, 20, 16), torch.float32, generator_for("bound", "fa2"))
-    out = attend(q, k, v, AttentionMask(20, CPU), 0.0)
-    assert calls and rel_err(out, model.manual_attention(q, k, v, AttentionMask(20, CPU))) < 1e-5
-
 # ---- resolution: the fallback chain, with availability simulated ----------------------------------
 
 @pytest.fixture
