@@ -633,6 +633,7 @@ def start_wandb(cfg: TrainConfig):
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    cfg = None
     try:
         cfg = load_config(TrainConfig(), argv, deprecated=DEPRECATED)
         return train(cfg)
@@ -640,8 +641,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except torch.cuda.OutOfMemoryError:
-        print("error: CUDA out of memory; lower --batch_size and raise --gradient_accumulation_steps by the same "
-              "factor (same tokens per step), or shorten --block_size", file=sys.stderr)
+        example = ""
+        if cfg is not None and cfg.batch_size > 1:
+            example = (f" (e.g. --batch_size={cfg.batch_size // 2} "
+                       f"--gradient_accumulation_steps={cfg.gradient_accumulation_steps * 2})")
+        print(f"error: CUDA out of memory; lower --batch_size and raise --gradient_accumulation_steps by the same "
+              f"factor{example}: same tokens per step, less memory; or shorten --block_size", file=sys.stderr)
         return 2
     finally:
         if dist.is_initialized():

@@ -329,3 +329,16 @@ def test_bad_input(args, setup, expect, char_data, trained_out, tmp_path, capsys
     for text in expect:
         assert text in lines[0], f"{text!r} not in {lines[0]!r}"
     assert tree_digest(tmp_path, trained_out) == before
+
+
+def test_cuda_out_of_memory_suggests_smaller_batches(monkeypatch, char_data, tmp_path, capsys):
+    """An OOM (raised here from the first forward, as a GPU would) gets one line and exit code 2."""
+    def out_of_memory(self, *args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    monkeypatch.setattr(model.GPT, "forward", out_of_memory)
+    code = train.main(tiny_args(char_data, tmp_path / "out", "--max_iters=2"))
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith("error: CUDA out of memory")
+    assert "--batch_size=2 --gradient_accumulation_steps=2" in errors[0]  # tiny model: batch 4, no accumulation
