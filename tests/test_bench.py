@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -186,3 +187,20 @@ def test_checks_catch_a_slow_auto_and_a_quadratic_backend(tmp_path):
     assert readme_table.main([str(path), "--check"]) == 1
     path.write_text(json.dumps(synthetic_results()))
     assert readme_table.main([str(path), "--check"]) == 0
+
+
+def test_compare_backends_tabulates_each_backends_last_log_line(char_data, tmp_path):
+    env = {**os.environ, "BACKENDS": "sdpa manual", "OUT_DIR": str(tmp_path), "PYTHON": sys.executable,
+           "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(["bash", "bench/compare_backends.sh", f"--data_dir={char_data}", "--n_layer=2",
+                             "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=4", "--max_iters=4",
+                             "--log_interval=2", "--device=cpu"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    rows = {line.split("|")[1].strip(): line for line in result.stdout.splitlines() if line.startswith("| ")}
+    assert set(rows) >= {"sdpa", "manual"}
+    for backend in ("sdpa", "manual"):
+        cells = [c.strip() for c in rows[backend].split("|")[1:-1]]
+        assert cells[1] == backend and cells[2] == "4" and cells[-1] == "ok", rows[backend]
+    saved = json.loads((tmp_path / "cpu-compare_backends.json").read_text())
+    assert [r["backend"] for r in saved["rows"]] == ["sdpa", "manual"]
