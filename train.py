@@ -377,6 +377,7 @@ class StopFlags:
 
     def __init__(self, runtime: Runtime):
         self.runtime, self.signal_name = runtime, ""
+        self.signal_seen = torch.zeros((), device=runtime.device)
         self.bad_streak = torch.zeros((), device=runtime.device)
         self.host = torch.zeros(2, pin_memory=runtime.device.type == "cuda")
         self.pending = None
@@ -399,8 +400,9 @@ class StopFlags:
         previous = self._read()
         bad = ~torch.isfinite(grad_norm)
         self.bad_streak = torch.where(bad, self.bad_streak + 1, torch.zeros_like(self.bad_streak))
-        flags = torch.stack([torch.tensor(float(bool(self.signal_name)), device=self.runtime.device),
-                             self.bad_streak.float()])
+        if self.signal_name:
+            self.signal_seen.fill_(1.0)  # a kernel with the value as argument: no copy from host memory
+        flags = torch.stack([self.signal_seen, self.bad_streak])
         if self.runtime.ddp:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         self.host.copy_(flags, non_blocking=True)
