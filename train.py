@@ -158,7 +158,7 @@ def peak_flops_for(device: torch.device, dtype: torch.dtype, override: Optional[
         return 0.0, f"no peak FLOP/s known for {device.type}; set --peak_flops to get MFU"
     name = torch.cuda.get_device_name(device)
     if dtype == torch.float32:
-        return 0.0, f"the peak table is for bf16/fp16 tensor cores, this run is float32; set --peak_flops"
+        return 0.0, "the peak table is for bf16/fp16 tensor cores, this run is float32; set --peak_flops"
     for fragment, flops in PEAK_FLOPS:
         if fragment.lower() in name.lower():
             return flops, ""

@@ -18,7 +18,7 @@ from conftest import REPO, TINY_MODEL, Child, run_script, tiny_args
 
 import train
 from checkpoint import load_checkpoint
-from configurator import ConfigError, load_config
+from configurator import load_config
 from data.common import prepare_text
 from model import GPT, GPTConfig
 from train import TrainConfig, UsageError, learning_rate_at, peak_flops_for
