@@ -24,9 +24,9 @@ from torch.nn import functional as F
 
 log = logging.getLogger("model")
 
-BACKENDS = ("auto", "flash_attn_3", "flash_attn_2", "flex_attention", "sdpa", "manual")
-ALIASES = {"eager": "manual", "flash_attention_2": "flash_attn_2",
-           "flash_attention_3": "flash_attn_3", "flex": "flex_attention"}
+BACKENDS = ("auto", "flash_attn_4", "flash_attn_3", "flash_attn_2", "flex_attention", "sdpa", "manual")
+ALIASES = {"eager": "manual", "flash_attention_2": "flash_attn_2", "flash_attention_3": "flash_attn_3",
+           "flash_attention_4": "flash_attn_4", "flex": "flex_attention"}
 SDPA_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")
 
 
@@ -175,28 +175,34 @@ def sdpa_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0, kernel:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
 
-def _flash_call(func, varlen_func, q, k, v, mask: AttentionMask, **kwargs):
+def _flash_call(package, q, k, v, mask: AttentionMask, **kwargs):
     """Shared by the flash-attn packages: they take (B, T, H, D), or (tokens, H, D) for documents."""
     B, H, T, D = q.shape
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, T, H, D)
     if mask.has_documents:
         cu_seqlens, max_len = mask.varlen()
         q, k, v = (x.reshape(B * T, H, D) for x in (q, k, v))
-        y = varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, causal=True, **kwargs)
+        y = package.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                           max_seqlen_q=max_len, max_seqlen_k=max_len, causal=True, **kwargs)
     else:
-        y = func(q, k, v, causal=True, **kwargs)
-    y = y[0] if isinstance(y, tuple) else y  # some FA3 builds also return the log-sum-exp
+        y = package.flash_attn_func(q, k, v, causal=True, **kwargs)
+    y = y[0] if isinstance(y, tuple) else y  # FA3 builds and FA4 also return the log-sum-exp
     return y.reshape(B, T, H, D).transpose(1, 2)
 
 
-def flash_attn_2_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
-    fa2 = _load_package("flash_attn").module
-    return _flash_call(fa2.flash_attn_func, fa2.flash_attn_varlen_func, q, k, v, mask, dropout_p=dropout_p)
+# `package` is bound when the model resolves its backend (attention_function), so torch.compile never
+# traces the cached import lookup; called directly, the function looks the package up itself.
+def flash_attn_2_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0, package=None):
+    return _flash_call(package or _flash_package("flash_attn_2").module, q, k, v, mask, dropout_p=dropout_p)
 
 
-def flash_attn_3_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
-    fa3 = _flash_attn_3_module()
-    return _flash_call(fa3.flash_attn_func, fa3.flash_attn_varlen_func, q, k, v, mask)  # FA3 has no dropout
+def flash_attn_3_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0, package=None):
+    return _flash_call(package or _flash_package("flash_attn_3").module, q, k, v, mask)  # no dropout in FA3
+
+
+@torch.compiler.disable  # CuTe DSL compiles its kernels when first called, which dynamo cannot trace
+def flash_attn_4_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0, package=None):
+    return _flash_call(package or _flash_package("flash_attn_4").module, q, k, v, mask)  # no dropout in FA4
 
 
 def flex_attention_fn(q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
@@ -218,8 +224,16 @@ ATTENTION_FUNCTIONS: dict[str, Callable] = {
     "sdpa": sdpa_attention,
     "flash_attn_2": flash_attn_2_attention,
     "flash_attn_3": flash_attn_3_attention,
+    "flash_attn_4": flash_attn_4_attention,
     "flex_attention": flex_attention_fn,
 }
+
+
+def attention_function(name: str) -> Callable:
+    """ATTENTION_FUNCTIONS[name], with a flash backend's package bound now rather than looked up per call."""
+    if name.startswith("flash_attn_"):
+        return functools.partial(ATTENTION_FUNCTIONS[name], package=_flash_package(name).module)
+    return ATTENTION_FUNCTIONS[name]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,41 +245,46 @@ class Package(NamedTuple):
     problem: str  # why it cannot be used ('' when it can)
 
 
+# Import name -> (name in messages, distribution whose version is reported)
+_PACKAGE_NAMES = {"flash_attn": ("flash-attn", "flash-attn"),
+                  "flash_attn_interface": ("flash-attn 3 (flash_attn_interface)", "flash-attn-3"),
+                  "flash_attn_3": ("flash-attn 3", "flash-attn-3"),
+                  "flash_attn.cute": ("flash-attn-4 (flash_attn.cute)", "flash-attn-4")}
+# The modules that may hold each flash backend, tried in order. FA3 is built from the hopper/ folder of
+# flash-attention (older builds name it flash_attn_interface); FA4 is PyPI's flash-attn-4 (CuTe DSL).
+_FLASH_MODULES = {"flash_attn_2": ("flash_attn",), "flash_attn_3": ("flash_attn_interface", "flash_attn_3"),
+                  "flash_attn_4": ("flash_attn.cute",)}
+
+
 @functools.cache
 def _load_package(name: str) -> Package:
-    pretty = {"flash_attn": "flash-attn", "flash_attn_interface": "flash-attn 3 (flash_attn_interface)",
-              "flash_attn_3": "flash-attn 3"}.get(name, name)
+    pretty, distribution = _PACKAGE_NAMES.get(name, (name, name))
+    if name == "flash_attn.cute" and not _dist_version(distribution):  # flash-attn 2.8 ships an early draft there
+        return Package(None, "", f"{pretty} is not installed")
     try:
         module = importlib.import_module(name)
     except ModuleNotFoundError as error:
-        if error.name == name:
+        if name == error.name or name.startswith(f"{error.name}."):
             return Package(None, "", f"{pretty} is not installed")
         return Package(None, "", f"{pretty} failed to import: {error}")
     except (ImportError, OSError) as error:  # typically a wheel built for another torch/CUDA
         return Package(None, "", f"{pretty} failed to import: {str(error).splitlines()[0]}")
-    return Package(module, getattr(module, "__version__", "") or _dist_version(name), "")
+    if not hasattr(module, "flash_attn_func"):  # flash-attn-4 alone leaves a bare flash_attn namespace
+        return Package(None, "", f"{pretty} is not installed (module {name} has no flash_attn_func)")
+    return Package(module, _dist_version(distribution) or getattr(module, "__version__", ""), "")
 
 
-def _dist_version(name: str) -> str:
+def _dist_version(distribution: str) -> str:
     try:
-        return importlib.metadata.version(name.replace("_", "-"))
+        return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return ""
 
 
-def _flash_attn_3_package() -> Package:
-    """FA3 is built from the hopper/ folder of flash-attention; older builds name it flash_attn_interface."""
-    first = _load_package("flash_attn_interface")
-    if first.module is not None:
-        return first
-    second = _load_package("flash_attn_3")
-    if second.module is not None and hasattr(second.module, "flash_attn_func"):
-        return second
-    return first
-
-
-def _flash_attn_3_module():
-    return _flash_attn_3_package().module
+def _flash_package(backend: str) -> Package:
+    """The first importable module of a flash backend, or the first one's problem."""
+    packages = [_load_package(name) for name in _FLASH_MODULES[backend]]
+    return next((p for p in packages if p.module is not None), packages[0])
 
 
 def _cuda_capability(device: torch.device) -> tuple[int, int]:
@@ -291,8 +310,8 @@ def backend_problem(name: str, device: torch.device, dtype: torch.dtype, *, doc_
         if device.type == "mps" and doc_mask:
             return "SDPA on MPS returns NaN for masked rows with an explicit mask (pytorch#107616)"
         return ""
-    if name in ("flash_attn_2", "flash_attn_3"):
-        package = _load_package("flash_attn") if name == "flash_attn_2" else _flash_attn_3_package()
+    if name.startswith("flash_attn_"):
+        package = _flash_package(name)
         if package.problem:
             return package.problem
         if device.type != "cuda":
@@ -303,12 +322,16 @@ def backend_problem(name: str, device: torch.device, dtype: torch.dtype, *, doc_
             return f"flash-attn 2 needs compute capability >= 8.0 (this GPU is {sm})"
         if name == "flash_attn_3" and capability[0] != 9:
             return f"FlashAttention-3 needs a Hopper GPU (sm90; this GPU is {sm})"
+        if name == "flash_attn_4" and capability[0] not in (9, 10, 11):
+            return f"flash-attn-4 trains on Hopper and Blackwell GPUs only (sm90, sm100, sm110; this GPU is {sm})"
         if dtype not in _HALF:
             return f"flash-attn needs float16 or bfloat16 (this run is {_dtype_name(dtype)})"
         if head_dim % 8 or head_dim > 256:
             return f"flash-attn needs a head dim that is a multiple of 8 and <= 256 (got {head_dim})"
-        if name == "flash_attn_3" and dropout:
-            return "FlashAttention-3 has no attention dropout (set dropout=0)"
+        if name == "flash_attn_4" and capability[0] != 9 and 128 < head_dim < 256:
+            return f"flash-attn-4 on {sm} needs a head dim <= 128 or 256 (got {head_dim})"
+        if name != "flash_attn_2" and dropout:
+            return f"{name} has no attention dropout (set dropout=0)"
         return ""
     if name == "flex_attention":
         if _torch_version() < (2, 5):
@@ -329,6 +352,7 @@ def backend_problem(name: str, device: torch.device, dtype: torch.dtype, *, doc_
 
 # Explicit requests fall back along these chains.
 FALLBACKS = {
+    "flash_attn_4": ("flash_attn_4", "flash_attn_3", "flash_attn_2", "sdpa", "manual"),
     "flash_attn_3": ("flash_attn_3", "flash_attn_2", "sdpa", "manual"),
     "flash_attn_2": ("flash_attn_2", "sdpa", "manual"),
     "flex_attention": ("flex_attention", "sdpa", "manual"),
@@ -342,10 +366,14 @@ FALLBACKS = {
 # - documents: bench/results/h100-attention-docs.json. SDPA needs a dense mask (its efficient kernel,
 #   0.16-0.60x); flex_attention's BlockMask skips whole tiles and is fastest in 5 of 6 cells, within 5% of
 #   flash-attn 2's varlen kernel in the sixth.
-# Older GPUs and FA3 are not measured here: there the order follows the kernels' published speeds.
+# Not measured here: older GPUs, FA3 and Blackwell, where the order follows the kernels' published speeds
+# (flash-attn-4 was written for Blackwell and reports beating cuDNN there).
 AUTO_PREFERENCE = {
-    ("cuda", "sm90+", "causal"): ("sdpa", "flash_attn_3", "flash_attn_2", "flex_attention", "manual"),
-    ("cuda", "sm90+", "documents"): ("flex_attention", "flash_attn_3", "flash_attn_2", "sdpa", "manual"),
+    ("cuda", "sm100+", "causal"): ("flash_attn_4", "sdpa", "flash_attn_2", "flex_attention", "manual"),
+    ("cuda", "sm100+", "documents"): ("flash_attn_4", "flex_attention", "flash_attn_2", "sdpa", "manual"),
+    ("cuda", "sm90", "causal"): ("sdpa", "flash_attn_4", "flash_attn_3", "flash_attn_2", "flex_attention", "manual"),
+    ("cuda", "sm90", "documents"): ("flex_attention", "flash_attn_4", "flash_attn_3", "flash_attn_2", "sdpa",
+                                    "manual"),
     ("cuda", "older", "causal"): ("flash_attn_2", "sdpa", "manual"),
     ("cuda", "older", "documents"): ("flash_attn_2", "flex_attention", "sdpa", "manual"),
     ("other", "", "causal"): ("sdpa", "manual"),
@@ -358,7 +386,8 @@ def auto_candidates(device: torch.device, doc_mask: bool) -> tuple[str, ...]:
     masking = "documents" if doc_mask else "causal"
     if device.type != "cuda":
         return AUTO_PREFERENCE[("other", "", masking)]
-    generation = "sm90+" if _cuda_capability(device) >= (9, 0) else "older"
+    capability = _cuda_capability(device)
+    generation = "sm100+" if capability >= (10, 0) else "sm90" if capability >= (9, 0) else "older"
     return AUTO_PREFERENCE[("cuda", generation, masking)]
 
 
@@ -520,7 +549,7 @@ class GPT(nn.Module):
         if requested != "auto" and resolution.used != requested:
             self._log_once(logging.WARNING,
                            f"{requested} requested but {resolution.reason}; falling back to {resolution.used}")
-        attend, detail = ATTENTION_FUNCTIONS[resolution.used], ""
+        attend, detail = attention_function(resolution.used), ""
         if resolution.used == "sdpa" and self.config.sdpa_kernel != "auto":
             kernel = resolve_sdpa_kernel(self.config.sdpa_kernel, device, dtype, use["doc_mask"])
             if kernel.reason:
@@ -626,10 +655,9 @@ def attention_report(device=None) -> dict:
         "backends": {},
         "auto": {},
     }
-    packages = {"flash_attn_2": _load_package("flash_attn"), "flash_attn_3": _flash_attn_3_package()}
     for name in BACKENDS[1:]:
         problem = backend_problem(name, device, train_dtype, backward=True)
-        version = packages[name].version if name in packages else torch.__version__
+        version = _flash_package(name).version if name.startswith("flash_attn_") else torch.__version__
         report["backends"][name] = {"available": not problem, "version": version, "why": problem}
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         report["auto"][_dtype_name(dtype)] = resolve_attention_backend("auto", device, dtype, backward=True).used

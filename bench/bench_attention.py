@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import functools
 import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -30,11 +31,11 @@ import torch._dynamo
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (DEFAULT_OUT, Budget, Column, failure_reason, free_device_memory,  # noqa: E402
                           median_ms, plot_lines, results_header, synchronize, write_results)
-from model import (ATTENTION_FUNCTIONS, AttentionMask, backend_problem, resolve_attention_backend,  # noqa: E402
+from model import (AttentionMask, attention_function, backend_problem, resolve_attention_backend,  # noqa: E402
                    resolve_sdpa_kernel, sdpa_attention)
 
 SDPA_VARIANTS = ("sdpa:auto", "sdpa:flash", "sdpa:cudnn", "sdpa:efficient", "sdpa:math")
-ALL_BACKENDS = ("manual", *SDPA_VARIANTS, "flex_attention", "flash_attn_2", "flash_attn_3", "auto")
+ALL_BACKENDS = ("manual", *SDPA_VARIANTS, "flex_attention", "flash_attn_2", "flash_attn_3", "flash_attn_4", "auto")
 QUICK_BACKENDS = ("manual", *SDPA_VARIANTS, "flex_attention", "auto")
 # Seq lens in the order they are measured: the README's columns first, so a --budget cut loses the others.
 DEFAULT_SEQ_LENS = (1024, 4096, 16384, 512, 2048, 8192, 32768)
@@ -131,13 +132,13 @@ def plan_backend(backend: str, cell: Cell, device: torch.device) -> Plan:
     use = dict(doc_mask=cell.docs, head_dim=cell.head_dim)
     if backend == "auto":  # resolved for training (backward=True), as the model resolves it
         resolution = resolve_attention_backend("auto", device, cell.dtype, backward=True, **use)
-        return Plan(ATTENTION_FUNCTIONS[resolution.used], resolution.used, "", "")
+        return Plan(attention_function(resolution.used), resolution.used, "", "")
     if backend.startswith("sdpa:"):
         kernel = backend.split(":", 1)[1]
         problem = backend_problem("sdpa", device, cell.dtype, **use) or resolve_sdpa_kernel(
             kernel, device, cell.dtype, doc_mask=cell.docs).reason  # pinned: never let PyTorch pick another
         return Plan(functools.partial(sdpa_attention, kernel=kernel), backend, problem, problem)
-    return Plan(ATTENTION_FUNCTIONS[backend], backend,
+    return Plan(attention_function(backend), backend,
                 backend_problem(backend, device, cell.dtype, backward=False, **use),
                 backend_problem(backend, device, cell.dtype, backward=True, **use))
 
@@ -165,15 +166,26 @@ def memory_mib(run, device: torch.device, grads) -> float | None:
     return (peak - base) / 2**20
 
 
-def measure_backend(backend: str, cell: Cell, inputs, reference, args, device) -> dict:
+@dataclass
+class Measurement:
+    """One backend in one cell: its row, and the runs still to be timed ('fwd', 'fwd_bwd' -> fn, grads)."""
+    row: dict
+    runs: dict
+    status: dict
+    times: dict
+
+
+def prepare_backend(backend: str, cell: Cell, inputs, reference, args, device) -> Measurement:
+    """Everything but the timing: first call (compiles flex, builds the mask form), error, memory."""
     q, k, v, grad_out, mask = inputs
-    batch = q.size(0)
-    row = empty_row(backend, cell, batch)
+    row = empty_row(backend, cell, q.size(0))
     plan = plan_backend(backend, cell, device)
     row["resolved"] = plan.resolved
+    measurement = Measurement(row, {}, {}, {"fwd": [], "fwd_bwd": []})
     skip = quick_skip_reason(backend, cell, args)
     if plan.forward_problem or skip:
-        return finish_row(row, plan.forward_problem or skip, plan.forward_problem or skip)
+        measurement.status = {"fwd": plan.forward_problem or skip, "fwd_bwd": plan.forward_problem or skip}
+        return measurement
     if plan.backward_problem:  # forward-only (flex on CPU): autograd inputs would make it refuse to run
         q, k, v = (t.detach() for t in (q, k, v))
 
@@ -183,12 +195,10 @@ def measure_backend(backend: str, cell: Cell, inputs, reference, args, device) -
     def forward_backward():
         plan.fn(q, k, v, mask, 0.0).backward(grad_out)
 
-    fwd_flops, fwd_bwd_flops = attention_flops(batch, q.size(1), cell.seq_len, cell.head_dim)
-    timing = dict(device=device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
     # Any exception a kernel raises (RuntimeError, a Triton compile error, OOM) becomes this cell's reason.
     try:
         start = time.perf_counter()
-        out = forward()  # first call: compiles (flex) and builds the mask form the backend needs
+        out = forward()  # first call: compiles (flex, flash-attn-4) and builds the mask form the backend needs
         synchronize(device)
         row["first_call_s"] = time.perf_counter() - start
         error = out.detach().float() - reference
@@ -197,27 +207,51 @@ def measure_backend(backend: str, cell: Cell, inputs, reference, args, device) -
         del out, error
         if not math.isfinite(row["max_err"]):  # a NaN-producing kernel's time means nothing
             raise FloatingPointError(f"non-finite output (max error {row['max_err']})")
-        row["fwd_ms"] = median_ms(forward, **timing)
-        row["fwd_tflops"] = fwd_flops / row["fwd_ms"] / 1e9
-        fwd_status = "ok"
+        measurement.status["fwd"], measurement.runs["fwd"] = "ok", (forward, ())
     except Exception as error:  # noqa: BLE001 - recorded, never swallowed
-        fwd_status = failure_reason(error)
-    if fwd_status != "ok" or plan.backward_problem:
-        if fwd_status == "ok" and device.type == "cuda":
+        measurement.status["fwd"] = failure_reason(error)
+    if measurement.status["fwd"] != "ok" or plan.backward_problem:
+        if measurement.status["fwd"] == "ok" and device.type == "cuda":
             row["peak_mem_mib"], row["mem_pass"] = memory_mib(forward, device, ()), "fwd"
-        return finish_row(row, fwd_status, plan.backward_problem or fwd_status)
+        measurement.status["fwd_bwd"] = plan.backward_problem or measurement.status["fwd"]
+        return measurement
     try:
-        forward_backward()  # compiles the backward (flex) before memory is measured
+        forward_backward()  # compiles the backward (flex, flash-attn-4) before memory is measured
         if device.type == "cuda":
             row["peak_mem_mib"], row["mem_pass"] = memory_mib(forward_backward, device, (q, k, v)), "fwd_bwd"
-        row["fwd_bwd_ms"] = median_ms(forward_backward, grad_to_none=(q, k, v), **timing)
-        row["fwd_bwd_tflops"] = fwd_bwd_flops / row["fwd_bwd_ms"] / 1e9
-        fwd_bwd_status = "ok"
+        measurement.status["fwd_bwd"], measurement.runs["fwd_bwd"] = "ok", (forward_backward, (q, k, v))
     except Exception as error:  # noqa: BLE001 - recorded, never swallowed
-        fwd_bwd_status = failure_reason(error)
+        measurement.status["fwd_bwd"] = failure_reason(error)
     for t in (q, k, v):
         t.grad = None
-    return finish_row(row, fwd_status, fwd_bwd_status)
+    return measurement
+
+
+def time_in_rounds(measurements: list[Measurement], args, device):
+    """Time every backend of a cell in turn, `--rounds` times over. Each backend keeps the median of its
+    round medians, so a drift of clocks or temperature during the cell hits all backends alike."""
+    timing = dict(device=device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    for _ in range(args.rounds):
+        for m in measurements:
+            for kind, (fn, grads) in list(m.runs.items()):
+                try:
+                    m.times[kind].append(median_ms(fn, grad_to_none=grads, **timing))
+                except Exception as error:  # noqa: BLE001 - recorded, never swallowed
+                    m.status[kind] = failure_reason(error)
+                    m.times[kind] = []
+                    del m.runs[kind]
+                    free_device_memory()
+
+
+def finish_measurement(m: Measurement, cell: Cell, heads: int) -> dict:
+    row = m.row
+    flops = dict(zip(("fwd", "fwd_bwd"), attention_flops(row["batch_size"], heads, cell.seq_len, cell.head_dim)))
+    for kind, times in m.times.items():
+        if times:
+            row[f"{kind}_ms"] = statistics.median(times)
+            row[f"{kind}_tflops"] = flops[kind] / row[f"{kind}_ms"] / 1e9
+            row[f"{kind}_ms_rounds"] = [round(t, 4) for t in times]
+    return finish_row(row, m.status["fwd"], m.status["fwd_bwd"])
 
 
 def quick_skip_reason(backend: str, cell: Cell, args) -> str:
@@ -232,7 +266,8 @@ def empty_row(backend: str, cell: Cell, batch: int) -> dict:
     return {"backend": backend, "resolved": None, "head_dim": cell.head_dim, "seq_len": cell.seq_len,
             "batch_size": batch, "docs": cell.docs, "dtype": str(cell.dtype).removeprefix("torch."),
             "fwd_ms": None, "fwd_bwd_ms": None, "fwd_tflops": None, "fwd_bwd_tflops": None,
-            "peak_mem_mib": None, "mem_pass": None, "max_err": None, "rel_err": None, "first_call_s": None}
+            "peak_mem_mib": None, "mem_pass": None, "max_err": None, "rel_err": None, "first_call_s": None,
+            "fwd_ms_rounds": None, "fwd_bwd_ms_rounds": None}
 
 
 def finish_row(row: dict, fwd_status: str, fwd_bwd_status: str) -> dict:
@@ -270,16 +305,16 @@ def run_grid(args, device: torch.device) -> list[dict]:
             continue
         inputs = make_inputs(cell, args.heads, args.tokens, device, seed=1000 + index)
         reference = reference_attention(*inputs[:3], inputs[4])
+        measurements = []
         for backend in args.backends:
-            if budget.exhausted():
-                row = finish_row(empty_row(backend, cell, batch), budget.reason(), budget.reason())
-            else:
-                row = measure_backend(backend, cell, inputs, reference, args, device)
-            rows.append(row)
-            print(progress_line(row, budget.elapsed()), flush=True)
-            if "OOM" in row["status"]:
+            measurements.append(prepare_backend(backend, cell, inputs, reference, args, device))
+            if "OOM" in measurements[-1].status["fwd_bwd"]:
                 free_device_memory()  # the failed call's tensors may sit in reference cycles until collected
-        del inputs, reference
+        time_in_rounds(measurements, args, device)
+        for m in measurements:
+            rows.append(finish_measurement(m, cell, args.heads))
+            print(progress_line(rows[-1], budget.elapsed()), flush=True)
+        del inputs, reference, measurements
         free_device_memory()
     return rows
 
@@ -336,22 +371,28 @@ def parse_args(argv=None):
                         help="seconds for the whole grid; later cells are recorded as skipped (default 240; 0: none)")
     parser.add_argument("--warmup-ms", type=float, default=None, help="do_bench warm-up per timing (default 25 ms)")
     parser.add_argument("--rep-ms", type=float, default=None, help="do_bench repetition time per timing (default 100 ms)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="timings per backend, interleaved across the cell's backends; the median counts "
+                             "(default 3; --quick: 1)")
     parser.add_argument("--name", default=None, help="results name (default attention[-float16] / attention-quick)")
     args = parser.parse_args(argv)
     if args.quick:
         defaults = dict(device="cpu", dtype="float32", head_dims=[64], seq_lens=[64, 128], tokens=256,
-                        backends=list(QUICK_BACKENDS), budget=0, name="attention-quick", warmup_ms=5, rep_ms=20)
+                        backends=list(QUICK_BACKENDS), budget=0, name="attention-quick", warmup_ms=5, rep_ms=20,
+                        rounds=1)
         args.docs = True  # cheap on CPU, and it exercises the document path
     else:
         defaults = dict(device="cuda" if torch.cuda.is_available() else "cpu", dtype="bfloat16",
                         head_dims=[64, 128], seq_lens=list(DEFAULT_SEQ_LENS), tokens=16384,
-                        backends=list(ALL_BACKENDS), budget=240, name=None, warmup_ms=25, rep_ms=100)
+                        backends=list(ALL_BACKENDS), budget=240, name=None, warmup_ms=25, rep_ms=100, rounds=3)
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.name is None:
         args.name = "attention" + ("-docs" if args.docs_only else "") + (
             "" if args.dtype == "bfloat16" else f"-{args.dtype}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     args.flex_cell = (args.head_dims[0], args.seq_lens[0], False)
     return args
 
@@ -373,7 +414,8 @@ def main(argv=None) -> int:
         flop_convention=FLOP_CONVENTION, wall_s=round(time.perf_counter() - start, 1),
         notes={
             "shapes": f"B = max(1, {args.tokens} // T), H = {args.heads} for every D; {args.dtype} inputs (B, H, T, D)",
-            "timing": "median of triton.testing.do_bench (CUDA events, L2 flushed before each run; "
+            "timing": f"median over {args.rounds} rounds (every backend of a cell timed in turn, each round) "
+                      "of the median of triton.testing.do_bench (CUDA events, L2 flushed before each run; "
                       "host clock on CPU); forward timed with autograd on, as in training; "
                       "mask forms (dense, BlockMask, cu_seqlens) built before timing, as the model builds them "
                       "once per forward for all layers",

@@ -33,7 +33,7 @@ from train import (StopFlags, TrainConfig, Training, build_model, build_training
 
 GPT2_124M = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, bias=False, dropout=0.0)
 TINY = dict(n_layer=2, n_head=2, n_embd=64, vocab_size=512, bias=False, dropout=0.0)
-BACKENDS = ("auto", "sdpa", "flash_attn_2", "flex_attention", "manual")
+BACKENDS = ("auto", "sdpa", "flash_attn_2", "flash_attn_4", "flex_attention", "manual")
 MANUAL_MAX_SEQ_LEN = 1024
 
 

@@ -11,7 +11,9 @@ Targets checked by --check, in every (dtype, docs, head dim, seq len) cell of th
   1. `auto` is within --tolerance (5%) of the fastest backend's fwd+bwd time;
   2. every backend that does not materialise (T, T) scores by design has attention memory per sequence
      (peak_mem_mib / batch_size) that grows ~linearly in T: slope of log(memory) vs log(T) <= --max-slope (1.2).
-     At a constant token count, memory per sequence is what separates O(T) (slope 1) from O(T^2) (slope 2).
+     At a constant token count, memory per sequence is what separates O(T) (slope 1) from O(T^2) (slope 2);
+  3. every backend's forward agrees with the float32 reference: ||out - ref|| / ||ref|| <= --max-rel-err
+     (1e-2, the upper end of bf16's band in METHOD.md) in every cell it ran.
 """
 from __future__ import annotations
 
@@ -203,12 +205,36 @@ def check_memory_linear(rows: list[dict], max_slope: float) -> list[tuple[str, s
     return results
 
 
-def run_checks(results: dict, tolerance: float = 0.05, max_slope: float = 1.2, out=print) -> bool:
+def check_forward_error(rows: list[dict], max_rel_err: float) -> list[tuple[str, str]]:
+    """(verdict, detail) per (dtype, docs, backend): the largest forward error against the float32 reference
+    over all cells, as ||out - ref|| / ||ref||. A cell that ran but has no error figure (NaN output) fails."""
+    series = {}
+    for row in rows:
+        ran = row.get("fwd_status") == "ok" or "non-finite" in row.get("status", "")
+        if ran and row["backend"] != "auto":  # auto is one of the other rows again
+            series.setdefault((row["dtype"], row["docs"], row["backend"]), []).append(row)
+    results = []
+    for (dtype, docs, backend), group in series.items():
+        where = f"{dtype} {'docs' if docs else 'causal'} {backend}"
+        errors = [r.get("rel_err") for r in group]
+        if any(e is None or not math.isfinite(e) for e in errors):
+            results.append(("FAIL", f"{where}: non-finite output in {sum(e is None for e in errors)} cells"))
+            continue
+        worst = max(group, key=lambda r: r["rel_err"])
+        verdict = "PASS" if worst["rel_err"] <= max_rel_err else "FAIL"
+        results.append((verdict, f"{where}: largest rel. error {worst['rel_err']:.1e} over {len(group)} cells "
+                                 f"(D={worst['head_dim']} T={worst['seq_len']})"))
+    return results
+
+
+def run_checks(results: dict, tolerance: float = 0.05, max_slope: float = 1.2, max_rel_err: float = 1e-2,
+               out=print) -> bool:
     """Print PASS/FAIL/SKIP per target and cell; True when nothing failed."""
     rows = results["rows"]
     ok = True
     for target, checks in ((f"auto within {tolerance:.0%} of the fastest", check_auto_fastest(rows, tolerance)),
-                           (f"memory ~linear in T (slope <= {max_slope})", check_memory_linear(rows, max_slope))):
+                           (f"memory ~linear in T (slope <= {max_slope})", check_memory_linear(rows, max_slope)),
+                           (f"forward error vs float32 <= {max_rel_err:g}", check_forward_error(rows, max_rel_err))):
         for verdict, detail in checks:
             out(f"{verdict} [{target}] {detail}")
         counts = {v: sum(1 for c, _ in checks if c == v) for v in ("PASS", "FAIL", "SKIP")}
@@ -241,6 +267,8 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="check the targets instead of writing the table")
     parser.add_argument("--tolerance", type=float, default=0.05, help="auto may be this much slower (0.05)")
     parser.add_argument("--max-slope", type=float, default=1.2, help="largest log-log memory slope (1.2)")
+    parser.add_argument("--max-rel-err", type=float, default=1e-2,
+                        help="largest forward error ||out - ref|| / ||ref|| (1e-2: METHOD.md's bf16 band)")
     args = parser.parse_args(argv)
     missing = [str(path) for path in args.results if not path.is_file()]
     if missing:
@@ -248,7 +276,8 @@ def main(argv=None) -> int:
         return 2
     loaded = [json.loads(path.read_text()) for path in args.results]
     if args.check:
-        return 0 if all(run_checks(results, args.tolerance, args.max_slope) for results in loaded) else 1
+        verdicts = [run_checks(results, args.tolerance, args.max_slope, args.max_rel_err) for results in loaded]
+        return 0 if all(verdicts) else 1
     sources = [repo_relative(path) for path in args.results]
     if args.train:
         table = train_table(loaded, sources)

@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
-# Everything this repo measures on a GPU, stage by stage (the lent H100 has no network and no flash-attn:
-# carry the wheel in .whl/, see ../shared/GPU.md). Results go to $OUT (default bench/results).
-#   bash bench/run_gpu.sh tests attention     # python model.py + GPU tests; attention benches
-#   bash bench/run_gpu.sh smoke train         # a short train.py run per backend; train-step bench
+# Everything this repo measures on a GPU, stage by stage. Results go to $OUT (default bench/results).
+#   bash bench/run_gpu.sh tests attention     # python model.py + GPU tests; attention benches (bf16)
+#   bash bench/run_gpu.sh float16 train       # attention bench in fp16; train-step bench
+#   bash bench/run_gpu.sh smoke compare       # a short train.py run per backend; bench/compare_backends.sh
+#
+# The lent H100 has no network and no flash-attn. Two ways to bring the flash packages:
+# - .whl/flash_attn-*.whl (the prebuilt flash-attn 2 wheel, ../shared/GPU.md), installed at each call;
+# - .stage*/ (e.g. .stage-a/, then .stage-b/): parts of one xz tarball of a site folder (flash-attn 2 and
+#   flash-attn-4 with its CuTe DSL libraries: ~90 MB, more than one call may carry), one part per call on
+#   the same warm machine.
+#   Each call leaves its part in /tmp/stage; once SHA256SUMS matches the joined parts, they are unpacked
+#   to /tmp/site and put on PYTHONPATH. Made here with:
+#     tar cf - -C SITE . | xz -T0 -9e > site.tar.xz && sha256sum site.tar.xz > SHA256SUMS && split -n 2 site.tar.xz site.tar.xz.part-
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
@@ -11,6 +20,27 @@ export PYTHONUNBUFFERED=1
 if ls .whl/flash_attn-*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/fa .whl/flash_attn-*.whl && export PYTHONPATH=/tmp/fa:${PYTHONPATH:-}
 fi
+if ls .stage*/* >/dev/null 2>&1; then
+    mkdir -p /tmp/stage && cp .stage*/* /tmp/stage/
+fi
+if [ -f /tmp/stage/SHA256SUMS ] && [ ! -d /tmp/site ]; then
+    if (cd /tmp/stage && cat site.tar.xz.part-* > site.tar.xz && sha256sum -c --quiet SHA256SUMS); then
+        mkdir -p /tmp/site.new && tar xJf /tmp/stage/site.tar.xz -C /tmp/site.new && mv /tmp/site.new /tmp/site
+        rm -f /tmp/stage/site.tar.xz
+    else
+        echo "staged packages: $(ls /tmp/stage | tr '\n' ' ')- not complete yet"
+    fi
+fi
+if [ -d /tmp/site ]; then  # dsl_packages: what nvidia-cutlass-dsl's .pth would add in a real site folder
+    export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
+fi
+# flash-attn-4 compiles its kernels on first use; keep them for the next process of this machine
+export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-kernels
+
+corpus() {  # a text corpus for train.py runs: this repo's own sources (the device has no network)
+    cat ./*.py ./*/*.py ./*.md > /tmp/corpus.txt
+    python3 -m data.shakespeare_char.prepare --input /tmp/corpus.txt --out_dir "$1" >/dev/null
+}
 
 for stage in "$@"; do
     echo "===== $stage"
@@ -18,11 +48,11 @@ for stage in "$@"; do
     tests)
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
         python3 model.py
-        python3 -m pytest -m gpu -q -p no:cacheprovider tests/ 2>&1 | tail -8
+        python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests/ 2>&1 | tail -12
         ;;
-    smoke)  # every backend name trains a few steps on this GPU (tiny data made from the README)
-        python3 -m data.shakespeare_char.prepare --input README.md --out_dir /tmp/smoke_data >/dev/null
-        for backend in ${SMOKE_BACKENDS:-auto sdpa flash_attn_2 flash_attn_3 flex_attention manual eager flex}; do
+    smoke)  # every backend name trains a few steps on this GPU
+        corpus /tmp/smoke_data
+        for backend in ${SMOKE_BACKENDS:-auto sdpa flash_attn_2 flash_attn_3 flash_attn_4 flex_attention manual}; do
             echo "== train.py --attention_backend=$backend"
             python3 train.py --data_dir=/tmp/smoke_data --out_dir=/tmp/smoke_$backend --attention_backend=$backend \
                 --max_iters=20 --log_interval=10 --eval_interval=20 --eval_iters=2 --block_size=64 2>&1 \
@@ -30,17 +60,26 @@ for stage in "$@"; do
         done
         ;;
     attention)
-        python3 bench/bench_attention.py --out "$OUT" --budget "${ATTN_BUDGET:-200}" | tail -3
-        python3 bench/bench_attention.py --docs-only --out "$OUT" --budget "${DOCS_BUDGET:-100}" \
+        python3 bench/bench_attention.py --out "$OUT" --budget "${ATTN_BUDGET:-300}" | tail -3
+        python3 bench/bench_attention.py --docs-only --out "$OUT" --budget "${DOCS_BUDGET:-120}" \
             --seq-lens 1024 4096 16384 | tail -3
-        python3 bench/readme_table.py "$OUT"/*-attention.json --check --readme /dev/null
+        python3 bench/readme_table.py "$OUT"/*-attention.json "$OUT"/*-attention-docs.json --check --readme /dev/null
         ;;
-    train)  # the most wanted rows first: auto/flash_attn_2 at T=1024 and at T=32768, then the others
-        python3 bench/bench_train.py --out "$OUT" --backends auto flash_attn_2 --batch-sizes 16 \
-            --long-seq-lens 32768 --budget "${TRAIN_BUDGET:-200}" | tail -12
-        python3 bench/bench_train.py --out "$OUT" --name train-more --backends sdpa flex_attention manual \
-            --batch-sizes 16 32 --long-seq-lens 32768 --budget "${TRAIN_MORE_BUDGET:-150}" | tail -12
+    float16)
+        python3 bench/bench_attention.py --dtype float16 --out "$OUT" --budget "${FP16_BUDGET:-200}" \
+            --seq-lens ${FP16_SEQ_LENS:-1024 4096 16384 512 2048 8192 32768} | tail -3
+        python3 bench/readme_table.py "$OUT"/*-attention-float16.json --check --readme /dev/null
         ;;
-    *) echo "unknown stage $stage; stages: tests smoke attention train"; exit 2 ;;
+    train)  # GPT-2 124M: every backend at T=1024 batch 16 and T=32768 batch 1, then batch 32 and 8
+        python3 bench/bench_train.py --out "$OUT" --backends ${TRAIN_BACKENDS:-auto sdpa flash_attn_2 flash_attn_4 flex_attention manual} \
+            --batch-sizes 16 32 8 --long-seq-lens 32768 --budget "${TRAIN_BUDGET:-300}" | tail -22
+        ;;
+    compare)  # the seed guides' loop: train.py --max_iters=100 per backend, GPT-2 124M shapes on a char corpus
+        corpus /tmp/compare_data
+        OUT_DIR="$OUT" BACKENDS="${COMPARE_BACKENDS:-auto sdpa flash_attn_2 flash_attn_4 flex_attention manual}" \
+            bash bench/compare_backends.sh config/train_gpt2.py --data_dir=/tmp/compare_data \
+            --gradient_accumulation_steps=1 --batch_size=16 --vocab_size=50304
+        ;;
+    *) echo "unknown stage $stage; stages: tests smoke attention float16 train compare"; exit 2 ;;
     esac
 done

@@ -256,13 +256,15 @@ def fake_flash_module(returns_tuple: bool, calls: list):
         y = reference_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2).to(q.dtype)
         return (y, None) if returns_tuple else y
 
-    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal, **kwargs):
+    def flash_attn_varlen_func(q, k, v, qv=None, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               causal, **kwargs):  # keywords only: FA4's 4th positional argument is qv
         calls.append(("varlen", kwargs))
-        assert causal is True and q.dim() == 3 and torch.equal(cu_q, cu_k) and max_q == max_k
-        bounds = cu_q.tolist()
+        assert causal is True and q.dim() == 3 and qv is None
+        assert torch.equal(cu_seqlens_q, cu_seqlens_k) and max_seqlen_q == max_seqlen_k
+        bounds = cu_seqlens_q.tolist()
         pieces = []
         for s, e in zip(bounds[:-1], bounds[1:]):
-            assert e - s <= max_q
+            assert e - s <= max_seqlen_q
             seg = (t[s:e].transpose(0, 1)[None] for t in (q, k, v))  # (1, H, n, D)
             pieces.append(reference_attention(*seg)[0].transpose(0, 1))
         y = torch.cat(pieces).to(q.dtype)
@@ -273,10 +275,10 @@ def fake_flash_module(returns_tuple: bool, calls: list):
 
 
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "docs"])
-@pytest.mark.parametrize("name", ["flash_attn_2", "flash_attn_3"])
+@pytest.mark.parametrize("name", ["flash_attn_2", "flash_attn_3", "flash_attn_4"])
 def test_flash_call_path_with_stand_in_kernels(monkeypatch, name, docs):
     calls = []
-    fake = fake_flash_module(returns_tuple=name == "flash_attn_3", calls=calls)
+    fake = fake_flash_module(returns_tuple=name != "flash_attn_2", calls=calls)
     monkeypatch.setattr(model, "_load_package", lambda pkg: Package(fake, "0.0-fake", ""))
     q, k, v, _ = random_qkv((3, 2, 30, 16), torch.float64, generator_for("fakeflash", name, docs))
     doc_ids = doc_ids_for(3, 30) if docs else None
@@ -284,6 +286,43 @@ def test_flash_call_path_with_stand_in_kernels(monkeypatch, name, docs):
     assert [c[0] for c in calls] == ["varlen" if docs else "dense"]
     assert out.shape == q.shape
     assert rel_err(out, model.manual_attention(q, k, v, AttentionMask(30, CPU, doc_ids))) < 1e-12
+
+
+def test_attention_function_binds_the_package_once(monkeypatch):
+    """The model's flash function carries its module, so a compiled forward never calls the import lookup."""
+    calls, lookups = [], []
+    fake = fake_flash_module(returns_tuple=False, calls=calls)
+
+    def load(name):
+        lookups.append(name)
+        return Package(fake, "0.0-fake", "")
+    monkeypatch.setattr(model, "_load_package", load)
+    attend = model.attention_function("flash_attn_2")
+    assert lookups == ["flash_attn"] and attend.keywords == {"package": fake}
+    q, k, v, _ = random_qkv((2, 2, 8, 16), torch.float64, generator_for("bound"))
+    attend(q, k, v, AttentionMask(8, CPU), 0.0)
+    assert lookups == ["flash_attn"] and len(calls) == 1
+    assert model.attention_function("sdpa") is model.sdpa_attention
+
+
+def test_flash_attn_4_alone_is_not_taken_for_flash_attn_2(monkeypatch):
+    """flash-attn-4 installs flash_attn.cute; without flash-attn 2, `flash_attn` is a bare namespace."""
+    bare = SimpleNamespace(__name__="flash_attn")
+    monkeypatch.setattr(model.importlib, "import_module", lambda name: bare)
+    monkeypatch.setattr(model, "_load_package", model._load_package.__wrapped__)
+    package = model._load_package("flash_attn")
+    assert package.module is None and "flash-attn is not installed" in package.problem
+
+
+def test_flash_attn_2_draft_of_flash_attn_cute_is_not_flash_attn_4(monkeypatch):
+    """flash-attn 2.8 ships an early flash_attn.cute; only the flash-attn-4 distribution counts as FA4."""
+    monkeypatch.setattr(model.importlib, "import_module", lambda name: SimpleNamespace(flash_attn_func=None))
+    monkeypatch.setattr(model, "_load_package", model._load_package.__wrapped__)
+    monkeypatch.setattr(model, "_dist_version", lambda distribution: "")
+    assert model._load_package("flash_attn.cute").problem == "flash-attn-4 (flash_attn.cute) is not installed"
+    monkeypatch.setattr(model, "_dist_version", lambda distribution: "4.0.0b36")
+    package = model._load_package("flash_attn.cute")
+    assert package.problem == "" and package.version == "4.0.0b36"
 
 
 # ---- resolution: the fallback chain, with availability simulated ----------------------------------
@@ -301,7 +340,7 @@ def fake_env(monkeypatch):
             if name in installed:
                 module = SimpleNamespace(__name__=name, flash_attn_func=None, flash_attn_varlen_func=None)
                 return Package(module, "9.9", "")
-            pretty = {"flash_attn": "flash-attn"}.get(name, name)
+            pretty = model._PACKAGE_NAMES.get(name, (name,))[0]
             return Package(None, "", f"{pretty} is not installed")
         monkeypatch.setattr(model, "_load_package", load)
         monkeypatch.setattr(model, "_cuda_capability", lambda device: capability)
@@ -340,6 +379,41 @@ def test_flash_attn_3_not_installed_falls_back_to_flash_attn_2(fake_env):
 def test_flash_attn_3_module_under_its_new_name_is_used(fake_env):
     fake_env(installed=("flash_attn_3",), capability=(9, 0))
     assert resolve("flash_attn_3", CUDA) == Resolution("flash_attn_3", "")
+
+
+def test_flash_attn_4_falls_back_along_its_chain(fake_env):
+    fake_env(installed=("flash_attn", "flash_attn.cute"), capability=(9, 0))
+    assert resolve("flash_attn_4", CUDA) == Resolution("flash_attn_4", "")
+    assert resolve("flash_attention_4", CUDA, torch.float16, head_dim=256).used == "flash_attn_4"
+    used, reason = resolve("flash_attn_4", CUDA, dropout=True)
+    assert used == "flash_attn_2" and "flash_attn_4 has no attention dropout" in reason
+    used, reason = resolve("flash_attn_4", CUDA, torch.float32)
+    assert used == "sdpa" and "float32" in reason
+    fake_env(installed=("flash_attn", "flash_attn.cute"), capability=(8, 0))
+    used, reason = resolve("flash_attn_4", CUDA)
+    assert used == "flash_attn_2" and "sm80" in reason and "Hopper and Blackwell" in reason
+    fake_env(installed=("flash_attn",), capability=(9, 0))
+    used, reason = resolve("flash_attn_4", CUDA)
+    assert used == "flash_attn_2" and "flash_attn.cute) is not installed" in reason
+
+
+def test_flash_attn_4_head_dims_on_blackwell(fake_env):
+    fake_env(installed=("flash_attn.cute",), capability=(10, 0))
+    assert resolve("flash_attn_4", CUDA, head_dim=128).used == "flash_attn_4"
+    assert resolve("flash_attn_4", CUDA, head_dim=256).used == "flash_attn_4"
+    used, reason = resolve("flash_attn_4", CUDA, head_dim=192)
+    assert used == "sdpa" and "sm100" in reason and "192" in reason
+
+
+def test_auto_on_blackwell_prefers_flash_attn_4(fake_env):
+    fake_env(installed=("flash_attn", "flash_attn.cute"), capability=(10, 0))
+    assert resolve("auto", CUDA, backward=True).used == "flash_attn_4"
+    assert resolve("auto", CUDA, doc_mask=True, backward=True).used == "flash_attn_4"
+    fake_env(installed=("flash_attn", "flash_attn.cute"), capability=(9, 0))
+    assert resolve("auto", CUDA, backward=True).used == "sdpa"
+    fake_env(installed=("flash_attn",), capability=(10, 0))
+    used, reason = resolve("auto", CUDA, backward=True)
+    assert used == "sdpa" and "flash_attn_4: flash-attn-4 (flash_attn.cute) is not installed" in reason
 
 
 def test_mps_uses_sdpa_and_manual_for_documents(fake_env):
@@ -536,7 +610,7 @@ def test_resolution_follows_grad_mode_for_flex_on_cpu():
 GPU_SHAPES = [(77, 64), (77, 128), (1000, 64), (1000, 128), (2048, 64), (2048, 128)]  # (T, D)
 FLEX_GPU_SHAPES = [(77, 128), (2048, 64)]  # each (shape, dtype, docs) compiles flex fwd+bwd: keep them few
 GPU_BACKENDS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "flex_attention", "flash_attn_2",
-                "flash_attn_3"]
+                "flash_attn_3", "flash_attn_4"]
 GPU_CASES = [(b, T, D) for b in GPU_BACKENDS for T, D in (FLEX_GPU_SHAPES if b == "flex_attention" else GPU_SHAPES)]
 
 

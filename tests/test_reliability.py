@@ -251,7 +251,7 @@ BAD_INPUTS = [
     case("unknown-dtype", "--dtype=float64", expect=("float64", "auto, bfloat16, float16, float32")),
     case("unknown-backend-ddp", "--backend=ddp", expect=("ddp", "nccl or gloo")),
     case("unknown-attention_backend", "--attention_backend=flash3",
-         expect=("flash3", "auto, flash_attn_3, flash_attn_2, flex_attention, sdpa, manual")),
+         expect=("flash3", "auto, flash_attn_4, flash_attn_3, flash_attn_2, flex_attention, sdpa, manual")),
     case("unknown-sdpa_kernel", "--sdpa_kernel=fastest", expect=("fastest", "auto, flash, cudnn, efficient, math")),
     case("n_embd-not-divisible", "--n_embd=30", "--n_head=4", expect=("n_embd (30)", "n_head (4)")),
     case("odd-head-dim", "--n_embd=34", "--n_head=2", expect=("even",)),
