@@ -21,7 +21,7 @@ if ls .whl/flash_attn-*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/fa .whl/flash_attn-*.whl && export PYTHONPATH=/tmp/fa:${PYTHONPATH:-}
 fi
 if ls .stage*/* >/dev/null 2>&1; then
-    mkdir -p /tmp/stage && cp .stage*/* /tmp/stage/
+    mkdir -p /tmp/stage && for part in .stage*/*; do cp "$part" /tmp/stage/; done
 fi
 if [ -f /tmp/stage/SHA256SUMS ] && [ ! -d /tmp/site ]; then
     if (cd /tmp/stage && cat site.tar.xz.part-* > site.tar.xz && sha256sum -c --quiet SHA256SUMS); then
