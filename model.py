@@ -16,6 +16,7 @@ import logging
 import math
 import warnings
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -200,9 +201,65 @@ def flash_attn_3_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0,
     return _flash_call(package or _flash_package("flash_attn_3").module, q, k, v, mask)  # no dropout in FA3
 
 
-@torch.compiler.disable  # CuTe DSL compiles its kernels when first called, which dynamo cannot trace
 def flash_attn_4_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0, package=None):
-    return _flash_call(package or _flash_package("flash_attn_4").module, q, k, v, mask)  # no dropout in FA4
+    package = package or _flash_attn_4_ops(_flash_package("flash_attn_4").module.interface)
+    return _flash_call(package, q, k, v, mask)  # no dropout in FA4
+
+
+@functools.cache
+def _flash_attn_4_ops(interface, namespace: str = "gpt_flash_attn_4"):
+    """flash-attn-4 as two PyTorch custom ops with an autograd formula, in the shape of a flash-attn module.
+
+    torch.compile cannot trace the package's own autograd Function (CuTe DSL compiles its kernels at the
+    first call); as custom ops the kernels stay opaque and a compiled training step keeps one graph. They
+    call the package's _flash_attn_fwd/_flash_attn_bwd, as that Function does (written against 4.0.0b36).
+    """
+    def varlen(cu_seqlens, max_seqlen):
+        if cu_seqlens is None:
+            return {}
+        return dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+                    max_seqlen_k=max_seqlen)
+
+    @torch.library.custom_op(f"{namespace}::forward", mutates_args=())
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
+                max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = interface._flash_attn_fwd(q, k, v, causal=True, return_lse=True,
+                                             **varlen(cu_seqlens, max_seqlen))[:2]
+        return out, lse
+
+    @forward.register_fake
+    def _(q, k, v, cu_seqlens, max_seqlen):  # q: (B, T, H, D) -> lse (B, H, T); varlen (N, H, D) -> (H, N)
+        lse_shape = (q.size(0), q.size(2), q.size(1)) if cu_seqlens is None else (q.size(1), q.size(0))
+        return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+
+    @torch.library.custom_op(f"{namespace}::backward", mutates_args=())
+    def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
+                 max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dq, dk, dv = interface._flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, causal=True,
+                                               **varlen(cu_seqlens, max_seqlen))[:3]
+        return dq, dk, dv
+
+    @backward.register_fake
+    def _(dout, q, k, v, out, lse, cu_seqlens, max_seqlen):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu_seqlens, ctx.max_seqlen = inputs
+        ctx.save_for_backward(q, k, v, *output, cu_seqlens)
+
+    def gradients(ctx, dout, dlse):
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        return (*backward(dout, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen), None, None)
+
+    forward.register_autograd(gradients, setup_context=setup_context)
+
+    def flash_attn_func(q, k, v, causal):
+        return forward(q, k, v, None, 0)
+
+    def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
+        return forward(q, k, v, cu_seqlens_q, max_seqlen_q)
+    return SimpleNamespace(flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func)
 
 
 def flex_attention_fn(q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
@@ -231,9 +288,12 @@ ATTENTION_FUNCTIONS: dict[str, Callable] = {
 
 def attention_function(name: str) -> Callable:
     """ATTENTION_FUNCTIONS[name], with a flash backend's package bound now rather than looked up per call."""
-    if name.startswith("flash_attn_"):
-        return functools.partial(ATTENTION_FUNCTIONS[name], package=_flash_package(name).module)
-    return ATTENTION_FUNCTIONS[name]
+    if not name.startswith("flash_attn_"):
+        return ATTENTION_FUNCTIONS[name]
+    package = _flash_package(name).module
+    if name == "flash_attn_4":  # its kernels as custom ops, which torch.compile can keep in the graph
+        package = _flash_attn_4_ops(package.interface)
+    return functools.partial(ATTENTION_FUNCTIONS[name], package=package)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,7 +344,14 @@ def _dist_version(distribution: str) -> str:
 def _flash_package(backend: str) -> Package:
     """The first importable module of a flash backend, or the first one's problem."""
     packages = [_load_package(name) for name in _FLASH_MODULES[backend]]
-    return next((p for p in packages if p.module is not None), packages[0])
+    found = next((p for p in packages if p.module is not None), packages[0])
+    if backend != "flash_attn_4" or found.module is None:
+        return found
+    interface = getattr(found.module, "interface", None)
+    if not all(hasattr(interface, f) for f in ("_flash_attn_fwd", "_flash_attn_bwd")):
+        return Package(None, found.version, f"flash-attn-4 {found.version} has no interface._flash_attn_fwd/"
+                                            "_flash_attn_bwd, which this repo calls (written against 4.0.0b36)")
+    return found
 
 
 def _cuda_capability(device: torch.device) -> tuple[int, int]:
@@ -360,12 +427,15 @@ FALLBACKS = {
     "manual": ("manual",),
 }
 
-# What `auto` tries, fastest first. Measured with bench/bench_attention.py on an H100 (torch 2.11, bf16):
-# - causal: bench/results/h100-attention.json. cuDNN-SDPA (PyTorch's default kernel choice there) beats
-#   the flash-attn 2 package (0.59-0.85x) and flex_attention (0.71-0.90x) at every T from 512 to 32k, D 64 and 128.
-# - documents: bench/results/h100-attention-docs.json. SDPA needs a dense mask (its efficient kernel,
-#   0.16-0.60x); flex_attention's BlockMask skips whole tiles and is fastest in 5 of 6 cells, within 5% of
-#   flash-attn 2's varlen kernel in the sixth.
+# What `auto` tries, fastest first. Measured with bench/bench_attention.py on an H100 (torch 2.11, bf16,
+# B*T = 16k tokens per call), fwd+bwd time as a multiple of the fastest:
+# - causal (bench/results/h100-attention.json): cuDNN-SDPA (PyTorch's default kernel there) is fastest up to
+#   T=1024, where flash-attn-4 takes 1.0-2.2x its time; from T=2048, flash-attn-4 is fastest (0.81-0.95x
+#   SDPA's time). flash-attn 2 (1.24-1.90x SDPA) and flex_attention (1.12-1.80x) never are.
+# - documents (bench/results/h100-attention-docs.json): SDPA needs a dense mask (3-10x slower);
+#   flex_attention's BlockMask is fastest at T=1024 (both D) and at D=128 T=4096; flash-attn-4's varlen
+#   kernel from T=4096 at D=64 and at T=16k (0.53-0.63x flex's time there).
+# So on sm90 flash-attn-4, when installed, goes first from the lengths in SM90_FLASH_ATTN_4_FROM.
 # Not measured here: older GPUs, FA3 and Blackwell, where the order follows the kernels' published speeds
 # (flash-attn-4 was written for Blackwell and reports beating cuDNN there).
 AUTO_PREFERENCE = {
@@ -379,16 +449,26 @@ AUTO_PREFERENCE = {
     ("other", "", "causal"): ("sdpa", "manual"),
     ("other", "", "documents"): ("sdpa", "manual"),
 }
+# (masking, largest head dim it covers) -> shortest sequence from which flash-attn-4 goes first on sm90.
+# D=128 documents: 8192 lies between the measured 4096 (flex faster) and 16384 (flash-attn-4 faster).
+SM90_FLASH_ATTN_4_FROM = {("causal", 64): 2048, ("causal", 256): 2048,
+                          ("documents", 64): 4096, ("documents", 256): 8192}
 
 
-def auto_candidates(device: torch.device, doc_mask: bool) -> tuple[str, ...]:
+def auto_candidates(device: torch.device, doc_mask: bool, seq_len: int = 0, head_dim: int = 64) -> tuple[str, ...]:
+    """The order auto tries for this use; seq_len 0 (unknown) counts as short."""
     device = torch.device(device)
     masking = "documents" if doc_mask else "causal"
     if device.type != "cuda":
         return AUTO_PREFERENCE[("other", "", masking)]
     capability = _cuda_capability(device)
     generation = "sm100+" if capability >= (10, 0) else "sm90" if capability >= (9, 0) else "older"
-    return AUTO_PREFERENCE[("cuda", generation, masking)]
+    order = AUTO_PREFERENCE[("cuda", generation, masking)]
+    if generation == "sm90":
+        start = next(t for (m, d), t in SM90_FLASH_ATTN_4_FROM.items() if m == masking and head_dim <= d)
+        if seq_len >= start:
+            order = ("flash_attn_4", *(name for name in order if name != "flash_attn_4"))
+    return order
 
 
 class Resolution(NamedTuple):
@@ -396,13 +476,17 @@ class Resolution(NamedTuple):
     reason: str  # why it differs from the request, or how auto chose ('' when the request runs as is)
 
 
-def resolve_attention_backend(requested: str, device, dtype: torch.dtype, **use) -> Resolution:
+def resolve_attention_backend(requested: str, device, dtype: torch.dtype, seq_len: int = 0, **use) -> Resolution:
     """Turn a requested backend into the one that runs on `device` with `dtype`, and say why.
 
-    `use` refines the check: doc_mask, dropout, backward (gradients needed), head_dim.
+    `use` refines the check: doc_mask, dropout, backward (gradients needed), head_dim; `seq_len` (0:
+    unknown) matters to auto's order only.
     """
     requested = canonical_backend(requested)
-    chain = auto_candidates(device, use.get("doc_mask", False)) if requested == "auto" else FALLBACKS[requested]
+    if requested == "auto":
+        chain = auto_candidates(device, use.get("doc_mask", False), seq_len, use.get("head_dim", 64))
+    else:
+        chain = FALLBACKS[requested]
     skipped = []
     for name in chain:
         problem = backend_problem(name, device, dtype, **use)
@@ -529,18 +613,21 @@ class GPT(nn.Module):
     # -- attention backend, resolved for the device and dtype the model really runs with --
 
     @torch.compiler.disable
-    def attention_for(self, device: torch.device, doc_mask: bool = False) -> tuple[Callable, Resolution]:
-        """The attention function for this call, resolved once per (device, dtype, use) and logged once."""
+    def attention_for(self, device: torch.device, doc_mask: bool = False,
+                      seq_len: Optional[int] = None) -> tuple[Callable, Resolution]:
+        """The attention function for this call (seq_len: default block_size), resolved once per (device,
+        dtype, use, seq_len) and logged once."""
         if torch.is_autocast_enabled(device.type):
             dtype = torch.get_autocast_dtype(device.type)
         else:
             dtype = self.lm_head.weight.dtype
         dropout = self.training and self.config.dropout > 0
         backward = torch.is_grad_enabled()
-        key = (device, dtype, doc_mask, dropout, backward)
+        seq_len = seq_len or self.config.block_size
+        key = (device, dtype, doc_mask, dropout, backward, seq_len)
         if key not in self._resolutions:
             self._resolutions[key] = self._resolve(device, dtype, doc_mask=doc_mask, dropout=dropout,
-                                                   backward=backward)
+                                                   backward=backward, seq_len=seq_len)
         return self._resolutions[key]
 
     def _resolve(self, device, dtype, **use) -> tuple[Callable, Resolution]:
@@ -574,7 +661,7 @@ class GPT(nn.Module):
     # -- forward, loss and generation --
 
     def forward(self, idx, targets=None, doc_ids=None):
-        attend, _ = self.attention_for(idx.device, doc_ids is not None)
+        attend, _ = self.attention_for(idx.device, doc_ids is not None, idx.size(1))
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")

@@ -131,7 +131,7 @@ class Plan:
 def plan_backend(backend: str, cell: Cell, device: torch.device) -> Plan:
     use = dict(doc_mask=cell.docs, head_dim=cell.head_dim)
     if backend == "auto":  # resolved for training (backward=True), as the model resolves it
-        resolution = resolve_attention_backend("auto", device, cell.dtype, backward=True, **use)
+        resolution = resolve_attention_backend("auto", device, cell.dtype, cell.seq_len, backward=True, **use)
         return Plan(attention_function(resolution.used), resolution.used, "", "")
     if backend.startswith("sdpa:"):
         kernel = backend.split(":", 1)[1]

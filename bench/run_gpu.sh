@@ -60,19 +60,20 @@ for stage in "$@"; do
         done
         ;;
     attention)
-        python3 bench/bench_attention.py --out "$OUT" --budget "${ATTN_BUDGET:-300}" | tail -3
-        python3 bench/bench_attention.py --docs-only --out "$OUT" --budget "${DOCS_BUDGET:-120}" \
-            --seq-lens 1024 4096 16384 | tail -3
+        python3 bench/bench_attention.py --out "$OUT" --budget "${ATTN_BUDGET:-300}" --rep-ms "${REP_MS:-100}" | tail -3
+        python3 bench/bench_attention.py --docs-only --out "$OUT" --budget "${DOCS_BUDGET:-150}" --rep-ms "${REP_MS:-100}" \
+            --seq-lens ${DOCS_SEQ_LENS:-1024 4096 16384 8192} | tail -3
         python3 bench/readme_table.py "$OUT"/*-attention.json "$OUT"/*-attention-docs.json --check --readme /dev/null
         ;;
     float16)
-        python3 bench/bench_attention.py --dtype float16 --out "$OUT" --budget "${FP16_BUDGET:-200}" \
+        python3 bench/bench_attention.py --dtype float16 --out "$OUT" --budget "${FP16_BUDGET:-200}" --rep-ms "${REP_MS:-100}" \
             --seq-lens ${FP16_SEQ_LENS:-1024 4096 16384 512 2048 8192 32768} | tail -3
         python3 bench/readme_table.py "$OUT"/*-attention-float16.json --check --readme /dev/null
         ;;
     train)  # GPT-2 124M: every backend at T=1024 batch 16 and T=32768 batch 1, then batch 32 and 8
-        python3 bench/bench_train.py --out "$OUT" --backends ${TRAIN_BACKENDS:-auto sdpa flash_attn_2 flash_attn_4 flex_attention manual} \
-            --batch-sizes 16 32 8 --long-seq-lens 32768 --budget "${TRAIN_BUDGET:-300}" | tail -22
+        python3 bench/bench_train.py --out "$OUT" --name "${TRAIN_NAME:-train}" \
+            --backends ${TRAIN_BACKENDS:-auto sdpa flash_attn_2 flash_attn_4 flex_attention manual} \
+            --batch-sizes ${TRAIN_BATCH_SIZES:-16 32 8} --long-seq-lens 32768 --budget "${TRAIN_BUDGET:-300}" | tail -22
         ;;
     compare)  # the seed guides' loop: train.py --max_iters=100 per backend, GPT-2 124M shapes on a char corpus
         corpus /tmp/compare_data

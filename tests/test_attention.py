@@ -14,7 +14,7 @@ import sys
 import warnings
 import zlib
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -275,10 +275,10 @@ def fake_flash_module(returns_tuple: bool, calls: list):
 
 
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "docs"])
-@pytest.mark.parametrize("name", ["flash_attn_2", "flash_attn_3", "flash_attn_4"])
+@pytest.mark.parametrize("name", ["flash_attn_2", "flash_attn_3"])  # flash_attn_4: its custom ops, below
 def test_flash_call_path_with_stand_in_kernels(monkeypatch, name, docs):
     calls = []
-    fake = fake_flash_module(returns_tuple=name != "flash_attn_2", calls=calls)
+    fake = fake_flash_module(returns_tuple=name == "flash_attn_3", calls=calls)
     monkeypatch.setattr(model, "_load_package", lambda pkg: Package(fake, "0.0-fake", ""))
     q, k, v, _ = random_qkv((3, 2, 30, 16), torch.float64, generator_for("fakeflash", name, docs))
     doc_ids = doc_ids_for(3, 30) if docs else None
@@ -286,6 +286,72 @@ def test_flash_call_path_with_stand_in_kernels(monkeypatch, name, docs):
     assert [c[0] for c in calls] == ["varlen" if docs else "dense"]
     assert out.shape == q.shape
     assert rel_err(out, model.manual_attention(q, k, v, AttentionMask(30, CPU, doc_ids))) < 1e-12
+
+
+def fake_flash_attn_4_interface(calls: list):
+    """flash-attn-4's private forward/backward (what its own autograd Function calls), as explicit float64
+    formulas on CPU: (B, T, H, D) or varlen (N, H, D) in, (out, lse, ...) / (dq, dk, dv) out. The backward
+    is written out (dS = P * (dP - rowsum(dP * P))) because custom ops run below autograd."""
+    def probabilities(q, k, cu_seqlens):  # -> (B, H, T, T) softmax of the masked, scaled scores
+        T = q.size(1)
+        allowed = torch.ones(T, T, dtype=torch.bool).tril()
+        if cu_seqlens is not None:
+            segment = torch.zeros(T, dtype=torch.long)
+            segment[cu_seqlens[1:-1].long()] = 1
+            segment = segment.cumsum(0)
+            allowed &= segment[:, None] == segment[None, :]
+        scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.size(-1))
+        return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+
+    def batched(*tensors, cu_seqlens):  # varlen (N, H, D) -> (1, N, H, D)
+        return [t.unsqueeze(0) if cu_seqlens is not None else t for t in tensors]
+
+    def _flash_attn_fwd(q, k, v, causal, return_lse, cu_seqlens_q=None, **varlen):
+        calls.append("fwd")
+        assert causal and return_lse
+        q4, k4, v4 = batched(q, k, v, cu_seqlens=cu_seqlens_q)
+        out = torch.einsum("bhts,bshd->bthd", probabilities(q4, k4, cu_seqlens_q), v4)
+        lse_shape = (q.size(0), q.size(2), q.size(1)) if cu_seqlens_q is None else (q.size(1), q.size(0))
+        return out.reshape(q.shape), torch.zeros(lse_shape, dtype=torch.float32), None, None, None
+
+    def _flash_attn_bwd(q, k, v, out, dout, lse, causal, cu_seqlens_q=None, **varlen):
+        calls.append("bwd")
+        q4, k4, v4, do4 = batched(q, k, v, dout, cu_seqlens=cu_seqlens_q)
+        p = probabilities(q4, k4, cu_seqlens_q)
+        dv = torch.einsum("bhts,bthd->bshd", p, do4)
+        dp = torch.einsum("bthd,bshd->bhts", do4, v4)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) / math.sqrt(q.size(-1))
+        dq = torch.einsum("bhts,bshd->bthd", ds, k4)
+        dk = torch.einsum("bhts,bthd->bshd", ds, q4)
+        return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+
+    interface = ModuleType("fake_flash_attn_4_interface")  # hashable, like the real module
+    interface._flash_attn_fwd, interface._flash_attn_bwd = _flash_attn_fwd, _flash_attn_bwd
+    return interface
+
+
+@pytest.mark.parametrize("docs", [False, True], ids=["causal", "docs"])
+def test_flash_attn_4_custom_ops_give_manual_gradients_and_compile_in_one_graph(docs):
+    """The custom-op wrapper of flash-attn-4: the autograd formula matches manual attention in float64, and
+    torch.compile traces it whole (fullgraph, fake tensors of the right shapes through aot_eager)."""
+    calls = []
+    ops = model._flash_attn_4_ops(fake_flash_attn_4_interface(calls), f"test_fa4_{'docs' if docs else 'causal'}")
+    attend = functools.partial(model.flash_attn_4_attention, package=ops)
+    q, k, v, dy = random_qkv((2, 3, 24, 16), torch.float64, generator_for("fa4ops", docs))
+    mask = AttentionMask(24, CPU, doc_ids_for(2, 24) if docs else None)
+    ref_out, ref_grads = forward_backward(model.manual_attention, q, k, v, dy, mask)
+    out, grads = forward_backward(attend, q, k, v, dy, mask)
+    assert_matches(out, grads, ref_out, ref_grads, 1e-12, "flash_attn_4 ops")
+    assert calls == ["fwd", "bwd"]
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    out, grads = forward_backward(compiled, q, k, v, dy, mask)
+    assert_matches(out, grads, ref_out, ref_grads, 1e-12, "compiled flash_attn_4 ops")
+
+
+def test_flash_attn_4_without_the_private_functions_is_unavailable(monkeypatch):
+    monkeypatch.setattr(model, "_load_package", lambda name: Package(SimpleNamespace(interface=None), "4.9", ""))
+    package = model._flash_package("flash_attn_4")
+    assert package.module is None and "has no interface._flash_attn_fwd" in package.problem
 
 
 def test_attention_function_binds_the_package_once(monkeypatch):
@@ -338,7 +404,8 @@ def fake_env(monkeypatch):
     def configure(installed=(), capability=(9, 0), torch_version=(2, 11)):
         def load(name):
             if name in installed:
-                module = SimpleNamespace(__name__=name, flash_attn_func=None, flash_attn_varlen_func=None)
+                module = SimpleNamespace(__name__=name, flash_attn_func=None, flash_attn_varlen_func=None,
+                                         interface=SimpleNamespace(_flash_attn_fwd=None, _flash_attn_bwd=None))
                 return Package(module, "9.9", "")
             pretty = model._PACKAGE_NAMES.get(name, (name,))[0]
             return Package(None, "", f"{pretty} is not installed")
@@ -478,6 +545,31 @@ def test_auto_on_cpu_picks_sdpa(fake_env, dtype, doc_mask):
     used, reason = resolve("auto", CPU, dtype, doc_mask=doc_mask, backward=True)
     assert used == "sdpa"
     assert reason.startswith(f"auto: first that runs on cpu/{str(dtype)[6:]}")
+
+
+@pytest.mark.parametrize("doc_mask, head_dim, short, long", [
+    (False, 64, 1024, 2048), (False, 128, 1024, 2048), (True, 64, 2048, 4096), (True, 128, 4096, 8192)])
+def test_auto_on_sm90_takes_flash_attn_4_from_the_measured_lengths(fake_env, doc_mask, head_dim, short, long):
+    fake_env(installed=("flash_attn", "flash_attn.cute"), capability=(9, 0))
+    below = "flex_attention" if doc_mask else "sdpa"
+    use = dict(doc_mask=doc_mask, head_dim=head_dim, backward=True)
+    assert resolve("auto", CUDA, seq_len=short, **use).used == below
+    assert resolve("auto", CUDA, seq_len=long, **use).used == "flash_attn_4"
+    assert resolve("auto", CUDA, seq_len=0, **use).used == below  # unknown length counts as short
+    fake_env(installed=("flash_attn",), capability=(9, 0))  # without flash-attn-4: the order below
+    assert resolve("auto", CUDA, seq_len=long, **use).used == below
+
+
+def test_model_resolves_auto_per_sequence_length(fake_env, monkeypatch):
+    """Training resolves at block_size; each forward at its own length (generation grows it)."""
+    fake_env(installed=("flash_attn.cute",), capability=(9, 0))
+    monkeypatch.setattr(model, "_flash_attn_4_ops", lambda interface: None)  # no op registered for a fake
+    gpt = GPT(tiny_config(block_size=4096, n_embd=128, n_head=2))
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type: True)
+    monkeypatch.setattr(torch, "get_autocast_dtype", lambda device_type: torch.bfloat16)
+    assert gpt.attention_for(CUDA)[1].used == "flash_attn_4"
+    assert gpt.attention_for(CUDA, seq_len=1024)[1].used == "sdpa"
+    assert gpt.attention_for(CUDA, seq_len=2048)[1].used == "flash_attn_4"
 
 
 def test_auto_on_sm90_without_flash_attn_picks_sdpa(fake_env):
