@@ -428,14 +428,17 @@ FALLBACKS = {
 }
 
 # What `auto` tries, fastest first. Measured with bench/bench_attention.py on an H100 (torch 2.11, bf16,
-# B*T = 16k tokens per call), fwd+bwd time as a multiple of the fastest:
-# - causal (bench/results/h100-attention.json): cuDNN-SDPA (PyTorch's default kernel there) is fastest up to
-#   T=1024, where flash-attn-4 takes 1.0-2.2x its time; from T=2048, flash-attn-4 is fastest (0.81-0.95x
-#   SDPA's time). flash-attn 2 (1.24-1.90x SDPA) and flex_attention (1.12-1.80x) never are.
-# - documents (bench/results/h100-attention-docs.json): SDPA needs a dense mask (3-10x slower);
-#   flex_attention's BlockMask is fastest at T=1024 (both D) and at D=128 T=4096; flash-attn-4's varlen
-#   kernel from T=4096 at D=64 and at T=16k (0.53-0.63x flex's time there).
-# So on sm90 flash-attn-4, when installed, goes first from the lengths in SM90_FLASH_ATTN_4_FROM.
+# B*T = 16k tokens per call), fwd+bwd time against cuDNN-SDPA (PyTorch's default kernel there):
+# - causal (bench/results/h100-attention.json): from T=4096 flash-attn-4 is fastest (0.81-0.93x SDPA's
+#   time, D 64 and 128). Up to T=2048 SDPA is fastest: flash-attn-4's eager calls appear bound by host
+#   work there (0.5-1.05 ms per fwd+bwd at D=64, varying between runs), while in a compiled training
+#   step at T=1024 the two tie (bench/results/h100-train.json). flash-attn 2 and flex_attention are never
+#   fastest.
+# - documents (bench/results/h100-attention-docs.json): SDPA needs a dense mask (1.7-10.6x the fastest's
+#   time); flex_attention's BlockMask is fastest at T=1024 and at D=128 T=4096, flash-attn-4's varlen
+#   kernel at D=64 T=4096 and at T=16k (0.54-0.86x flex's time there).
+# So on sm90 flash-attn-4, when installed, goes first from the lengths in SM90_FLASH_ATTN_4_FROM. (That
+# file's auto row at T=2048 ran with an earlier threshold, 2048; see bench/results/NOTES.md.)
 # Not measured here: older GPUs, FA3 and Blackwell, where the order follows the kernels' published speeds
 # (flash-attn-4 was written for Blackwell and reports beating cuDNN there).
 AUTO_PREFERENCE = {
@@ -451,7 +454,7 @@ AUTO_PREFERENCE = {
 }
 # (masking, largest head dim it covers) -> shortest sequence from which flash-attn-4 goes first on sm90.
 # D=128 documents: 8192 lies between the measured 4096 (flex faster) and 16384 (flash-attn-4 faster).
-SM90_FLASH_ATTN_4_FROM = {("causal", 64): 2048, ("causal", 256): 2048,
+SM90_FLASH_ATTN_4_FROM = {("causal", 64): 4096, ("causal", 256): 4096,
                           ("documents", 64): 4096, ("documents", 256): 8192}
 
 

@@ -184,8 +184,9 @@ def log_log_slope(points: list[tuple[float, float]]) -> float:
 def check_memory_linear(rows: list[dict], max_slope: float) -> list[tuple[str, str]]:
     """(verdict, detail) per (dtype, docs, backend, head dim): slope of memory per sequence against T."""
     series = {}
-    for row in rows:
-        series.setdefault((row["dtype"], row["docs"], row["backend"], row["head_dim"]), []).append(row)
+    for row in rows:  # auto is checked per backend it ran: the kernels differ in memory, not only in T
+        backend = row["backend"] if row["backend"] != "auto" else f"auto→{row.get('resolved')}"
+        series.setdefault((row["dtype"], row["docs"], backend, row["head_dim"]), []).append(row)
     results = []
     for (dtype, docs, backend, head_dim), group in series.items():
         where = f"{dtype} {'docs' if docs else 'causal'} {backend} D={head_dim}"

@@ -204,3 +204,27 @@ def test_compare_backends_tabulates_each_backends_last_log_line(char_data, tmp_p
         assert cells[1] == backend and cells[2] == "4" and cells[-1] == "ok", rows[backend]
     saved = json.loads((tmp_path / "cpu-compare_backends.json").read_text())
     assert [r["backend"] for r in saved["rows"]] == ["sdpa", "manual"]
+
+
+def test_checks_catch_a_wrong_forward():
+    results = synthetic_results()
+    for row in results["rows"]:
+        row["fwd_status"], row["rel_err"] = "ok", 2e-3
+    ok, lines = check_lines(results)
+    assert ok and any(line.startswith("PASS [forward error") and "flex_attention" in line for line in lines)
+    next(r for r in results["rows"] if r["backend"] == "flex_attention")["rel_err"] = 0.05  # one cell
+    ok, lines = check_lines(results)
+    failures = [line for line in lines if line.startswith("FAIL")]
+    assert not ok and len(failures) == 1 and "flex_attention" in failures[0] and "5.0e-02" in failures[0]
+
+
+def test_memory_of_auto_is_checked_per_kernel_it_ran():
+    """auto that runs a lean kernel at short T and another at long T is two linear series, not one steep one."""
+    results = synthetic_results()
+    for row in results["rows"]:
+        if row["backend"] == "auto" and row["seq_len"] <= 2048:
+            row["resolved"], row["peak_mem_mib"] = "flex_attention", row["peak_mem_mib"] / 8
+    ok, lines = check_lines(results)
+    assert ok, "\n".join(lines)
+    assert any("auto→flex_attention D=64" in line for line in lines)
+    assert any("auto→sdpa D=64" in line and "T^1.00" in line for line in lines)
