@@ -729,7 +729,8 @@ class GPT(nn.Module):
 # What this machine can run: `python model.py`
 
 def attention_report(device=None) -> dict:
-    """Versions, GPU, and for each backend whether it runs here and why not; what auto picks per dtype."""
+    """Versions, GPU, and for each backend whether it runs here and why not; what auto picks per dtype, for
+    T=1024 (auto) and T=32768 (auto_long)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     device = torch.device(device)
@@ -744,13 +745,16 @@ def attention_report(device=None) -> dict:
         "dtype": _dtype_name(train_dtype),
         "backends": {},
         "auto": {},
+        "auto_long": {},
     }
     for name in BACKENDS[1:]:
         problem = backend_problem(name, device, train_dtype, backward=True)
         version = _flash_package(name).version if name.startswith("flash_attn_") else torch.__version__
         report["backends"][name] = {"available": not problem, "version": version, "why": problem}
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        report["auto"][_dtype_name(dtype)] = resolve_attention_backend("auto", device, dtype, backward=True).used
+        for key, seq_len in (("auto", 1024), ("auto_long", 32768)):
+            report[key][_dtype_name(dtype)] = resolve_attention_backend("auto", device, dtype, seq_len,
+                                                                        backward=True).used
     return report
 
 
@@ -763,8 +767,9 @@ def main():
         status = "available" if row["available"] else "unavailable"
         version = f" {row['version']}" if row["version"] else ""
         print(f"  {name:<15} {status:<12}{version:<14} {row['why']}")
-    picks = ", ".join(f"{dtype} -> {used}" for dtype, used in report["auto"].items())
-    print(f"  auto picks: {picks}")
+    for key, length in (("auto", "1024"), ("auto_long", "32768")):
+        picks = ", ".join(f"{dtype} -> {used}" for dtype, used in report[key].items())
+        print(f"  auto picks at T={length}: {picks}")
 
 
 if __name__ == "__main__":

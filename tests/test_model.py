@@ -343,7 +343,8 @@ def test_python_model_py_reports_every_backend():
 
 def test_attention_report_keys():
     report = model.attention_report("cpu")
-    assert set(report) == {"torch", "cuda", "cudnn", "device", "gpu", "capability", "dtype", "backends", "auto"}
+    assert set(report) == {"torch", "cuda", "cudnn", "device", "gpu", "capability", "dtype", "backends", "auto",
+                           "auto_long"}
     assert report["device"] == "cpu" and report["dtype"] == "float32" and report["torch"] == torch.__version__
     assert set(report["backends"]) == set(model.BACKENDS) - {"auto"}
     for name, row in report["backends"].items():
@@ -351,8 +352,9 @@ def test_attention_report_keys():
         assert row["available"] == (row["why"] == ""), name
     assert report["backends"]["manual"]["available"] and report["backends"]["sdpa"]["available"]
     assert not report["backends"]["flash_attn_2"]["available"]  # CUDA only
-    assert set(report["auto"]) == {"bfloat16", "float16", "float32"}
-    assert set(report["auto"].values()) == {"sdpa"}
+    for key in ("auto", "auto_long"):
+        assert set(report[key]) == {"bfloat16", "float16", "float32"}
+        assert set(report[key].values()) == {"sdpa"}
 
 
 # ---- GPU (run on the device) -----------------------------------------------------------------
