@@ -213,6 +213,7 @@ def _flash_attn_4_ops(interface, namespace: str = "gpt_flash_attn_4"):
     torch.compile cannot trace the package's own autograd Function (CuTe DSL compiles its kernels at the
     first call); as custom ops the kernels stay opaque and a compiled training step keeps one graph. They
     call the package's _flash_attn_fwd/_flash_attn_bwd, as that Function does (written against 4.0.0b36).
+    Outputs are contiguous, as the fake (shape-only) versions promise the compiler.
     """
     def varlen(cu_seqlens, max_seqlen):
         if cu_seqlens is None:
@@ -225,12 +226,12 @@ def _flash_attn_4_ops(interface, namespace: str = "gpt_flash_attn_4"):
                 max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = interface._flash_attn_fwd(q, k, v, causal=True, return_lse=True,
                                              **varlen(cu_seqlens, max_seqlen))[:2]
-        return out, lse
+        return out.contiguous(), lse.contiguous()
 
     @forward.register_fake
     def _(q, k, v, cu_seqlens, max_seqlen):  # q: (B, T, H, D) -> lse (B, H, T); varlen (N, H, D) -> (H, N)
         lse_shape = (q.size(0), q.size(2), q.size(1)) if cu_seqlens is None else (q.size(1), q.size(0))
-        return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+        return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
 
     @torch.library.custom_op(f"{namespace}::backward", mutates_args=())
     def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -238,11 +239,11 @@ def _flash_attn_4_ops(interface, namespace: str = "gpt_flash_attn_4"):
                  max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dq, dk, dv = interface._flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, causal=True,
                                                **varlen(cu_seqlens, max_seqlen))[:3]
-        return dq, dk, dv
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
     @backward.register_fake
     def _(dout, q, k, v, out, lse, cu_seqlens, max_seqlen):
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     def setup_context(ctx, inputs, output):
         q, k, v, cu_seqlens, ctx.max_seqlen = inputs

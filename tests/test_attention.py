@@ -346,6 +346,14 @@ def test_flash_attn_4_custom_ops_give_manual_gradients_and_compile_in_one_graph(
     compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
     out, grads = forward_backward(compiled, q, k, v, dy, mask)
     assert_matches(out, grads, ref_out, ref_grads, 1e-12, "compiled flash_attn_4 ops")
+    # PyTorch's own check of a custom op: schema, autograd registration, fake outputs (shapes and
+    # strides) equal to real ones, here for (B, T, H, D) views of (B, H, T, D) tensors, as the model passes
+    op = getattr(torch.ops, f"test_fa4_{'docs' if docs else 'causal'}").forward
+    layout = (t.detach().transpose(1, 2).requires_grad_(True) for t in (q, k, v))
+    cu_seqlens, max_seqlen = mask.varlen() if docs else (None, 0)
+    if docs:
+        layout = (t.reshape(-1, *t.shape[2:]).detach().requires_grad_(True) for t in layout)
+    torch.library.opcheck(op, (*layout, cu_seqlens, max_seqlen))
 
 
 def test_flash_attn_4_without_the_private_functions_is_unavailable(monkeypatch):
