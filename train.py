@@ -66,7 +66,7 @@ class TrainConfig:
     dropout: float = 0.0  # dropout rate; 0 for pretraining, 0.1+ for fine-tuning
     bias: bool = False  # biases in Linear and LayerNorm layers (GPT-2 has them)
     vocab_size: Optional[int] = None  # None: from meta.json (GPT-2's 50257 is padded up to 50304)
-    attention_backend: str = "auto"  # auto | flash_attn_3 | flash_attn_2 | flex_attention | sdpa | manual
+    attention_backend: str = "auto"  # auto | flash_attn_4 | flash_attn_3 | flash_attn_2 | flex_attention | sdpa | manual
     sdpa_kernel: str = "auto"  # pin one PyTorch SDPA kernel: auto | flash | cudnn | efficient | math
     # ---- optimizer ----
     learning_rate: float = 2e-3  # peak learning rate
