@@ -10,8 +10,7 @@
 #   flash-attn-4 with its CuTe DSL libraries: ~90 MB, more than one call may carry), one part per call on
 #   the same warm machine.
 #   Each call leaves its part in /tmp/stage; once SHA256SUMS matches the joined parts, they are unpacked
-#   to /tmp/site and put on PYTHONPATH. Made here with:
-#     tar cf - -C SITE . | xz -T0 -9e > site.tar.xz && sha256sum site.tar.xz > SHA256SUMS && split -n 2 site.tar.xz site.tar.xz.part-
+#   to /tmp/site and put on PYTHONPATH. Made here by bench/pack_gpu_packages.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
