@@ -194,16 +194,22 @@ def _flash_call(package, q, k, v, mask: AttentionMask, **kwargs):
 # `package` is bound when the model resolves its backend (attention_function), so torch.compile never
 # traces the cached import lookup; called directly, the function looks the package up itself.
 def flash_attn_2_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0, package=None):
-    return _flash_call(package or _flash_package("flash_attn_2").module, q, k, v, mask, dropout_p=dropout_p)
+    return _flash_call(package or _flash_module("flash_attn_2"), q, k, v, mask, dropout_p=dropout_p)
 
 
 def flash_attn_3_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0, package=None):
-    return _flash_call(package or _flash_package("flash_attn_3").module, q, k, v, mask)  # no dropout in FA3
+    return _flash_call(package or _flash_module("flash_attn_3"), q, k, v, mask)  # no dropout in FA3
 
 
 def flash_attn_4_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0, package=None):
-    package = package or _flash_attn_4_ops(_flash_package("flash_attn_4").module.interface)
-    return _flash_call(package, q, k, v, mask)  # no dropout in FA4
+    return _flash_call(package or _flash_module("flash_attn_4"), q, k, v, mask)  # no dropout in FA4
+
+
+def _flash_module(backend: str):
+    """What a flash backend calls: the package's module; for flash-attn-4, its kernels as custom ops, which
+    torch.compile can keep in the graph."""
+    module = _flash_package(backend).module
+    return _flash_attn_4_ops(module.interface) if backend == "flash_attn_4" else module
 
 
 @functools.cache
@@ -291,10 +297,7 @@ def attention_function(name: str) -> Callable:
     """ATTENTION_FUNCTIONS[name], with a flash backend's package bound now rather than looked up per call."""
     if not name.startswith("flash_attn_"):
         return ATTENTION_FUNCTIONS[name]
-    package = _flash_package(name).module
-    if name == "flash_attn_4":  # its kernels as custom ops, which torch.compile can keep in the graph
-        package = _flash_attn_4_ops(package.interface)
-    return functools.partial(ATTENTION_FUNCTIONS[name], package=package)
+    return functools.partial(ATTENTION_FUNCTIONS[name], package=_flash_module(name))
 
 
 # ----------------------------------------------------------------------------------------------

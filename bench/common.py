@@ -73,6 +73,7 @@ def results_header(name: str, device: torch.device, **extra) -> dict:
         "triton": _package_version("triton"),
         "flash_attn": report["backends"]["flash_attn_2"]["version"] or None,
         "flash_attn_3": report["backends"]["flash_attn_3"]["version"] or None,
+        "flash_attn_4": report["backends"]["flash_attn_4"]["version"] or None,
         "backend_problems": {n: b["why"] for n, b in report["backends"].items() if b["why"]},
         "auto_picks": report["auto"],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
