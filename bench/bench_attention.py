@@ -29,8 +29,8 @@ import torch
 import torch._dynamo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (DEFAULT_OUT, Budget, Column, failure_reason, free_device_memory,  # noqa: E402
-                          median_ms, plot_lines, results_header, synchronize, write_results)
+from bench.common import (DEFAULT_OUT, Budget, Column, cuda_graph, failure_reason,  # noqa: E402
+                          free_device_memory, median_ms, plot_lines, results_header, synchronize, write_results)
 from model import (AttentionMask, attention_function, backend_problem, resolve_attention_backend,  # noqa: E402
                    resolve_sdpa_kernel, sdpa_attention)
 
@@ -227,6 +227,22 @@ def prepare_backend(backend: str, cell: Cell, inputs, reference, args, device) -
     return measurement
 
 
+def capture_graphs(measurements: list[Measurement], device: torch.device):
+    """Time graph replays instead of eager calls (METHOD.md: for many small launches, capture a graph and
+    time its replays). What is timed is then the GPU's work alone, as in a training step whose host runs
+    ahead of the GPU; eager launch work is left out (flash-attn-4's Python launcher made its eager fwd+bwd
+    take ~1 ms at any T <= 2048 on the H100, varying from round to round: results/h100-attention-eager.json).
+    A run that cannot be captured is timed eagerly, and says why."""
+    for m in measurements:
+        for kind, (fn, grads) in list(m.runs.items()):
+            try:
+                m.runs[kind] = (cuda_graph(fn, grads, device).replay, ())  # the bound replay keeps the graph
+                m.row[f"{kind}_timing"] = "cuda graph"
+            except Exception as error:  # noqa: BLE001 - recorded, never swallowed
+                m.row[f"{kind}_timing"] = f"eager (capture failed: {failure_reason(error)})"
+                free_device_memory()
+
+
 def time_in_rounds(measurements: list[Measurement], args, device):
     """Time every backend of a cell in turn, `--rounds` times over. Each backend keeps the median of its
     round medians, so a drift of clocks or temperature during the cell hits all backends alike."""
@@ -310,6 +326,8 @@ def run_grid(args, device: torch.device) -> list[dict]:
             measurements.append(prepare_backend(backend, cell, inputs, reference, args, device))
             if "OOM" in measurements[-1].status["fwd_bwd"]:
                 free_device_memory()  # the failed call's tensors may sit in reference cycles until collected
+        if args.timing == "graph" and device.type == "cuda":
+            capture_graphs(measurements, device)
         time_in_rounds(measurements, args, device)
         for m in measurements:
             rows.append(finish_measurement(m, cell, args.heads))
@@ -374,6 +392,8 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, default=None,
                         help="timings per backend, interleaved across the cell's backends; the median counts "
                              "(default 3; --quick: 1)")
+    parser.add_argument("--timing", default="graph", choices=("graph", "eager"),
+                        help="on CUDA, time replays of a CUDA graph of each call (default) or eager calls")
     parser.add_argument("--name", default=None, help="results name (default attention[-float16] / attention-quick)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -416,7 +436,11 @@ def main(argv=None) -> int:
             "shapes": f"B = max(1, {args.tokens} // T), H = {args.heads} for every D; {args.dtype} inputs (B, H, T, D)",
             "timing": f"median over {args.rounds} rounds (every backend of a cell timed in turn, each round) "
                       "of the median of triton.testing.do_bench (CUDA events, L2 flushed before each run; "
-                      "host clock on CPU); forward timed with autograd on, as in training; "
+                      "host clock on CPU); "
+                      + ("each call captured in a CUDA graph and its replays timed, so host launch work is "
+                         "left out (fwd_timing/fwd_bwd_timing say where capture failed and eager calls were "
+                         "timed); " if args.timing == "graph" and device.type == "cuda" else "eager calls; ")
+                      + "forward timed with autograd on, as in training; "
                       "mask forms (dense, BlockMask, cu_seqlens) built before timing, as the model builds them "
                       "once per forward for all layers",
             "flops": FLOP_CONVENTION,

@@ -149,6 +149,25 @@ def median_ms(fn: Callable[[], object], device: torch.device, grad_to_none: Sequ
     return 1000 * sorted(times)[len(times) // 2]
 
 
+def cuda_graph(fn: Callable[[], object], grads: Sequence[torch.Tensor], device: torch.device) -> torch.cuda.CUDAGraph:
+    """fn captured in a CUDA graph, after warm-up runs on a side stream (as torch.cuda.graph asks). grads:
+    leaves whose .grad fn accumulates into; cleared first, so the captured backward writes them afresh."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            for t in grads:
+                t.grad = None
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    for t in grads:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def synchronize(device: torch.device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)

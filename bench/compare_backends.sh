@@ -8,7 +8,8 @@
 # temporary folder that is removed) "$@" --attention_backend=X. Your arguments come after these defaults, so
 # they win (e.g. --max_iters=200). The last log line covers the last 25 steps, so compile time is left out.
 # Prints a markdown table and writes bench/results/<card>-compare_backends.{md,json}; logs stay in a temporary
-# folder named at the end.
+# folder named at the end. KEEP_ROWS=1 keeps the rows of other backends from that card's earlier file
+# (to re-run one backend, or to split the backends over two sessions of the same machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,13 +30,14 @@ for backend in $BACKENDS; do
 done
 
 "$PYTHON" - "$logs" "$OUT" $BACKENDS <<'EOF'
+import json
 import os
 import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, ".")
-from bench.common import Column, bench_device, parse_log_line, results_header, write_results
+from bench.common import Column, bench_device, parse_log_line, results_header, results_stem, write_results
 
 logs, out, backends = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
 rows = []
@@ -59,6 +61,12 @@ columns = [Column("backend", "backend"), Column("runs", "runs"), Column("iter", 
            Column("mem_gib", "mem GiB", "{:.1f}"), Column("status", "status")]
 header = results_header("compare_backends", bench_device(), command=os.environ["COMPARE_COMMAND"], logs=str(logs),
                         notes={"source": "last log line of `python train.py ... --attention_backend=X` per backend"})
+earlier = results_stem(out, "compare_backends", header["card"]).with_suffix(".json")
+if os.environ.get("KEEP_ROWS") == "1" and earlier.exists():
+    earlier = json.loads(earlier.read_text())
+    if earlier["header"]["device_name"] == header["device_name"]:
+        rows = [r for r in earlier["rows"] if r["backend"] not in backends] + rows
+        header["kept_rows_from"] = {key: earlier["header"][key] for key in ("command", "date", "torch")}
 paths = write_results(out, "compare_backends", header, rows, columns)
 print(paths[1].read_text())
 print(f"wrote {', '.join(map(str, paths))}; logs in {logs}", file=sys.stderr)

@@ -314,8 +314,9 @@ def fake_flash_attn_4_interface(calls: list):
         lse_shape = (q.size(0), q.size(2), q.size(1)) if cu_seqlens_q is None else (q.size(1), q.size(0))
         return out.reshape(q.shape), torch.zeros(lse_shape, dtype=torch.float32), None, None, None
 
-    def _flash_attn_bwd(q, k, v, out, dout, lse, causal, cu_seqlens_q=None, **varlen):
+    def _flash_attn_bwd(q, k, v, out, dout, lse, causal, dq, dk, dv, cu_seqlens_q=None, **varlen):
         calls.append("bwd")
+        gradients = dq, dk, dv  # filled in place, as the real kernel does
         q4, k4, v4, do4 = batched(q, k, v, dout, cu_seqlens=cu_seqlens_q)
         p = probabilities(q4, k4, cu_seqlens_q)
         dv = torch.einsum("bhts,bthd->bshd", p, do4)
@@ -323,7 +324,9 @@ def fake_flash_attn_4_interface(calls: list):
         ds = p * (dp - (dp * p).sum(-1, keepdim=True)) / math.sqrt(q.size(-1))
         dq = torch.einsum("bhts,bshd->bthd", ds, k4)
         dk = torch.einsum("bhts,bthd->bshd", ds, q4)
-        return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+        for gradient, value in zip(gradients, (dq, dk, dv)):
+            gradient.copy_(value.reshape(gradient.shape))
+        return gradients
 
     interface = ModuleType("fake_flash_attn_4_interface")  # hashable, like the real module
     interface._flash_attn_fwd, interface._flash_attn_bwd = _flash_attn_fwd, _flash_attn_bwd
@@ -353,7 +356,12 @@ def test_flash_attn_4_custom_ops_give_manual_gradients_and_compile_in_one_graph(
     cu_seqlens, max_seqlen = mask.varlen() if docs else (None, 0)
     if docs:
         layout = (t.reshape(-1, *t.shape[2:]).detach().requires_grad_(True) for t in layout)
+    layout = list(layout)
     torch.library.opcheck(op, (*layout, cu_seqlens, max_seqlen))
+    out, lse = op(*layout, cu_seqlens, max_seqlen)
+    backward = getattr(torch.ops, f"test_fa4_{'docs' if docs else 'causal'}").backward
+    torch.library.opcheck(backward, (torch.randn_like(out), *(t.detach() for t in (*layout, out, lse)),
+                                     cu_seqlens, max_seqlen))
 
 
 def test_flash_attn_4_without_the_private_functions_is_unavailable(monkeypatch):

@@ -16,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import model  # noqa: E402
 from bench import readme_table  # noqa: E402
 from bench.common import card_slug, parse_log_line  # noqa: E402
 from train import format_log_line  # noqa: E402
@@ -192,9 +193,9 @@ def test_checks_catch_a_slow_auto_and_a_quadratic_backend(tmp_path):
 def test_compare_backends_tabulates_each_backends_last_log_line(char_data, tmp_path):
     env = {**os.environ, "BACKENDS": "sdpa manual", "OUT_DIR": str(tmp_path), "PYTHON": sys.executable,
            "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(["bash", "bench/compare_backends.sh", f"--data_dir={char_data}", "--n_layer=2",
-                             "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=4", "--max_iters=4",
-                             "--log_interval=2", "--device=cpu"],
+    arguments = [f"--data_dir={char_data}", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16",
+                 "--batch_size=4", "--max_iters=4", "--log_interval=2", "--device=cpu"]
+    result = subprocess.run(["bash", "bench/compare_backends.sh", *arguments],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr
     rows = {line.split("|")[1].strip(): line for line in result.stdout.splitlines() if line.startswith("| ")}
@@ -204,6 +205,13 @@ def test_compare_backends_tabulates_each_backends_last_log_line(char_data, tmp_p
         assert cells[1] == backend and cells[2] == "4" and cells[-1] == "ok", rows[backend]
     saved = json.loads((tmp_path / "cpu-compare_backends.json").read_text())
     assert [r["backend"] for r in saved["rows"]] == ["sdpa", "manual"]
+    # KEEP_ROWS=1: a later run of one backend keeps the other's row from the earlier file
+    result = subprocess.run(["bash", "bench/compare_backends.sh", *arguments], cwd=ROOT, capture_output=True,
+                            env={**env, "BACKENDS": "manual", "KEEP_ROWS": "1"}, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    merged = json.loads((tmp_path / "cpu-compare_backends.json").read_text())
+    assert [r["backend"] for r in merged["rows"]] == ["sdpa", "manual"]
+    assert merged["rows"][0] == saved["rows"][0] and "kept_rows_from" in merged["header"]
 
 
 def test_checks_catch_a_wrong_forward():
@@ -228,3 +236,37 @@ def test_memory_of_auto_is_checked_per_kernel_it_ran():
     assert ok, "\n".join(lines)
     assert any("auto→flex_attention D=64" in line for line in lines)
     assert any("auto→sdpa D=64" in line and "T^1.00" in line for line in lines)
+
+
+def test_fit_auto_takes_flash_attn_4_from_where_it_wins_at_every_longer_length():
+    from bench import fit_auto
+
+    def row(backend, d, t, ms, docs=False):
+        return {"backend": backend, "head_dim": d, "seq_len": t, "docs": docs, "fwd_bwd_ms": ms}
+    rows = [row("sdpa:auto", 64, t, 1.0) for t in (1024, 2048, 4096, 8192)]
+    rows += [row("flash_attn_4", 64, t, ms) for t, ms in ((1024, 0.9), (2048, 1.1), (4096, 0.9), (8192, 0.8))]
+    rows += [row("flex_attention", 128, t, 1.0, True) for t in (1024, 4096)]
+    rows += [row("flash_attn_4", 128, 1024, 0.5, True), row("flash_attn_4", 128, 4096, 0.7, True)]
+    # 1024 wins but 2048 loses: the table starts at 4096, the first length of the winning run to the end
+    assert fit_auto.fit({"rows": rows}) == {("causal", 64): 4096, ("documents", 256): 1024}
+    rows.append(row("flash_attn_4", 64, 16384, None))  # an unmeasured cell changes nothing
+    rows += [row("sdpa:auto", 64, 32768, 1.0), row("flash_attn_4", 64, 32768, 2.0)]
+    with pytest.raises(ValueError, match="does not beat sdpa:auto at the longest"):
+        fit_auto.fit({"rows": rows})
+
+
+def test_fit_auto_writes_the_table_model_py_reads():
+    from bench import fit_auto
+    text = fit_auto.MODEL_FILE.read_text()
+    assert fit_auto.table_source(model.SM90_FLASH_ATTN_4_FROM) in text  # --write would change nothing
+    namespace = {}
+    exec(fit_auto.table_source({("causal", 64): 512, ("causal", 256): 2048}), namespace)
+    assert namespace["SM90_FLASH_ATTN_4_FROM"] == {("causal", 64): 512, ("causal", 256): 2048}
+
+
+def test_fit_auto_refuses_a_file_of_another_card(tmp_path, capsys):
+    from bench import fit_auto
+    path = tmp_path / "a100-attention.json"
+    path.write_text(json.dumps({"header": {"capability": "sm80"}, "rows": []}))
+    assert fit_auto.main([str(path)]) == 2
+    assert "only sm90" in capsys.readouterr().err
