@@ -435,17 +435,18 @@ FALLBACKS = {
 }
 
 # What `auto` tries, fastest first. Measured with bench/bench_attention.py on an H100 (torch 2.11, bf16,
-# B*T = 16k tokens per call), fwd+bwd time against cuDNN-SDPA (PyTorch's default kernel there):
-# - causal (bench/results/h100-attention.json): from T=4096 flash-attn-4 is fastest (0.81-0.93x SDPA's
-#   time, D 64 and 128). Up to T=2048 SDPA is fastest: flash-attn-4's eager calls appear bound by host
-#   work there (0.5-1.05 ms per fwd+bwd at D=64, varying between runs), while in a compiled training
-#   step at T=1024 the two tie (bench/results/h100-train.json). flash-attn 2 and flex_attention are never
-#   fastest.
-# - documents (bench/results/h100-attention-docs.json): SDPA needs a dense mask (1.7-10.6x the fastest's
-#   time); flex_attention's BlockMask is fastest at T=1024 and at D=128 T=4096, flash-attn-4's varlen
-#   kernel at D=64 T=4096 and at T=16k (0.54-0.86x flex's time there).
-# So on sm90 flash-attn-4, when installed, goes first from the lengths in SM90_FLASH_ATTN_4_FROM. (That
-# file's auto row at T=2048 ran with an earlier threshold, 2048; see bench/results/NOTES.md.)
+# B*T = 16k tokens per call, CUDA-graph replays, so host launch work is left out as in a training step whose
+# host runs ahead), fwd+bwd time against what runs without flash-attn-4:
+# - causal (bench/results/h100-attention.json): flash-attn-4 is fastest at every T from 512 to 32k, at
+#   0.84-0.93x cuDNN-SDPA's time (D=64) and 0.84-0.95x from T=1024 (D=128; 1.00x at T=512). flash-attn 2
+#   takes 1.18-1.62x and flex_attention 1.11-1.46x SDPA's time.
+# - documents (bench/results/h100-attention-docs.json): SDPA needs a dense mask (1.7-6.2x flex's time);
+#   flex_attention's BlockMask is fastest at T=1024 and at D=128 T=4096, flash-attn-4's varlen kernel
+#   elsewhere (0.55-0.90x flex's time).
+# So on sm90 flash-attn-4, when installed, goes first from the lengths in SM90_FLASH_ATTN_4_FROM, which
+# bench/fit_auto.py fits from a results file. Timed eagerly, flash-attn-4's Python launcher makes a fwd+bwd
+# take 0.7-1.3 ms at any T up to 2048 (bench/results/h100-attention-eager.json); in a compiled GPT-2 step
+# that work overlaps the GPU's (bench/results/h100-train.json: T=1024, 35.2 ms against SDPA's 35.6).
 # Not measured here: older GPUs, FA3 and Blackwell, where the order follows the kernels' published speeds
 # (flash-attn-4 was written for Blackwell and reports beating cuDNN there).
 AUTO_PREFERENCE = {
@@ -460,8 +461,9 @@ AUTO_PREFERENCE = {
     ("other", "", "documents"): ("sdpa", "manual"),
 }
 # (masking, largest head dim it covers) -> shortest sequence from which flash-attn-4 goes first on sm90.
-# D=128 documents: 8192 lies between the measured 4096 (flex faster) and 16384 (flash-attn-4 faster).
-SM90_FLASH_ATTN_4_FROM = {("causal", 64): 4096, ("causal", 256): 4096,
+# Causal: fitted by bench/fit_auto.py from bench/results/h100-attention-scan.json. Documents: set by hand
+# from the eager runs (the docs scan's --budget ran out after T=1024); h100-attention-docs.json bears them out.
+SM90_FLASH_ATTN_4_FROM = {("causal", 64): 512, ("causal", 256): 1024,
                           ("documents", 64): 4096, ("documents", 256): 8192}
 
 

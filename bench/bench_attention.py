@@ -231,9 +231,10 @@ def capture_graphs(measurements: list[Measurement], device: torch.device):
     """Time graph replays instead of eager calls (METHOD.md: for many small launches, capture a graph and
     time its replays). What is timed is then the GPU's work alone, as in a training step whose host runs
     ahead of the GPU; eager launch work is left out (flash-attn-4's Python launcher made its eager fwd+bwd
-    take ~1 ms at any T <= 2048 on the H100, varying from round to round: results/h100-attention-eager.json).
-    A run that cannot be captured is timed eagerly, and says why."""
-    for m in measurements:
+    take 0.7-1.3 ms at any T <= 2048 on the H100, varying between rounds: results/h100-attention-eager.json).
+    A run that cannot be captured is timed eagerly, and says why. Graphs keep their memory until the cell
+    ends, so the backends that need least are captured first and an OOM falls on those keeping (T, T) scores."""
+    for m in sorted(measurements, key=lambda m: m.row.get("peak_mem_mib") or 0):
         for kind, (fn, grads) in list(m.runs.items()):
             try:
                 m.runs[kind] = (cuda_graph(fn, grads, device).replay, ())  # the bound replay keeps the graph

@@ -564,7 +564,7 @@ def test_auto_on_cpu_picks_sdpa(fake_env, dtype, doc_mask):
 
 
 @pytest.mark.parametrize("doc_mask, head_dim, short, long", [
-    (False, 64, 2048, 4096), (False, 128, 2048, 4096), (True, 64, 2048, 4096), (True, 128, 4096, 8192)])
+    (False, 64, 256, 512), (False, 128, 512, 1024), (True, 64, 2048, 4096), (True, 128, 4096, 8192)])
 def test_auto_on_sm90_takes_flash_attn_4_from_the_measured_lengths(fake_env, doc_mask, head_dim, short, long):
     fake_env(installed=("flash_attn", "flash_attn.cute"), capability=(9, 0))
     below = "flex_attention" if doc_mask else "sdpa"
@@ -584,8 +584,9 @@ def test_model_resolves_auto_per_sequence_length(fake_env, monkeypatch):
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type: True)
     monkeypatch.setattr(torch, "get_autocast_dtype", lambda device_type: torch.bfloat16)
     assert gpt.attention_for(CUDA)[1].used == "flash_attn_4"
-    assert gpt.attention_for(CUDA, seq_len=2048)[1].used == "sdpa"
-    assert gpt.attention_for(CUDA, seq_len=4096)[1].used == "flash_attn_4"
+    start = model.SM90_FLASH_ATTN_4_FROM[("causal", 64)]  # head dim 128 / 2 = 64
+    assert gpt.attention_for(CUDA, seq_len=start - 1)[1].used == "sdpa"
+    assert gpt.attention_for(CUDA, seq_len=start)[1].used == "flash_attn_4"
 
 
 def test_auto_on_sm90_without_flash_attn_picks_sdpa(fake_env):
