@@ -42,6 +42,7 @@ DEFAULT_SEQ_LENS = (1024, 4096, 16384, 512, 2048, 8192, 32768)
 FLOP_CONVENTION = ("causal attention FLOPs: fwd = 4*B*H*T^2*D / 2 (two matmuls, half the score matrix); "
                    "fwd+bwd = 3.5 * fwd (backward = 2.5 * forward, FlashAttention's convention). Document-masked "
                    "cells use the same causal count, so their TF/s compare time at equal nominal work.")
+GRAPH_MEMORY_SHARE = 0.25  # of the card's memory, for the CUDA graphs of one cell (see capture_graphs)
 REFERENCE_SCORES_BYTES = 2**30  # float32 scores per chunk of the reference: ~1 GiB, whatever T is
 
 
@@ -232,16 +233,26 @@ def capture_graphs(measurements: list[Measurement], device: torch.device):
     time its replays). What is timed is then the GPU's work alone, as in a training step whose host runs
     ahead of the GPU; eager launch work is left out (flash-attn-4's Python launcher made its eager fwd+bwd
     take 0.7-1.3 ms at any T <= 2048 on the H100, varying between rounds: results/h100-attention-eager.json).
-    A run that cannot be captured is timed eagerly, and says why. Graphs keep their memory until the cell
-    ends, so the backends that need least are captured first and an OOM falls on those keeping (T, T) scores."""
+
+    A graph holds its memory until the cell ends. Backends are captured smallest first while their graphs
+    fit in GRAPH_MEMORY_SHARE of the card; the rest (those keeping (T, T) scores, whose long kernels leave
+    launch work no weight) and any run that cannot be captured are timed eagerly, and their rows say why."""
+    room = GRAPH_MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory / 2**20
     for m in sorted(measurements, key=lambda m: m.row.get("peak_mem_mib") or 0):
-        for kind, (fn, grads) in list(m.runs.items()):
+        eager, need = dict(m.runs), 2 * (m.row.get("peak_mem_mib") or 0)  # a fwd graph and a fwd+bwd graph
+        if need > room:
+            timing = f"eager (its graphs would hold ~{need:,.0f} MiB, {room:,.0f} MiB left for graphs)"
+        else:
             try:
-                m.runs[kind] = (cuda_graph(fn, grads, device).replay, ())  # the bound replay keeps the graph
-                m.row[f"{kind}_timing"] = "cuda graph"
+                for kind, (fn, grads) in eager.items():
+                    m.runs[kind] = (cuda_graph(fn, grads, device).replay, ())  # the bound replay keeps the graph
+                timing, room = "cuda graph", room - need
             except Exception as error:  # noqa: BLE001 - recorded, never swallowed
-                m.row[f"{kind}_timing"] = f"eager (capture failed: {failure_reason(error)})"
+                m.runs = eager  # its graphs go, and their memory with them
+                timing = f"eager (capture failed: {failure_reason(error)})"
                 free_device_memory()
+        for kind in eager:
+            m.row[f"{kind}_timing"] = timing
 
 
 def time_in_rounds(measurements: list[Measurement], args, device):

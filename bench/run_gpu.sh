@@ -3,6 +3,7 @@
 #   bash bench/run_gpu.sh tests attention     # python model.py + GPU tests; attention benches (bf16)
 #   bash bench/run_gpu.sh float16 train       # attention bench in fp16; train-step bench
 #   bash bench/run_gpu.sh smoke compare       # a short train.py run per backend; bench/compare_backends.sh
+#   bash bench/run_gpu.sh scan attention      # fit auto's flash-attn-4 lengths (sm90) first, then measure them
 #
 # The lent H100 has no network and no flash-attn. Two ways to bring the flash packages:
 # - .whl/flash_attn-*.whl (the prebuilt flash-attn 2 wheel, ../shared/GPU.md), installed at each call;
@@ -58,6 +59,11 @@ for stage in "$@"; do
                 | grep -E "^(iter|eval|WARNING|INFO|error)" | tail -3
         done
         ;;
+    scan)  # sdpa against flash-attn-4, causal: fit_auto.py writes the lengths auto uses into model.py (then run attention)
+        python3 bench/bench_attention.py --backends sdpa:auto flash_attn_4 --seq-lens 512 1024 2048 4096 8192 --rounds 1 \
+            --rep-ms 30 --name attention-scan --out "$OUT" --budget 60 | tail -3
+        python3 bench/fit_auto.py "$OUT"/*-attention-scan.json --write
+        ;;
     attention)
         python3 bench/bench_attention.py --out "$OUT" --budget "${ATTN_BUDGET:-300}" --rep-ms "${REP_MS:-100}" | tail -3
         python3 bench/bench_attention.py --docs-only --out "$OUT" --budget "${DOCS_BUDGET:-150}" --rep-ms "${REP_MS:-100}" \
@@ -80,6 +86,6 @@ for stage in "$@"; do
             bash bench/compare_backends.sh config/train_gpt2.py --data_dir=/tmp/compare_data \
             --gradient_accumulation_steps=1 --batch_size=16 --vocab_size=50304
         ;;
-    *) echo "unknown stage $stage; stages: tests smoke attention float16 train compare"; exit 2 ;;
+    *) echo "unknown stage $stage; stages: tests smoke scan attention float16 train compare"; exit 2 ;;
     esac
 done

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -270,3 +271,33 @@ def test_fit_auto_refuses_a_file_of_another_card(tmp_path, capsys):
     path.write_text(json.dumps({"header": {"capability": "sm80"}, "rows": []}))
     assert fit_auto.main([str(path)]) == 2
     assert "only sm90" in capsys.readouterr().err
+
+
+def test_graphs_go_to_the_smallest_backends_and_a_failed_capture_times_eagerly(monkeypatch):
+    """capture_graphs on a pretend 100 GiB card: graphs of a cell may hold 25 GiB, smallest backends first;
+    a backend past that, or whose capture fails, keeps its eager runs and says why in its row."""
+    from types import SimpleNamespace
+
+    from bench import bench_attention
+    captured = []
+
+    def fake_graph(fn, grads, device):
+        if fn == "breaks":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        captured.append(fn)
+        return SimpleNamespace(replay=f"replay {fn}")
+    monkeypatch.setattr(bench_attention, "cuda_graph", fake_graph)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=100 * 2**30))
+
+    def measurement(name, mib, fn=None):
+        runs = {"fwd": (fn or f"{name} fwd", ()), "fwd_bwd": (fn or f"{name} fwd_bwd", ())}
+        return bench_attention.Measurement({"backend": name, "peak_mem_mib": mib}, runs, {}, {})
+    ms = [measurement("manual", 20_000), measurement("sdpa", 300), measurement("broken", 100, "breaks"),
+          measurement("flex", 5_000)]
+    bench_attention.capture_graphs(ms, torch.device("cuda"))
+    manual, sdpa, broken, flex = ms
+    assert captured == ["sdpa fwd", "sdpa fwd_bwd", "flex fwd", "flex fwd_bwd"]
+    assert sdpa.runs["fwd"] == ("replay sdpa fwd", ()) and sdpa.row["fwd_bwd_timing"] == "cuda graph"
+    assert flex.row["fwd_timing"] == "cuda graph"
+    assert manual.runs["fwd"] == ("manual fwd", ()) and "would hold ~40,000 MiB" in manual.row["fwd_timing"]
+    assert broken.runs["fwd"] == ("breaks", ()) and "capture failed" in broken.row["fwd_bwd_timing"]
