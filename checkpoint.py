@@ -10,6 +10,7 @@ Checkpoints that survive a kill, and load without running code.
 
     python checkpoint.py export out/ckpt.pt out/model.safetensors   # weights only, for other tools
 """
+
 from __future__ import annotations
 
 import json
@@ -91,8 +92,18 @@ def load_checkpoint(path, map_location="cpu") -> dict:
         raise CheckpointError(f"no checkpoint at {path}; train first (python train.py) or point at another out_dir")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError,
-            IndexError, KeyError, TypeError, AttributeError) as error:  # what torch's loader raises on garbage
+    except (
+        pickle.UnpicklingError,
+        RuntimeError,
+        EOFError,
+        zipfile.BadZipFile,
+        OSError,
+        ValueError,
+        IndexError,
+        KeyError,
+        TypeError,
+        AttributeError,
+    ) as error:  # what torch's loader raises on garbage
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(f"{path} is not a readable checkpoint ({first_line[:200]})") from None
     if not isinstance(state, dict) or "model" not in state or "model_config" not in state:
@@ -103,12 +114,17 @@ def load_checkpoint(path, map_location="cpu") -> dict:
 # ----------------------------------------------------------------------------------------------
 # RNG states in weights_only-loadable types
 
+
 def capture_rng() -> dict:
     np_state = np.random.get_state()
     state = {
         "python": _to_lists(random.getstate()),
-        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
-                  "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
+        "numpy": {
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "gauss": float(np_state[4]),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -119,8 +135,15 @@ def capture_rng() -> dict:
 def restore_rng(state: dict) -> None:
     random.setstate(_to_tuples(state["python"]))
     np_state = state["numpy"]
-    np.random.set_state(("MT19937", np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
-                         np_state["has_gauss"], np_state["gauss"]))
+    np.random.set_state(
+        (
+            "MT19937",
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["gauss"],
+        )
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -137,15 +160,20 @@ def _to_tuples(value):
 # ----------------------------------------------------------------------------------------------
 # Export
 
+
 def export_safetensors(checkpoint_path, out_path) -> Path:
     """Model weights only (no optimizer, no pickle), with the model config in the file's metadata."""
     from safetensors.torch import save_file
+
     state = load_checkpoint(checkpoint_path)
     # lm_head.weight is tied to transformer.wte.weight; safetensors stores shared tensors only once
     weights = {k: v.contiguous() for k, v in state["model"].items() if k != "lm_head.weight"}
     out_path = Path(out_path)
-    save_file(weights, str(out_path), metadata={"model_config": json.dumps(state["model_config"]),
-                                                "tied": "lm_head.weight=transformer.wte.weight"})
+    save_file(
+        weights,
+        str(out_path),
+        metadata={"model_config": json.dumps(state["model_config"]), "tied": "lm_head.weight=transformer.wte.weight"},
+    )
     return out_path
 
 

@@ -97,9 +97,12 @@ def format_help(defaults, prog: str = "train.py") -> str:
     type_names = {name: f"({_type_name(tp)})" for name, tp in fields.items()}
     option_width = max(map(len, options.values()), default=0)
     type_width = max(map(len, type_names.values()), default=0)
-    lines = [f"usage: {prog} [config.py ...] [--key=value ...]", "",
-             "Config files (Python assignments) apply in order, then --key=value overrides.",
-             f"Bools take {_BOOL_FORMS} (a bare --flag means true); Optional fields take None."]
+    lines = [
+        f"usage: {prog} [config.py ...] [--key=value ...]",
+        "",
+        "Config files (Python assignments) apply in order, then --key=value overrides.",
+        f"Bools take {_BOOL_FORMS} (a bare --flag means true); Optional fields take None.",
+    ]
     for i, name in enumerate(fields):
         if name in sections or i == 0:
             lines += ["", f"{sections.get(name, 'options')}:"]
@@ -109,6 +112,7 @@ def format_help(defaults, prog: str = "train.py") -> str:
 
 
 # ---- helpers ----
+
 
 def _split_argv(argv: list[str], types_: dict) -> tuple[list[str], list[tuple[str, str]]]:
     """argv -> (config files, [(key, text), ...]); rejects anything not a file or --key=value."""
@@ -185,7 +189,9 @@ def _expected(tp, from_text: bool) -> str:
 
 def _unknown(key: str, known: list[str]) -> str:
     close = difflib.get_close_matches(key, known, n=3)
-    return f"unknown config key {key!r}; " + (f"did you mean: {', '.join(close)}?" if close else "see --help for all keys")
+    return f"unknown config key {key!r}; " + (
+        f"did you mean: {', '.join(close)}?" if close else "see --help for all keys"
+    )
 
 
 def _read_file(path: str) -> dict:
@@ -203,8 +209,11 @@ def _read_file(path: str) -> dict:
         lines = [frame.lineno for frame in traceback.extract_tb(e.__traceback__) if frame.filename == path]
         where = f" on line {lines[-1]}" if lines else ""
         raise ConfigError(f"{path}: {type(e).__name__}{where}: {e}") from None
-    return {name: value for name, value in namespace.items()
-            if not name.startswith("_") and not isinstance(value, types.ModuleType)}
+    return {
+        name: value
+        for name, value in namespace.items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+    }
 
 
 def _source_comments(cls, fields) -> tuple[dict, dict]:
@@ -214,8 +223,11 @@ def _source_comments(cls, fields) -> tuple[dict, dict]:
     except (OSError, TypeError):  # class defined without a source file: help shows no comments
         return {}, {}
     # tokenize, not str.find("#"), so a `#` inside a string default is not taken for a comment
-    comment_at = {t.start[0]: (t.start[1], t.string) for t in tokenize.generate_tokens(io.StringIO(source).readline)
-                  if t.type == tokenize.COMMENT}
+    comment_at = {
+        t.start[0]: (t.start[1], t.string)
+        for t in tokenize.generate_tokens(io.StringIO(source).readline)
+        if t.type == tokenize.COMMENT
+    }
     comments, sections, title = {}, {}, None
     for row, line in enumerate(source.splitlines(), start=1):
         col, comment = comment_at.get(row, (len(line), ""))

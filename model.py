@@ -5,6 +5,7 @@ Read top-down: the config, the attention backends (one signature, one registry),
 turns a requested backend into the one that can run here, the model, and `python model.py`, which
 prints what this machine can run.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -15,9 +16,10 @@ import inspect
 import logging
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -26,8 +28,13 @@ from torch.nn import functional as F
 log = logging.getLogger("model")
 
 BACKENDS = ("auto", "flash_attn_4", "flash_attn_3", "flash_attn_2", "flex_attention", "sdpa", "manual")
-ALIASES = {"eager": "manual", "flash_attention_2": "flash_attn_2", "flash_attention_3": "flash_attn_3",
-           "flash_attention_4": "flash_attn_4", "flex": "flex_attention"}
+ALIASES = {
+    "eager": "manual",
+    "flash_attention_2": "flash_attn_2",
+    "flash_attention_3": "flash_attn_3",
+    "flash_attention_4": "flash_attn_4",
+    "flex": "flex_attention",
+}
 SDPA_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")
 
 
@@ -36,13 +43,13 @@ def canonical_backend(name: str) -> str:
     key = ALIASES.get(str(name).strip().lower(), str(name).strip().lower())
     if key not in BACKENDS:
         aliases = ", ".join(f"{a} (= {b})" for a, b in ALIASES.items())
-        raise ValueError(f"unknown attention_backend {name!r}; choose one of {', '.join(BACKENDS)}; "
-                         f"aliases: {aliases}")
+        raise ValueError(f"unknown attention_backend {name!r}; choose one of {', '.join(BACKENDS)}; aliases: {aliases}")
     return key
 
 
 # ----------------------------------------------------------------------------------------------
 # Config
+
 
 @dataclass
 class GPTConfig:
@@ -55,13 +62,14 @@ class GPTConfig:
     bias: bool = True  # biases in Linear and LayerNorm, as GPT-2 has them
     attention_backend: str = "auto"  # one of BACKENDS or an alias; see resolve_attention_backend
     sdpa_kernel: str = "auto"  # restrict the sdpa backend to one PyTorch kernel: auto|flash|cudnn|efficient|math
-    use_flash_attention: Optional[bool] = None  # deprecated: True means attention_backend="flash_attn_2"
+    use_flash_attention: bool | None = None  # deprecated: True means attention_backend="flash_attn_2"
 
     def __post_init__(self):
         if self.use_flash_attention is not None:
             new = "flash_attn_2" if self.use_flash_attention else "manual"
-            warnings.warn(f"use_flash_attention is deprecated; use attention_backend={new!r}",
-                          DeprecationWarning, stacklevel=3)
+            warnings.warn(
+                f"use_flash_attention is deprecated; use attention_backend={new!r}", DeprecationWarning, stacklevel=3
+            )
             self.attention_backend, self.use_flash_attention = new, None
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
@@ -85,6 +93,7 @@ class GPTConfig:
 # ----------------------------------------------------------------------------------------------
 # Attention masks: causal, optionally restricted to documents of a packed sequence
 
+
 class AttentionMask:
     """The causal (and same-document) mask of one forward pass.
 
@@ -93,7 +102,7 @@ class AttentionMask:
     `doc_ids` (B, T): documents are the runs of equal ids, so ids need not be sorted.
     """
 
-    def __init__(self, seq_len: int, device: torch.device, doc_ids: Optional[torch.Tensor] = None):
+    def __init__(self, seq_len: int, device: torch.device, doc_ids: torch.Tensor | None = None):
         self.seq_len, self.device = seq_len, device
         self.segments = None if doc_ids is None else _run_ids(doc_ids)
         self._dense = self._varlen = self._block_mask = None
@@ -126,14 +135,19 @@ class AttentionMask:
     def block_mask(self):
         if self._block_mask is None:
             from torch.nn.attention.flex_attention import create_block_mask
+
             segments = self.segments
             if segments is None:
+
                 def mask_mod(b, h, q, kv):
                     return q >= kv
+
                 batch = None
             else:
+
                 def mask_mod(b, h, q, kv):
                     return (q >= kv) & (segments[b, q] == segments[b, kv])
+
                 batch = segments.size(0)
             T = self.seq_len
             self._block_mask = create_block_mask(mask_mod, batch, None, T, T, device=self.device)
@@ -150,6 +164,7 @@ def _run_ids(doc_ids: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # Attention backends. One signature: (q, k, v, mask, dropout_p) -> y, all (B, H, T, D), always causal.
 
+
 def manual_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
     """The reference: explicit scores, mask and a float32 (or wider) softmax. O(T^2) memory."""
     scores = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.size(-1)))  # (B, H, T, T)
@@ -159,8 +174,12 @@ def manual_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
     return weights @ v
 
 
-_SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
-                  "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+_SDPA_BACKENDS = {
+    "flash": "FLASH_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "math": "MATH",
+}
 
 
 def sdpa_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0, kernel: str = "auto"):
@@ -169,6 +188,7 @@ def sdpa_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0, kernel:
         context = contextlib.nullcontext()
     else:
         from torch.nn.attention import SDPBackend, sdpa_kernel
+
         context = sdpa_kernel(getattr(SDPBackend, _SDPA_BACKENDS[kernel]))
     with context:
         if mask.has_documents:
@@ -183,8 +203,17 @@ def _flash_call(package, q, k, v, mask: AttentionMask, **kwargs):
     if mask.has_documents:
         cu_seqlens, max_len = mask.varlen()
         q, k, v = (x.reshape(B * T, H, D) for x in (q, k, v))
-        y = package.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                                           max_seqlen_q=max_len, max_seqlen_k=max_len, causal=True, **kwargs)
+        y = package.flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_k=cu_seqlens,
+            max_seqlen_q=max_len,
+            max_seqlen_k=max_len,
+            causal=True,
+            **kwargs,
+        )
     else:
         y = package.flash_attn_func(q, k, v, causal=True, **kwargs)
     y = y[0] if isinstance(y, tuple) else y  # FA3 builds and FA4 also return the log-sum-exp
@@ -221,17 +250,19 @@ def _flash_attn_4_ops(interface, namespace: str = "gpt_flash_attn_4"):
     call the package's _flash_attn_fwd/_flash_attn_bwd, as that Function does (written against 4.0.0b36).
     Forward outputs are contiguous and gradients take their inputs' layout, as the fake versions say.
     """
+
     def varlen(cu_seqlens, max_seqlen):
         if cu_seqlens is None:
             return {}
-        return dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
-                    max_seqlen_k=max_seqlen)
+        return dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
 
     @torch.library.custom_op(f"{namespace}::forward", mutates_args=())
-    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
-                max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = interface._flash_attn_fwd(q, k, v, causal=True, return_lse=True,
-                                             **varlen(cu_seqlens, max_seqlen))[:2]
+    def forward(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = interface._flash_attn_fwd(q, k, v, causal=True, return_lse=True, **varlen(cu_seqlens, max_seqlen))[
+            :2
+        ]
         return out.contiguous(), lse.contiguous()
 
     @forward.register_fake
@@ -240,14 +271,22 @@ def _flash_attn_4_ops(interface, namespace: str = "gpt_flash_attn_4"):
         return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
 
     @torch.library.custom_op(f"{namespace}::backward", mutates_args=())
-    def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
-                 max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        max_seqlen: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # Gradients in their inputs' layout, written in place by the kernel: the fake below can say their
         # strides, and nothing is copied (a .contiguous() here slowed the H100 bench's backward)
         dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-        interface._flash_attn_bwd(q, k, v, out, dout, lse, causal=True, dq=dq, dk=dk, dv=dv,
-                                  **varlen(cu_seqlens, max_seqlen))
+        interface._flash_attn_bwd(
+            q, k, v, out, dout, lse, causal=True, dq=dq, dk=dk, dv=dv, **varlen(cu_seqlens, max_seqlen)
+        )
         return dq, dk, dv
 
     @backward.register_fake
@@ -269,6 +308,7 @@ def _flash_attn_4_ops(interface, namespace: str = "gpt_flash_attn_4"):
 
     def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
         return forward(q, k, v, cu_seqlens_q, max_seqlen_q)
+
     return SimpleNamespace(flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func)
 
 
@@ -276,6 +316,7 @@ def flex_attention_fn(q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
     """flex_attention with a BlockMask that skips fully masked tiles. Always compiled: run eagerly it
     materialises the (T, T) scores."""
     from torch.nn.attention.flex_attention import flex_attention
+
     flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
     return flex(q, k, v, block_mask=mask.block_mask())
 
@@ -283,6 +324,7 @@ def flex_attention_fn(q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
 @functools.cache
 def _compiled_flex_attention():
     from torch.nn.attention.flex_attention import flex_attention
+
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -306,6 +348,7 @@ def attention_function(name: str) -> Callable:
 # ----------------------------------------------------------------------------------------------
 # Resolution: which backend can run for this device, dtype and use, and why
 
+
 class Package(NamedTuple):
     module: object  # None when it cannot be imported
     version: str
@@ -313,14 +356,19 @@ class Package(NamedTuple):
 
 
 # Import name -> (name in messages, distribution whose version is reported)
-_PACKAGE_NAMES = {"flash_attn": ("flash-attn", "flash-attn"),
-                  "flash_attn_interface": ("flash-attn 3 (flash_attn_interface)", "flash-attn-3"),
-                  "flash_attn_3": ("flash-attn 3", "flash-attn-3"),
-                  "flash_attn.cute": ("flash-attn-4 (flash_attn.cute)", "flash-attn-4")}
+_PACKAGE_NAMES = {
+    "flash_attn": ("flash-attn", "flash-attn"),
+    "flash_attn_interface": ("flash-attn 3 (flash_attn_interface)", "flash-attn-3"),
+    "flash_attn_3": ("flash-attn 3", "flash-attn-3"),
+    "flash_attn.cute": ("flash-attn-4 (flash_attn.cute)", "flash-attn-4"),
+}
 # The modules that may hold each flash backend, tried in order. FA3 is built from the hopper/ folder of
 # flash-attention (older builds name it flash_attn_interface); FA4 is PyPI's flash-attn-4 (CuTe DSL).
-_FLASH_MODULES = {"flash_attn_2": ("flash_attn",), "flash_attn_3": ("flash_attn_interface", "flash_attn_3"),
-                  "flash_attn_4": ("flash_attn.cute",)}
+_FLASH_MODULES = {
+    "flash_attn_2": ("flash_attn",),
+    "flash_attn_3": ("flash_attn_interface", "flash_attn_3"),
+    "flash_attn_4": ("flash_attn.cute",),
+}
 
 
 @functools.cache
@@ -356,8 +404,12 @@ def _flash_package(backend: str) -> Package:
         return found
     interface = getattr(found.module, "interface", None)
     if not all(hasattr(interface, f) for f in ("_flash_attn_fwd", "_flash_attn_bwd")):
-        return Package(None, found.version, f"flash-attn-4 {found.version} has no interface._flash_attn_fwd/"
-                                            "_flash_attn_bwd, which this repo calls (written against 4.0.0b36)")
+        return Package(
+            None,
+            found.version,
+            f"flash-attn-4 {found.version} has no interface._flash_attn_fwd/"
+            "_flash_attn_bwd, which this repo calls (written against 4.0.0b36)",
+        )
     return found
 
 
@@ -373,8 +425,16 @@ def _torch_version() -> tuple[int, int]:
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def backend_problem(name: str, device: torch.device, dtype: torch.dtype, *, doc_mask: bool = False,
-                    dropout: bool = False, backward: bool = False, head_dim: int = 64) -> str:
+def backend_problem(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    doc_mask: bool = False,
+    dropout: bool = False,
+    backward: bool = False,
+    head_dim: int = 64,
+) -> str:
     """Why backend `name` cannot run here ('' when it can). Checked in this order: package, device
     type, compute capability, dtype, torch version, then limits of the kernel itself."""
     device = torch.device(device)
@@ -453,8 +513,7 @@ AUTO_PREFERENCE = {
     ("cuda", "sm100+", "causal"): ("flash_attn_4", "sdpa", "flash_attn_2", "flex_attention", "manual"),
     ("cuda", "sm100+", "documents"): ("flash_attn_4", "flex_attention", "flash_attn_2", "sdpa", "manual"),
     ("cuda", "sm90", "causal"): ("sdpa", "flash_attn_4", "flash_attn_3", "flash_attn_2", "flex_attention", "manual"),
-    ("cuda", "sm90", "documents"): ("flex_attention", "flash_attn_4", "flash_attn_3", "flash_attn_2", "sdpa",
-                                    "manual"),
+    ("cuda", "sm90", "documents"): ("flex_attention", "flash_attn_4", "flash_attn_3", "flash_attn_2", "sdpa", "manual"),
     ("cuda", "older", "causal"): ("flash_attn_2", "sdpa", "manual"),
     ("cuda", "older", "documents"): ("flash_attn_2", "flex_attention", "sdpa", "manual"),
     ("other", "", "causal"): ("sdpa", "manual"),
@@ -463,8 +522,7 @@ AUTO_PREFERENCE = {
 # (masking, largest head dim it covers) -> shortest sequence from which flash-attn-4 goes first on sm90.
 # Causal: fitted by bench/fit_auto.py from bench/results/h100-attention-scan.json. Documents: set by hand
 # from the eager runs (the docs scan's --budget ran out after T=1024); h100-attention-docs.json bears them out.
-SM90_FLASH_ATTN_4_FROM = {("causal", 64): 512, ("causal", 256): 1024,
-                          ("documents", 64): 4096, ("documents", 256): 8192}
+SM90_FLASH_ATTN_4_FROM = {("causal", 64): 512, ("causal", 256): 1024, ("documents", 64): 4096, ("documents", 256): 8192}
 
 
 def auto_candidates(device: torch.device, doc_mask: bool, seq_len: int = 0, head_dim: int = 64) -> tuple[str, ...]:
@@ -539,6 +597,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 # ----------------------------------------------------------------------------------------------
 # The model (GPT-2: learned positions, pre-LayerNorm, tanh GELU, tied embeddings)
 
+
 class LayerNorm(nn.Module):
     """LayerNorm with an optional bias (PyTorch's has no bias=False before 2.1)."""
 
@@ -597,13 +656,15 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=LayerNorm(config.n_embd, bias=config.bias),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied, as in GPT-2
         self.apply(self._init_weights)
@@ -625,8 +686,9 @@ class GPT(nn.Module):
     # -- attention backend, resolved for the device and dtype the model really runs with --
 
     @torch.compiler.disable
-    def attention_for(self, device: torch.device, doc_mask: bool = False,
-                      seq_len: Optional[int] = None) -> tuple[Callable, Resolution]:
+    def attention_for(
+        self, device: torch.device, doc_mask: bool = False, seq_len: int | None = None
+    ) -> tuple[Callable, Resolution]:
         """The attention function for this call (seq_len: default block_size), resolved once per (device,
         dtype, use, seq_len) and logged once."""
         if torch.is_autocast_enabled(device.type):
@@ -638,22 +700,26 @@ class GPT(nn.Module):
         seq_len = seq_len or self.config.block_size
         key = (device, dtype, doc_mask, dropout, backward, seq_len)
         if key not in self._resolutions:
-            self._resolutions[key] = self._resolve(device, dtype, doc_mask=doc_mask, dropout=dropout,
-                                                   backward=backward, seq_len=seq_len)
+            self._resolutions[key] = self._resolve(
+                device, dtype, doc_mask=doc_mask, dropout=dropout, backward=backward, seq_len=seq_len
+            )
         return self._resolutions[key]
 
     def _resolve(self, device, dtype, **use) -> tuple[Callable, Resolution]:
         requested = self.config.attention_backend
         resolution = resolve_attention_backend(requested, device, dtype, head_dim=self.config.head_dim, **use)
         if requested != "auto" and resolution.used != requested:
-            self._log_once(logging.WARNING,
-                           f"{requested} requested but {resolution.reason}; falling back to {resolution.used}")
+            self._log_once(
+                logging.WARNING, f"{requested} requested but {resolution.reason}; falling back to {resolution.used}"
+            )
         attend, detail = attention_function(resolution.used), ""
         if resolution.used == "sdpa" and self.config.sdpa_kernel != "auto":
             kernel = resolve_sdpa_kernel(self.config.sdpa_kernel, device, dtype, use["doc_mask"])
             if kernel.reason:
-                self._log_once(logging.WARNING, f"sdpa_kernel={self.config.sdpa_kernel} requested but "
-                                                f"{kernel.reason}; letting PyTorch choose")
+                self._log_once(
+                    logging.WARNING,
+                    f"sdpa_kernel={self.config.sdpa_kernel} requested but {kernel.reason}; letting PyTorch choose",
+                )
             attend = functools.partial(sdpa_attention, kernel=kernel.used)
             detail = f", kernel {kernel.used}"
         if requested == "auto":
@@ -690,10 +756,10 @@ class GPT(nn.Module):
         return logits, loss
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None):
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None):
         """Sample `max_new_tokens` tokens after idx (B, T); the context is cropped to block_size."""
         for _ in range(max_new_tokens):
-            context = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
+            context = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size :]
             logits, _ = self(context)
             logits = logits[:, -1, :] / max(temperature, 1e-6)
             if top_k is not None:
@@ -711,7 +777,7 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
-    def flops_per_token(self, seq_len: Optional[int] = None) -> float:
+    def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token (forward + backward), PaLM appendix B as nanoGPT uses it:
         6N for the weight matmuls plus 12·L·H·Q·T for attention (full, not halved for causality)."""
         c = self.config
@@ -721,8 +787,10 @@ class GPT(nn.Module):
     def configure_optimizers(self, weight_decay: float, learning_rate: float, betas, device_type: str):
         """AdamW; weight decay on matrices and embeddings (>= 2-D) only, fused kernel on CUDA."""
         params = [p for p in self.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
         fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
         return torch.optim.AdamW(groups, lr=learning_rate, betas=tuple(betas), **({"fused": True} if fused else {}))
 
@@ -737,6 +805,7 @@ class GPT(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # What this machine can run: `python model.py`
 
+
 def attention_report(device=None) -> dict:
     """Versions, GPU, and for each backend whether it runs here and why not; what auto picks per dtype, for
     T=1024 (auto) and T=32768 (auto_long)."""
@@ -750,7 +819,7 @@ def attention_report(device=None) -> dict:
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "device": device.type,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "capability": "sm%d%d" % _cuda_capability(device) if device.type == "cuda" else None,
+        "capability": "sm{}{}".format(*_cuda_capability(device)) if device.type == "cuda" else None,
         "dtype": _dtype_name(train_dtype),
         "backends": {},
         "auto": {},
@@ -762,8 +831,9 @@ def attention_report(device=None) -> dict:
         report["backends"][name] = {"available": not problem, "version": version, "why": problem}
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for key, seq_len in (("auto", 1024), ("auto_long", 32768)):
-            report[key][_dtype_name(dtype)] = resolve_attention_backend("auto", device, dtype, seq_len,
-                                                                        backward=True).used
+            report[key][_dtype_name(dtype)] = resolve_attention_backend(
+                "auto", device, dtype, seq_len, backward=True
+            ).used
     return report
 
 

@@ -4,6 +4,7 @@ Sample text from a trained checkpoint.
     python sample.py --out_dir=out-shakespeare-char --start="ROMEO:" --num_samples=3 --max_new_tokens=300
     python sample.py --start=FILE:prompt.txt --temperature=0.8 --top_k=200 --seed=7
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -11,7 +12,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -31,7 +31,7 @@ class SampleConfig:
     num_samples: int = 3  # how many samples
     max_new_tokens: int = 500  # tokens generated per sample
     temperature: float = 0.8  # < 1 is more conservative, > 1 more random
-    top_k: Optional[int] = 200  # keep only the k likeliest tokens; None keeps all
+    top_k: int | None = 200  # keep only the k likeliest tokens; None keeps all
     seed: int = 1337  # sampling seed
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
@@ -59,15 +59,14 @@ def sample(cfg: SampleConfig) -> int:
     device = pick_device(cfg.device, 0)
     dtype = pick_dtype(cfg.dtype, device)
     state = load_checkpoint(cfg.checkpoint or Path(cfg.out_dir) / "ckpt.pt")
-    model = GPT(GPTConfig(**{**state["model_config"], "attention_backend": cfg.attention_backend,
-                             "dropout": 0.0}))
+    model = GPT(GPTConfig(**{**state["model_config"], "attention_backend": cfg.attention_backend, "dropout": 0.0}))
     model.load_state_dict(state["model"])
     model.eval().to(device)
     encode, decode = load_tokenizer(state["meta"])
     prompt = encode(read_prompt(cfg.start))
     if not prompt:
         raise UsageError("the prompt is empty; give --start some text")
-    autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
     torch.manual_seed(cfg.seed)
     idx = torch.tensor(prompt, dtype=torch.long, device=device)[None, :]
     generated, started = 0, time.time()

@@ -8,6 +8,7 @@ Train a GPT on one CPU or GPU, or on many GPUs with DDP.
 
 Every setting lives in TrainConfig below; config files and --key=value overrides only fill it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,7 +24,6 @@ import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -65,8 +65,10 @@ class TrainConfig:
     n_embd: int = 128  # embedding width
     dropout: float = 0.0  # dropout rate; 0 for pretraining, 0.1+ for fine-tuning
     bias: bool = False  # biases in Linear and LayerNorm layers (GPT-2 has them)
-    vocab_size: Optional[int] = None  # None: from meta.json (GPT-2's 50257 is padded up to 50304)
-    attention_backend: str = "auto"  # auto | flash_attn_4 | flash_attn_3 | flash_attn_2 | flex_attention | sdpa | manual
+    vocab_size: int | None = None  # None: from meta.json (GPT-2's 50257 is padded up to 50304)
+    attention_backend: str = (
+        "auto"  # auto | flash_attn_4 | flash_attn_3 | flash_attn_2 | flex_attention | sdpa | manual
+    )
     sdpa_kernel: str = "auto"  # pin one PyTorch SDPA kernel: auto | flash | cudnn | efficient | math
     # ---- optimizer ----
     learning_rate: float = 2e-3  # peak learning rate
@@ -81,16 +83,29 @@ class TrainConfig:
     min_lr: float = 1e-4  # learning rate at the end of the decay
     # ---- system ----
     device: str = "auto"  # auto (cuda > mps > cpu) | cpu | cuda | cuda:N | mps
-    dtype: str = "auto"  # auto (bfloat16 where supported, else float16 on GPUs, float32 on CPU) | bfloat16 | float16 | float32
-    compile: Optional[bool] = None  # torch.compile the model; None: on for CUDA, off elsewhere
+    dtype: str = (
+        "auto"  # auto (bfloat16 where supported, else float16 on GPUs, float32 on CPU) | bfloat16 | float16 | float32
+    )
+    compile: bool | None = None  # torch.compile the model; None: on for CUDA, off elsewhere
     backend: str = "nccl"  # DDP backend under torchrun: nccl | gloo
     seed: int = 1337  # base seed; each rank adds its rank
-    peak_flops: Optional[float] = None  # per-device peak FLOP/s for MFU; None: look up the GPU's name
+    peak_flops: float | None = None  # per-device peak FLOP/s for MFU; None: look up the GPU's name
     max_bad_steps: int = 5  # stop after this many consecutive steps with non-finite loss or gradients
 
     def __post_init__(self):
-        positive = ("eval_interval", "eval_iters", "log_interval", "keep_last_k", "gradient_accumulation_steps",
-                    "batch_size", "block_size", "n_layer", "n_head", "n_embd", "max_bad_steps")
+        positive = (
+            "eval_interval",
+            "eval_iters",
+            "log_interval",
+            "keep_last_k",
+            "gradient_accumulation_steps",
+            "batch_size",
+            "block_size",
+            "n_layer",
+            "n_head",
+            "n_embd",
+            "max_bad_steps",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -105,8 +120,10 @@ class TrainConfig:
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
         if self.decay_lr and not 0 <= self.min_lr <= self.learning_rate:
-            raise ValueError(f"need 0 <= min_lr <= learning_rate when decay_lr is on, got "
-                             f"min_lr={self.min_lr}, learning_rate={self.learning_rate}")
+            raise ValueError(
+                f"need 0 <= min_lr <= learning_rate when decay_lr is on, got "
+                f"min_lr={self.min_lr}, learning_rate={self.learning_rate}"
+            )
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ValueError("weight_decay and grad_clip must be >= 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
@@ -131,8 +148,12 @@ class TrainConfig:
 
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-DEPRECATED = {"use_flash_attention": ("attention_backend", lambda value: "flash_attn_2" if (
-    parse_bool(value) if isinstance(value, str) else bool(value)) else "manual")}
+DEPRECATED = {
+    "use_flash_attention": (
+        "attention_backend",
+        lambda value: "flash_attn_2" if (parse_bool(value) if isinstance(value, str) else bool(value)) else "manual",
+    )
+}
 
 
 class UsageError(ValueError):
@@ -143,14 +164,28 @@ class UsageError(ValueError):
 # Peak FLOP/s for MFU: dense bf16/fp16 tensor-core rates from the vendors' datasheets
 
 PEAK_FLOPS = (  # (name fragment, FLOP/s); the first fragment found in the GPU's name wins
-    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("GH200", 989.5e12), ("H200", 989.5e12),
-    ("H100", 989.5e12), ("H800", 989.5e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12),
-    ("L40", 181e12), ("L4", 121e12), ("A10G", 70e12), ("A10", 125e12), ("RTX 4090", 165.2e12),
-    ("RTX 3090", 71e12), ("TITAN RTX", 130e12), ("T4", 65e12), ("V100", 125e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("GH200", 989.5e12),
+    ("H200", 989.5e12),
+    ("H100", 989.5e12),
+    ("H800", 989.5e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+    ("RTX 4090", 165.2e12),
+    ("RTX 3090", 71e12),
+    ("TITAN RTX", 130e12),
+    ("T4", 65e12),
+    ("V100", 125e12),
 )
 
 
-def peak_flops_for(device: torch.device, dtype: torch.dtype, override: Optional[float]) -> tuple[float, str]:
+def peak_flops_for(device: torch.device, dtype: torch.dtype, override: float | None) -> tuple[float, str]:
     """(peak FLOP/s of one device, '') or (0, why MFU cannot be given)."""
     if override:
         return override, ""
@@ -167,6 +202,7 @@ def peak_flops_for(device: torch.device, dtype: torch.dtype, override: Optional[
 
 # ----------------------------------------------------------------------------------------------
 # Runtime: device, dtype, DDP
+
 
 @dataclass
 class Runtime:
@@ -233,8 +269,10 @@ def setup_runtime(cfg: TrainConfig) -> Runtime:
         if cfg.backend == "nccl" and device.type != "cuda":
             raise UsageError(f"backend nccl needs CUDA devices (device is {device.type}); use --backend=gloo")
         if cfg.gradient_accumulation_steps % world_size:
-            raise UsageError(f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must be a "
-                             f"multiple of the number of ranks ({world_size})")
+            raise UsageError(
+                f"gradient_accumulation_steps ({cfg.gradient_accumulation_steps}) must be a "
+                f"multiple of the number of ranks ({world_size})"
+            )
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend=cfg.backend)
@@ -247,6 +285,7 @@ def setup_runtime(cfg: TrainConfig) -> Runtime:
 # ----------------------------------------------------------------------------------------------
 # Data: random windows of the token stream, from a generator whose state goes into checkpoints
 
+
 class Batches:
     def __init__(self, data_dir: Path, cfg: TrainConfig, runtime: Runtime, vocab_size: int):
         self.data_dir, self.batch_size, self.block_size = data_dir, cfg.batch_size, cfg.block_size
@@ -255,14 +294,14 @@ class Batches:
             open_split(data_dir, split, cfg.block_size, vocab_size)  # validates; DataError names the fix
         self.generator = torch.Generator().manual_seed(cfg.seed + runtime.rank)
 
-    def get(self, split: str, generator: Optional[torch.Generator] = None):
+    def get(self, split: str, generator: torch.Generator | None = None):
         if generator is None:  # the training stream: remember where this batch starts, for checkpoints
             generator, self.state_before_last = self.generator, self.generator.get_state()
         # A fresh memmap per batch: a long-lived one grows the process's memory (numpy memmap leak).
         data = np.memmap(self.data_dir / f"{split}.bin", dtype=np.uint16, mode="r")
         starts = torch.randint(len(data) - self.block_size, (self.batch_size,), generator=generator).tolist()
-        x = torch.from_numpy(np.stack([data[i:i + self.block_size] for i in starts]).astype(np.int64))
-        y = torch.from_numpy(np.stack([data[i + 1:i + 1 + self.block_size] for i in starts]).astype(np.int64))
+        x = torch.from_numpy(np.stack([data[i : i + self.block_size] for i in starts]).astype(np.int64))
+        y = torch.from_numpy(np.stack([data[i + 1 : i + 1 + self.block_size] for i in starts]).astype(np.int64))
         if self.device.type == "cuda":
             return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
         return x.to(self.device), y.to(self.device)
@@ -303,16 +342,21 @@ def model_vocab_size(cfg: TrainConfig, meta: dict) -> int:
     return vocab if vocab < 1024 else -(-vocab // 64) * 64  # a multiple of 64 makes the big matmuls faster
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, checkpoint: Optional[dict]) -> GPT:
+def build_model(cfg: TrainConfig, vocab_size: int, checkpoint: dict | None) -> GPT:
     model_config = cfg.model_config(vocab_size=vocab_size)
     if checkpoint is None:
         return GPT(model_config)
     saved = checkpoint["model_config"]
-    differ = [f"{k}={saved[k]} (config says {getattr(model_config, k)})"
-              for k in SHAPE_FIELDS if saved.get(k) != getattr(model_config, k)]
+    differ = [
+        f"{k}={saved[k]} (config says {getattr(model_config, k)})"
+        for k in SHAPE_FIELDS
+        if saved.get(k) != getattr(model_config, k)
+    ]
     if differ:
-        raise UsageError(f"the checkpoint's model has another shape: {', '.join(differ)}; "
-                         f"use the same model settings or another out_dir")
+        raise UsageError(
+            f"the checkpoint's model has another shape: {', '.join(differ)}; "
+            f"use the same model settings or another out_dir"
+        )
     if cfg.block_size > saved["block_size"]:
         raise UsageError(f"block_size {cfg.block_size} is larger than the checkpoint's {saved['block_size']}")
     model = GPT(dataclasses.replace(model_config, block_size=saved["block_size"]))
@@ -322,7 +366,7 @@ def build_model(cfg: TrainConfig, vocab_size: int, checkpoint: Optional[dict]) -
     return model
 
 
-def read_checkpoint(cfg: TrainConfig) -> Optional[dict]:
+def read_checkpoint(cfg: TrainConfig) -> dict | None:
     if cfg.init_from == "scratch":
         return None
     path = Path(cfg.out_dir) / "ckpt.pt" if cfg.init_from == "resume" else Path(cfg.init_from)
@@ -366,6 +410,7 @@ def evaluate(model, batches: Batches, cfg: TrainConfig, runtime: Runtime) -> dic
 
 # ----------------------------------------------------------------------------------------------
 # Stop requests: signals, and non-finite steps, agreed on by all ranks without a sync per step
+
 
 class StopFlags:
     """SIGTERM/SIGINT set a flag; the step that is running finishes, then the loop saves and exits.
@@ -420,11 +465,15 @@ class StopFlags:
 # ----------------------------------------------------------------------------------------------
 # Training
 
-def format_log_line(it: int, loss: float, lr: float, dt: float, tokens_per_sec: float, mfu: Optional[float],
-                    mem_gib: float) -> str:
+
+def format_log_line(
+    it: int, loss: float, lr: float, dt: float, tokens_per_sec: float, mfu: float | None, mem_gib: float
+) -> str:
     mfu_text = f"{mfu * 100:.1f}%" if mfu is not None else "n/a"
-    return (f"iter {it} | loss {loss:.4f} | lr {lr:.1e} | {dt * 1000:.1f} ms | {tokens_per_sec:,.0f} tok/s | "
-            f"MFU {mfu_text} | mem {mem_gib:.1f} GiB")
+    return (
+        f"iter {it} | loss {loss:.4f} | lr {lr:.1e} | {dt * 1000:.1f} ms | {tokens_per_sec:,.0f} tok/s | "
+        f"MFU {mfu_text} | mem {mem_gib:.1f} GiB"
+    )
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -436,6 +485,7 @@ def peak_memory_gib(device: torch.device) -> float:
 @dataclass
 class Training:
     """What one optimizer step needs; train() and bench/bench_train.py build it the same way."""
+
     cfg: TrainConfig
     runtime: Runtime
     model: GPT  # the plain module: checkpoints save its state_dict (no _orig_mod. or module. prefixes)
@@ -453,16 +503,26 @@ def build_training(cfg: TrainConfig, runtime: Runtime, model: GPT) -> Training:
     # The GradScaler finds inf/NaN gradients on the device and skips that optimizer step without a host
     # sync (with fused AdamW). float16 needs its loss scaling; other dtypes keep the scale at exactly 1.
     scaled = runtime.dtype == torch.float16
-    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**16 if scaled else 1.0,
-                                  enabled=device.type in ("cuda", "cpu"))
+    scaler = torch.amp.GradScaler(
+        device.type, init_scale=2.0**16 if scaled else 1.0, enabled=device.type in ("cuda", "cpu")
+    )
     use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
     eval_model = torch.compile(model) if use_compile else model
     train_model = eval_model
     if runtime.ddp:
         from torch.nn.parallel import DistributedDataParallel
+
         train_model = DistributedDataParallel(eval_model, device_ids=[device.index] if device.type == "cuda" else None)
-    return Training(cfg, runtime, model, eval_model, train_model, optimizer, scaler,
-                    cfg.gradient_accumulation_steps // runtime.world_size)
+    return Training(
+        cfg,
+        runtime,
+        model,
+        eval_model,
+        train_model,
+        optimizer,
+        scaler,
+        cfg.gradient_accumulation_steps // runtime.world_size,
+    )
 
 
 def train_step(t: Training, x, y, next_batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -524,17 +584,21 @@ def train(cfg: TrainConfig) -> int:
             restore_rng(states[runtime.rank]["rng"])
             batches.generator.set_state(states[runtime.rank]["data"])
         elif runtime.master:
-            log.warning(f"checkpoint was saved by {len(states)} ranks, this run has {runtime.world_size}: "
-                        f"data order and RNG streams start fresh")
+            log.warning(
+                f"checkpoint was saved by {len(states)} ranks, this run has {runtime.world_size}: "
+                f"data order and RNG streams start fresh"
+            )
     checkpoint = None  # free the memory
 
     if runtime.master:
         settings = " ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items())
         print("config: " + textwrap.fill(settings, 110, subsequent_indent="  "))
-        print(f"parameters: {model.num_params() / 1e6:.2f}M | tokens per iteration: {tokens_per_iter:,} "
-              f"({runtime.world_size} ranks x {t.accum} micro-steps x {cfg.batch_size} x {cfg.block_size}) | "
-              f"device {device} {str(runtime.dtype).removeprefix('torch.')}"
-              + (f" | resuming at iter {iter_num}" if resuming else ""))
+        print(
+            f"parameters: {model.num_params() / 1e6:.2f}M | tokens per iteration: {tokens_per_iter:,} "
+            f"({runtime.world_size} ranks x {t.accum} micro-steps x {cfg.batch_size} x {cfg.block_size}) | "
+            f"device {device} {str(runtime.dtype).removeprefix('torch.')}"
+            + (f" | resuming at iter {iter_num}" if resuming else "")
+        )
     with runtime.autocast():
         model.attention_for(device)  # logs the attention backend line, resolved for this device and dtype
 
@@ -557,9 +621,17 @@ def train(cfg: TrainConfig) -> int:
             ranks = gathered
         if not runtime.master:
             return Path(cfg.out_dir) / "ckpt.pt"
-        state = {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
-                 "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(), "iter_num": iter_num,
-                 "best_val_loss": best_val_loss, "config": dataclasses.asdict(cfg), "meta": meta, "rng": ranks}
+        state = {
+            "model": model.state_dict(),
+            "model_config": dataclasses.asdict(model.config),
+            "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict(),
+            "iter_num": iter_num,
+            "best_val_loss": best_val_loss,
+            "config": dataclasses.asdict(cfg),
+            "meta": meta,
+            "rng": ranks,
+        }
         return save_checkpoint(state, cfg.out_dir, iter_num, cfg.keep_last_k, is_best)
 
     with stop.handling_signals():
@@ -574,7 +646,9 @@ def train(cfg: TrainConfig) -> int:
                 if runtime.master:
                     print(f"eval {iter_num} | train {losses['train']:.4f} | val {losses['val']:.4f}", flush=True)
                     if wandb:
-                        wandb.log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr})
+                        wandb.log(
+                            {"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr}
+                        )
                 improved = losses["val"] < best_val_loss
                 best_val_loss = min(best_val_loss, losses["val"])
                 if iter_num > 0 and (improved or cfg.always_save_checkpoint):
@@ -590,13 +664,19 @@ def train(cfg: TrainConfig) -> int:
             signalled, bad_streak = stop.record(grad_norm + loss_sum)  # both non-finite-checked in one number
             if bad_streak:
                 if runtime.master:
-                    log.warning(f"iter {iter_num - 1}: loss or gradients not finite for {bad_streak} consecutive "
-                                f"step(s); those steps were skipped")
+                    log.warning(
+                        f"iter {iter_num - 1}: loss or gradients not finite for {bad_streak} consecutive "
+                        f"step(s); those steps were skipped"
+                    )
                 if bad_streak >= cfg.max_bad_steps:
                     if runtime.master:
-                        print(f"stopping at iter {iter_num}: {bad_streak} consecutive steps with non-finite loss or "
-                              f"gradients (max_bad_steps={cfg.max_bad_steps}); the last good checkpoint in "
-                              f"{cfg.out_dir} is untouched", file=sys.stderr, flush=True)
+                        print(
+                            f"stopping at iter {iter_num}: {bad_streak} consecutive steps with non-finite loss or "
+                            f"gradients (max_bad_steps={cfg.max_bad_steps}); the last good checkpoint in "
+                            f"{cfg.out_dir} is untouched",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                     return 1
 
             if iter_num % cfg.log_interval == 0 or signalled:
@@ -610,16 +690,27 @@ def train(cfg: TrainConfig) -> int:
                 tokens_per_sec = tokens_per_iter / dt
                 mfu = flops_per_iter / dt / (peak * runtime.world_size) if peak else None
                 if runtime.master:
-                    print(format_log_line(iter_num, loss_value, lr, dt, tokens_per_sec, mfu,
-                                          peak_memory_gib(device)), flush=True)
+                    print(
+                        format_log_line(iter_num, loss_value, lr, dt, tokens_per_sec, mfu, peak_memory_gib(device)),
+                        flush=True,
+                    )
                     if wandb:
-                        wandb.log({"iter": iter_num, "train/step_loss": loss_value, "lr": lr,
-                                   "tokens_per_sec": tokens_per_sec, **({"mfu": mfu} if mfu else {})})
+                        wandb.log(
+                            {
+                                "iter": iter_num,
+                                "train/step_loss": loss_value,
+                                "lr": lr,
+                                "tokens_per_sec": tokens_per_sec,
+                                **({"mfu": mfu} if mfu else {}),
+                            }
+                        )
             if signalled:
                 path = save(False)
                 if runtime.master:
-                    print(f"received {stop.signal_name or 'a stop signal'}; saved {path} at iter {iter_num}; exiting",
-                          flush=True)
+                    print(
+                        f"received {stop.signal_name or 'a stop signal'}; saved {path} at iter {iter_num}; exiting",
+                        flush=True,
+                    )
                 return 0
     return 0
 
@@ -633,7 +724,7 @@ def start_wandb(cfg: TrainConfig):
     return wandb
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cfg = None
     try:
@@ -645,10 +736,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     except torch.cuda.OutOfMemoryError:
         example = ""
         if cfg is not None and cfg.batch_size > 1:
-            example = (f" (e.g. --batch_size={cfg.batch_size // 2} "
-                       f"--gradient_accumulation_steps={cfg.gradient_accumulation_steps * 2})")
-        print(f"error: CUDA out of memory; lower --batch_size and raise --gradient_accumulation_steps by the same "
-              f"factor{example}: same tokens per step, less memory; or shorten --block_size", file=sys.stderr)
+            example = (
+                f" (e.g. --batch_size={cfg.batch_size // 2} "
+                f"--gradient_accumulation_steps={cfg.gradient_accumulation_steps * 2})"
+            )
+        print(
+            f"error: CUDA out of memory; lower --batch_size and raise --gradient_accumulation_steps by the same "
+            f"factor{example}: same tokens per step, less memory; or shorten --block_size",
+            file=sys.stderr,
+        )
         return 2
     finally:
         if dist.is_initialized():

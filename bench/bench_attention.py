@@ -8,11 +8,12 @@
 
 Every cell (head dim, sequence length, documents or not) gets fresh random inputs with the same number of
 tokens per call (batch = tokens // T, at least 1) and H = 16 heads for both head dims (so H*D is 1024 or
-2048), so the work per call, B*T^2 = tokens*T, grows linearly in T. Each backend runs through the very function the model
-calls (model.ATTENTION_FUNCTIONS / sdpa_attention(kernel=...)); `auto` is what resolve_attention_backend
+2048), so the work per call, B*T^2 = tokens*T, grows linearly in T. Each backend runs through the very function the
+model calls (model.ATTENTION_FUNCTIONS / sdpa_attention(kernel=...)); `auto` is what resolve_attention_backend
 picks for training here. A backend that cannot run a cell records why ('OOM', the resolver's reason, or the
 exception's first line) in `status`; cells the --budget leaves no time for say so too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,19 +30,38 @@ import torch
 import torch._dynamo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (DEFAULT_OUT, Budget, Column, cuda_graph, failure_reason,  # noqa: E402
-                          free_device_memory, median_ms, plot_lines, results_header, synchronize, write_results)
-from model import (AttentionMask, attention_function, backend_problem, resolve_attention_backend,  # noqa: E402
-                   resolve_sdpa_kernel, sdpa_attention)
+from bench.common import (  # noqa: E402
+    DEFAULT_OUT,
+    Budget,
+    Column,
+    cuda_graph,
+    failure_reason,
+    free_device_memory,
+    median_ms,
+    plot_lines,
+    results_header,
+    synchronize,
+    write_results,
+)
+from model import (  # noqa: E402
+    AttentionMask,
+    attention_function,
+    backend_problem,
+    resolve_attention_backend,
+    resolve_sdpa_kernel,
+    sdpa_attention,
+)
 
 SDPA_VARIANTS = ("sdpa:auto", "sdpa:flash", "sdpa:cudnn", "sdpa:efficient", "sdpa:math")
 ALL_BACKENDS = ("manual", *SDPA_VARIANTS, "flex_attention", "flash_attn_2", "flash_attn_3", "flash_attn_4", "auto")
 QUICK_BACKENDS = ("manual", *SDPA_VARIANTS, "flex_attention", "auto")
 # Seq lens in the order they are measured: the README's columns first, so a --budget cut loses the others.
 DEFAULT_SEQ_LENS = (1024, 4096, 16384, 512, 2048, 8192, 32768)
-FLOP_CONVENTION = ("causal attention FLOPs: fwd = 4*B*H*T^2*D / 2 (two matmuls, half the score matrix); "
-                   "fwd+bwd = 3.5 * fwd (backward = 2.5 * forward, FlashAttention's convention). Document-masked "
-                   "cells use the same causal count, so their TF/s compare time at equal nominal work.")
+FLOP_CONVENTION = (
+    "causal attention FLOPs: fwd = 4*B*H*T^2*D / 2 (two matmuls, half the score matrix); "
+    "fwd+bwd = 3.5 * fwd (backward = 2.5 * forward, FlashAttention's convention). Document-masked "
+    "cells use the same causal count, so their TF/s compare time at equal nominal work."
+)
 GRAPH_MEMORY_SHARE = 0.25  # of the card's memory, for the CUDA graphs of one cell (see capture_graphs)
 REFERENCE_SCORES_BYTES = 2**30  # float32 scores per chunk of the reference: ~1 GiB, whatever T is
 
@@ -56,6 +76,7 @@ class Cell:
 
 # ----------------------------------------------------------------------------------------------
 # Inputs and the float32 reference
+
 
 def document_ids(batch: int, seq_len: int, generator: torch.Generator, n_docs: int = 4) -> torch.Tensor:
     """(batch, T) ids: each row cut at n_docs-1 random distinct points into documents of random lengths."""
@@ -121,6 +142,7 @@ def reference_attention(q, k, v, mask: AttentionMask) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # Backends: the function to call, and why it cannot run (checked before running, for forward and backward)
 
+
 @dataclass
 class Plan:
     fn: object
@@ -136,12 +158,17 @@ def plan_backend(backend: str, cell: Cell, device: torch.device) -> Plan:
         return Plan(attention_function(resolution.used), resolution.used, "", "")
     if backend.startswith("sdpa:"):
         kernel = backend.split(":", 1)[1]
-        problem = backend_problem("sdpa", device, cell.dtype, **use) or resolve_sdpa_kernel(
-            kernel, device, cell.dtype, doc_mask=cell.docs).reason  # pinned: never let PyTorch pick another
+        problem = (
+            backend_problem("sdpa", device, cell.dtype, **use)
+            or resolve_sdpa_kernel(kernel, device, cell.dtype, doc_mask=cell.docs).reason
+        )  # pinned: never let PyTorch pick another
         return Plan(functools.partial(sdpa_attention, kernel=kernel), backend, problem, problem)
-    return Plan(attention_function(backend), backend,
-                backend_problem(backend, device, cell.dtype, backward=False, **use),
-                backend_problem(backend, device, cell.dtype, backward=True, **use))
+    return Plan(
+        attention_function(backend),
+        backend,
+        backend_problem(backend, device, cell.dtype, backward=False, **use),
+        backend_problem(backend, device, cell.dtype, backward=True, **use),
+    )
 
 
 def attention_flops(batch: int, heads: int, seq_len: int, head_dim: int) -> tuple[float, float]:
@@ -170,6 +197,7 @@ def memory_mib(run, device: torch.device, grads) -> float | None:
 @dataclass
 class Measurement:
     """One backend in one cell: its row, and the runs still to be timed ('fwd', 'fwd_bwd' -> fn, grads)."""
+
     row: dict
     runs: dict
     status: dict
@@ -291,11 +319,26 @@ def quick_skip_reason(backend: str, cell: Cell, args) -> str:
 
 
 def empty_row(backend: str, cell: Cell, batch: int) -> dict:
-    return {"backend": backend, "resolved": None, "head_dim": cell.head_dim, "seq_len": cell.seq_len,
-            "batch_size": batch, "docs": cell.docs, "dtype": str(cell.dtype).removeprefix("torch."),
-            "fwd_ms": None, "fwd_bwd_ms": None, "fwd_tflops": None, "fwd_bwd_tflops": None,
-            "peak_mem_mib": None, "mem_pass": None, "max_err": None, "rel_err": None, "first_call_s": None,
-            "fwd_ms_rounds": None, "fwd_bwd_ms_rounds": None}
+    return {
+        "backend": backend,
+        "resolved": None,
+        "head_dim": cell.head_dim,
+        "seq_len": cell.seq_len,
+        "batch_size": batch,
+        "docs": cell.docs,
+        "dtype": str(cell.dtype).removeprefix("torch."),
+        "fwd_ms": None,
+        "fwd_bwd_ms": None,
+        "fwd_tflops": None,
+        "fwd_bwd_tflops": None,
+        "peak_mem_mib": None,
+        "mem_pass": None,
+        "max_err": None,
+        "rel_err": None,
+        "first_call_s": None,
+        "fwd_ms_rounds": None,
+        "fwd_bwd_ms_rounds": None,
+    }
 
 
 def finish_row(row: dict, fwd_status: str, fwd_bwd_status: str) -> dict:
@@ -311,6 +354,7 @@ def finish_row(row: dict, fwd_status: str, fwd_bwd_status: str) -> dict:
 
 # ----------------------------------------------------------------------------------------------
 # The grid
+
 
 def cells_in_order(args) -> list[Cell]:
     """Causal cells before document cells; within each, seq lens in the order given (most wanted first)."""
@@ -352,77 +396,153 @@ def run_grid(args, device: torch.device) -> list[dict]:
 def progress_line(row: dict, elapsed: float) -> str:
     def num(key, fmt):
         return fmt.format(row[key]) if row[key] is not None else "-"
-    return (f"[{elapsed:6.1f}s] D={row['head_dim']:<3} T={row['seq_len']:<5} docs={int(row['docs'])} "
-            f"{row['backend']:<15} fwd {num('fwd_ms', '{:.3f}'):>8} ms  fwd+bwd {num('fwd_bwd_ms', '{:.3f}'):>8} ms "
-            f"{num('fwd_bwd_tflops', '{:.0f}'):>4} TF/s  mem {num('peak_mem_mib', '{:.0f}'):>6} MiB  "
-            f"err {num('max_err', '{:.1e}')}  {row['status'] if row['status'] != 'ok' else ''}")
+
+    return (
+        f"[{elapsed:6.1f}s] D={row['head_dim']:<3} T={row['seq_len']:<5} docs={int(row['docs'])} "
+        f"{row['backend']:<15} fwd {num('fwd_ms', '{:.3f}'):>8} ms  fwd+bwd {num('fwd_bwd_ms', '{:.3f}'):>8} ms "
+        f"{num('fwd_bwd_tflops', '{:.0f}'):>4} TF/s  mem {num('peak_mem_mib', '{:.0f}'):>6} MiB  "
+        f"err {num('max_err', '{:.1e}')}  {row['status'] if row['status'] != 'ok' else ''}"
+    )
 
 
-COLUMNS = [Column("backend", "backend"), Column("resolved", "runs"), Column("head_dim", "D"),
-           Column("seq_len", "T"), Column("batch_size", "B"), Column("docs", "docs"), Column("dtype", "dtype"),
-           Column("fwd_ms", "fwd ms", "{:.3f}"), Column("fwd_bwd_ms", "fwd+bwd ms", "{:.3f}"),
-           Column("fwd_tflops", "fwd TF/s", "{:.3g}"), Column("fwd_bwd_tflops", "fwd+bwd TF/s", "{:.3g}"),
-           Column("peak_mem_mib", "mem MiB", "{:.0f}"), Column("max_err", "max err", "{:.1e}"),
-           Column("status", "status")]
+COLUMNS = [
+    Column("backend", "backend"),
+    Column("resolved", "runs"),
+    Column("head_dim", "D"),
+    Column("seq_len", "T"),
+    Column("batch_size", "B"),
+    Column("docs", "docs"),
+    Column("dtype", "dtype"),
+    Column("fwd_ms", "fwd ms", "{:.3f}"),
+    Column("fwd_bwd_ms", "fwd+bwd ms", "{:.3f}"),
+    Column("fwd_tflops", "fwd TF/s", "{:.3g}"),
+    Column("fwd_bwd_tflops", "fwd+bwd TF/s", "{:.3g}"),
+    Column("peak_mem_mib", "mem MiB", "{:.0f}"),
+    Column("max_err", "max err", "{:.1e}"),
+    Column("status", "status"),
+]
 
 
 def plot(rows: list[dict], path: Path):
     def series(row):
         return row["backend"] + (" +docs" if row["docs"] else "")
+
     y = "fwd_bwd_tflops" if any(r["fwd_bwd_tflops"] for r in rows) else "fwd_tflops"
     masks = "causal, dashed: + document masks" if any(r["docs"] for r in rows) else "causal"
-    plot_lines(rows, path, x="seq_len", y=y, y_label=y.replace("_tflops", "").replace("_", "+") + " TF/s",
-               panel="head_dim", series=series, title=f"attention, {rows[0]['dtype']}, {masks}",
-               dashed=lambda name: name.endswith("+docs"))
+    plot_lines(
+        rows,
+        path,
+        x="seq_len",
+        y=y,
+        y_label=y.replace("_tflops", "").replace("_", "+") + " TF/s",
+        panel="head_dim",
+        series=series,
+        title=f"attention, {rows[0]['dtype']}, {masks}",
+        dashed=lambda name: name.endswith("+docs"),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny CPU run: T 64/128, D 64, float32, manual/sdpa/flex/auto (flex in one cell)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny CPU run: T 64/128, D 64, float32, manual/sdpa/flex/auto (flex in one cell)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present; --quick: cpu)")
-    parser.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
-                        help="input dtype (default bfloat16; --quick: float32)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=("bfloat16", "float16", "float32"),
+        help="input dtype (default bfloat16; --quick: float32)",
+    )
     parser.add_argument("--head-dims", type=int, nargs="+", default=None, help="default 64 128")
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=None,
-                        help="default 1024 4096 16384 512 2048 8192 32768 (measured in this order)")
+    parser.add_argument(
+        "--seq-lens",
+        type=int,
+        nargs="+",
+        default=None,
+        help="default 1024 4096 16384 512 2048 8192 32768 (measured in this order)",
+    )
     parser.add_argument("--tokens", type=int, default=None, help="B*T per call (default 16384; B >= 1)")
     parser.add_argument("--heads", type=int, default=16, help="attention heads H, for every head dim (default 16)")
-    parser.add_argument("--docs", action="store_true",
-                        help="also run every cell with document masks (~4 documents per row), after the causal ones")
-    parser.add_argument("--docs-only", action="store_true",
-                        help="only the document-masked cells (default name attention-docs), e.g. in a second call")
+    parser.add_argument(
+        "--docs",
+        action="store_true",
+        help="also run every cell with document masks (~4 documents per row), after the causal ones",
+    )
+    parser.add_argument(
+        "--docs-only",
+        action="store_true",
+        help="only the document-masked cells (default name attention-docs), e.g. in a second call",
+    )
     parser.add_argument("--backends", nargs="+", default=None, choices=ALL_BACKENDS, help="default: all")
-    parser.add_argument("--budget", type=float, default=None,
-                        help="seconds for the whole grid; later cells are recorded as skipped (default 240; 0: none)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds for the whole grid; later cells are recorded as skipped (default 240; 0: none)",
+    )
     parser.add_argument("--warmup-ms", type=float, default=None, help="do_bench warm-up per timing (default 25 ms)")
-    parser.add_argument("--rep-ms", type=float, default=None, help="do_bench repetition time per timing (default 100 ms)")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="timings per backend, interleaved across the cell's backends; the median counts "
-                             "(default 3; --quick: 1)")
-    parser.add_argument("--timing", default="graph", choices=("graph", "eager"),
-                        help="on CUDA, time replays of a CUDA graph of each call (default) or eager calls")
+    parser.add_argument(
+        "--rep-ms", type=float, default=None, help="do_bench repetition time per timing (default 100 ms)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="timings per backend, interleaved across the cell's backends; the median counts (default 3; --quick: 1)",
+    )
+    parser.add_argument(
+        "--timing",
+        default="graph",
+        choices=("graph", "eager"),
+        help="on CUDA, time replays of a CUDA graph of each call (default) or eager calls",
+    )
     parser.add_argument("--name", default=None, help="results name (default attention[-float16] / attention-quick)")
     args = parser.parse_args(argv)
     if args.quick:
-        defaults = dict(device="cpu", dtype="float32", head_dims=[64], seq_lens=[64, 128], tokens=256,
-                        backends=list(QUICK_BACKENDS), budget=0, name="attention-quick", warmup_ms=5, rep_ms=20,
-                        rounds=1)
+        defaults = dict(
+            device="cpu",
+            dtype="float32",
+            head_dims=[64],
+            seq_lens=[64, 128],
+            tokens=256,
+            backends=list(QUICK_BACKENDS),
+            budget=0,
+            name="attention-quick",
+            warmup_ms=5,
+            rep_ms=20,
+            rounds=1,
+        )
         args.docs = True  # cheap on CPU, and it exercises the document path
     else:
-        defaults = dict(device="cuda" if torch.cuda.is_available() else "cpu", dtype="bfloat16",
-                        head_dims=[64, 128], seq_lens=list(DEFAULT_SEQ_LENS), tokens=16384,
-                        backends=list(ALL_BACKENDS), budget=240, name=None, warmup_ms=25, rep_ms=100, rounds=3)
+        defaults = dict(
+            device="cuda" if torch.cuda.is_available() else "cpu",
+            dtype="bfloat16",
+            head_dims=[64, 128],
+            seq_lens=list(DEFAULT_SEQ_LENS),
+            tokens=16384,
+            backends=list(ALL_BACKENDS),
+            budget=240,
+            name=None,
+            warmup_ms=25,
+            rep_ms=100,
+            rounds=3,
+        )
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.name is None:
-        args.name = "attention" + ("-docs" if args.docs_only else "") + (
-            "" if args.dtype == "bfloat16" else f"-{args.dtype}")
+        args.name = (
+            "attention" + ("-docs" if args.docs_only else "") + ("" if args.dtype == "bfloat16" else f"-{args.dtype}")
+        )
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     args.flex_cell = (args.head_dims[0], args.seq_lens[0], False)
@@ -440,30 +560,45 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     rows = run_grid(args, device)
     header = results_header(
-        args.name, device, grid={"backends": args.backends, "head_dims": args.head_dims, "seq_lens": args.seq_lens,
-                         "docs": list(mask_kinds(args)), "dtype": args.dtype,
-                         "tokens_per_call": args.tokens, "heads": args.heads},
-        flop_convention=FLOP_CONVENTION, wall_s=round(time.perf_counter() - start, 1),
+        args.name,
+        device,
+        grid={
+            "backends": args.backends,
+            "head_dims": args.head_dims,
+            "seq_lens": args.seq_lens,
+            "docs": list(mask_kinds(args)),
+            "dtype": args.dtype,
+            "tokens_per_call": args.tokens,
+            "heads": args.heads,
+        },
+        flop_convention=FLOP_CONVENTION,
+        wall_s=round(time.perf_counter() - start, 1),
         notes={
             "shapes": f"B = max(1, {args.tokens} // T), H = {args.heads} for every D; {args.dtype} inputs (B, H, T, D)",
             "timing": f"median over {args.rounds} rounds (every backend of a cell timed in turn, each round) "
-                      "of the median of triton.testing.do_bench (CUDA events, L2 flushed before each run; "
-                      "host clock on CPU); "
-                      + ("each call captured in a CUDA graph and its replays timed, so host launch work is "
-                         "left out (fwd_timing/fwd_bwd_timing say where capture failed and eager calls were "
-                         "timed); " if args.timing == "graph" and device.type == "cuda" else "eager calls; ")
-                      + "forward timed with autograd on, as in training; "
-                      "mask forms (dense, BlockMask, cu_seqlens) built before timing, as the model builds them "
-                      "once per forward for all layers",
+            "of the median of triton.testing.do_bench (CUDA events, L2 flushed before each run; "
+            "host clock on CPU); "
+            + (
+                "each call captured in a CUDA graph and its replays timed, so host launch work is "
+                "left out (fwd_timing/fwd_bwd_timing say where capture failed and eager calls were "
+                "timed); "
+                if args.timing == "graph" and device.type == "cuda"
+                else "eager calls; "
+            )
+            + "forward timed with autograd on, as in training; "
+            "mask forms (dense, BlockMask, cu_seqlens) built before timing, as the model builds them "
+            "once per forward for all layers",
             "flops": FLOP_CONVENTION,
             "memory": "peak_mem_mib = max_memory_allocated during one fwd+bwd (mem_pass) minus what was "
-                      "allocated before (inputs, grad_out, mask, reference)",
+            "allocated before (inputs, grad_out, mask, reference)",
             "error": "max_err = max |out - ref|, rel_err = ||out - ref|| / ||ref||; ref = float32 attention "
-                     "on upcast inputs, computed in query-row chunks, no TF32",
-        })
+            "on upcast inputs, computed in query-row chunks, no TF32",
+        },
+    )
     for path in write_results(args.out, args.name, header, rows, COLUMNS, plot):
         print(f"wrote {path}")
     from bench.readme_table import backend_table
+
     print(backend_table({"header": header, "rows": rows}))
     return 0
 

@@ -11,6 +11,7 @@ Rows, most wanted first, so a --budget cut drops the least wanted: every backend
 long-context model (same GPT-2 at T=8192 and T=32768, batch 1); then batch 32 and 8 at T=1024. `manual`
 runs at T <= 1024 only: at T=8192 its (T, T) scores alone would need tens of GiB.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,11 +26,29 @@ import torch
 import torch._dynamo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (DEFAULT_OUT, Budget, Column, failure_reason, free_device_memory, plot_lines,  # noqa: E402
-                          results_header, synchronize, write_results)
+from bench.common import (  # noqa: E402
+    DEFAULT_OUT,
+    Budget,
+    Column,
+    failure_reason,
+    free_device_memory,
+    plot_lines,
+    results_header,
+    synchronize,
+    write_results,
+)
 from model import backend_problem  # noqa: E402
-from train import (StopFlags, TrainConfig, Training, build_model, build_training, learning_rate_at,  # noqa: E402
-                   peak_flops_for, setup_runtime, train_step)
+from train import (  # noqa: E402
+    StopFlags,
+    TrainConfig,
+    Training,
+    build_model,
+    build_training,
+    learning_rate_at,
+    peak_flops_for,
+    setup_runtime,
+    train_step,
+)
 
 GPT2_124M = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, bias=False, dropout=0.0)
 TINY = dict(n_layer=2, n_head=2, n_embd=64, vocab_size=512, bias=False, dropout=0.0)
@@ -55,6 +74,7 @@ def default_cases(backends, batch_sizes, long_seq_lens) -> list[Case]:
 
 # ----------------------------------------------------------------------------------------------
 # One training setup and its step: train.py's own build_training and train_step
+
 
 @dataclass
 class BenchSetup:
@@ -91,35 +111,60 @@ def random_batches(cfg: TrainConfig, device: torch.device, count: int = 4):
     """Synthetic tokens: uniform random ids, a few batches used in turn (no data loading in the timing)."""
     generator = torch.Generator().manual_seed(cfg.seed)
     shape = (cfg.batch_size, cfg.block_size)
-    return [tuple(torch.randint(cfg.vocab_size, shape, generator=generator).to(device) for _ in range(2))
-            for _ in range(count)]
+    return [
+        tuple(torch.randint(cfg.vocab_size, shape, generator=generator).to(device) for _ in range(2))
+        for _ in range(count)
+    ]
 
 
 # ----------------------------------------------------------------------------------------------
 # Measuring one row
 
+
 def case_config(case: Case, args) -> TrainConfig:
     model = TINY if args.quick else GPT2_124M
-    return TrainConfig(out_dir="bench-unused", batch_size=case.batch_size, block_size=case.seq_len,
-                       attention_backend=case.backend, compile=args.compile, dtype=args.dtype,
-                       device=args.device, **model)
+    return TrainConfig(
+        out_dir="bench-unused",
+        batch_size=case.batch_size,
+        block_size=case.seq_len,
+        attention_backend=case.backend,
+        compile=args.compile,
+        dtype=args.dtype,
+        device=args.device,
+        **model,
+    )
 
 
 def skip_reason(case: Case, cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> str:
     if case.backend == "manual" and case.seq_len > MANUAL_MAX_SEQ_LEN:
         gib = cfg.n_layer * cfg.n_head * case.seq_len**2 * 4 / 2**30
-        return (f"not run: manual keeps (T, T) float32 scores, {cfg.n_layer} layers x {cfg.n_head} heads = "
-                f"{gib:,.0f} GiB at T={case.seq_len}; measured at T <= {MANUAL_MAX_SEQ_LEN} only")
+        return (
+            f"not run: manual keeps (T, T) float32 scores, {cfg.n_layer} layers x {cfg.n_head} heads = "
+            f"{gib:,.0f} GiB at T={case.seq_len}; measured at T <= {MANUAL_MAX_SEQ_LEN} only"
+        )
     if case.backend == "auto":
         return ""
     return backend_problem(case.backend, device, dtype, backward=True, head_dim=cfg.n_embd // cfg.n_head)
 
 
 def empty_row(case: Case, cfg: TrainConfig, dtype: torch.dtype) -> dict:
-    return {"backend": case.backend, "resolved": None, "seq_len": case.seq_len, "batch_size": case.batch_size,
-            "head_dim": cfg.n_embd // cfg.n_head, "docs": False, "dtype": str(dtype).removeprefix("torch."),
-            "compile": None, "ms_per_iter": None, "tokens_per_sec": None, "mfu": None, "peak_mem_mib": None,
-            "first_step_s": None, "compile_s": None, "loss": None}
+    return {
+        "backend": case.backend,
+        "resolved": None,
+        "seq_len": case.seq_len,
+        "batch_size": case.batch_size,
+        "head_dim": cfg.n_embd // cfg.n_head,
+        "docs": False,
+        "dtype": str(dtype).removeprefix("torch."),
+        "compile": None,
+        "ms_per_iter": None,
+        "tokens_per_sec": None,
+        "mfu": None,
+        "peak_mem_mib": None,
+        "first_step_s": None,
+        "compile_s": None,
+        "loss": None,
+    }
 
 
 def measure_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> dict:
@@ -175,9 +220,15 @@ def time_steps(setup: BenchSetup, args) -> dict:
     tokens = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
     peak, _ = peak_flops_for(device, training.runtime.dtype, cfg.peak_flops)
     flops = training.model.flops_per_token(cfg.block_size) * tokens
-    return {"ms_per_iter": ms, "tokens_per_sec": tokens / (ms / 1000), "mfu": flops / (ms / 1000) / peak if peak else None,
-            "peak_mem_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
-            "first_step_s": first_step_s, "compile_s": max(0.0, first_step_s - ms / 1000), "loss": loss.item()}
+    return {
+        "ms_per_iter": ms,
+        "tokens_per_sec": tokens / (ms / 1000),
+        "mfu": flops / (ms / 1000) / peak if peak else None,
+        "peak_mem_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+        "first_step_s": first_step_s,
+        "compile_s": max(0.0, first_step_s - ms / 1000),
+        "loss": loss.item(),
+    }
 
 
 def run_cases(cases: list[Case], args, device, dtype) -> list[dict]:
@@ -196,54 +247,112 @@ def run_cases(cases: list[Case], args, device, dtype) -> list[dict]:
 def progress_line(row: dict, elapsed: float) -> str:
     def num(key, fmt):
         return fmt.format(row[key]) if row.get(key) is not None else "-"
-    return (f"[{elapsed:6.1f}s] T={row['seq_len']:<5} B={row['batch_size']:<3} {row['backend']:<15} "
-            f"{num('ms_per_iter', '{:.1f}'):>7} ms  {num('tokens_per_sec', '{:,.0f}'):>10} tok/s  "
-            f"MFU {num('mfu', '{:.1%}'):>6}  mem {num('peak_mem_mib', '{:,.0f}'):>7} MiB  "
-            f"compile {num('compile_s', '{:.1f}'):>5} s  {row['status'] if row['status'] != 'ok' else ''}")
+
+    return (
+        f"[{elapsed:6.1f}s] T={row['seq_len']:<5} B={row['batch_size']:<3} {row['backend']:<15} "
+        f"{num('ms_per_iter', '{:.1f}'):>7} ms  {num('tokens_per_sec', '{:,.0f}'):>10} tok/s  "
+        f"MFU {num('mfu', '{:.1%}'):>6}  mem {num('peak_mem_mib', '{:,.0f}'):>7} MiB  "
+        f"compile {num('compile_s', '{:.1f}'):>5} s  {row['status'] if row['status'] != 'ok' else ''}"
+    )
 
 
-COLUMNS = [Column("backend", "backend"), Column("resolved", "runs"), Column("seq_len", "T"),
-           Column("batch_size", "B"), Column("dtype", "dtype"), Column("compile", "compile"),
-           Column("ms_per_iter", "ms/iter", "{:.1f}"), Column("tokens_per_sec", "tok/s", "{:,.0f}"),
-           Column("mfu", "MFU", "{:.1%}"), Column("peak_mem_mib", "peak MiB", "{:,.0f}"),
-           Column("compile_s", "compile s", "{:.1f}"), Column("loss", "loss", "{:.3f}"), Column("status", "status")]
+COLUMNS = [
+    Column("backend", "backend"),
+    Column("resolved", "runs"),
+    Column("seq_len", "T"),
+    Column("batch_size", "B"),
+    Column("dtype", "dtype"),
+    Column("compile", "compile"),
+    Column("ms_per_iter", "ms/iter", "{:.1f}"),
+    Column("tokens_per_sec", "tok/s", "{:,.0f}"),
+    Column("mfu", "MFU", "{:.1%}"),
+    Column("peak_mem_mib", "peak MiB", "{:,.0f}"),
+    Column("compile_s", "compile s", "{:.1f}"),
+    Column("loss", "loss", "{:.3f}"),
+    Column("status", "status"),
+]
 
 
 def plot(rows: list[dict], path: Path):
-    plot_lines(rows, path, x="batch_size", y="tokens_per_sec", y_label="tokens/s", panel="seq_len",
-               series=lambda r: r["backend"], title=f"train step, {rows[0]['dtype']}")
+    plot_lines(
+        rows,
+        path,
+        x="batch_size",
+        y="tokens_per_sec",
+        y_label="tokens/s",
+        panel="seq_len",
+        series=lambda r: r["backend"],
+        title=f"train step, {rows[0]['dtype']}",
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="tiny CPU model, T=64, 3 steps, no compile")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
     parser.add_argument("--device", default=None, help="auto | cpu | cuda (default auto; --quick: cpu)")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
-                        help="as train.py's --dtype (auto: bfloat16 on CUDA, float32 on CPU)")
-    parser.add_argument("--compile", default=None, choices=("true", "false"),
-                        help="torch.compile the model (default: as train.py, on for CUDA)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "bfloat16", "float16", "float32"),
+        help="as train.py's --dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+    )
+    parser.add_argument(
+        "--compile",
+        default=None,
+        choices=("true", "false"),
+        help="torch.compile the model (default: as train.py, on for CUDA)",
+    )
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
-                        help="at T=1024; the first runs for every backend first (default 16 32 8)")
-    parser.add_argument("--long-seq-lens", type=int, nargs="*", default=None,
-                        help="long-context rows at batch 1 (default 8192 32768)")
+    parser.add_argument(
+        "--batch-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="at T=1024; the first runs for every backend first (default 16 32 8)",
+    )
+    parser.add_argument(
+        "--long-seq-lens", type=int, nargs="*", default=None, help="long-context rows at batch 1 (default 8192 32768)"
+    )
     parser.add_argument("--steps", type=int, default=None, help="timed steps per chunk (default 10)")
     parser.add_argument("--chunks", type=int, default=None, help="timed chunks; the median is kept (default 3)")
     parser.add_argument("--warmup-steps", type=int, default=None, help="untimed steps after the first (default 2)")
-    parser.add_argument("--budget", type=float, default=None,
-                        help="seconds for all rows; later rows are recorded as skipped (default 200; 0: none)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds for all rows; later rows are recorded as skipped (default 200; 0: none)",
+    )
     parser.add_argument("--name", default=None, help="results name (default train / train-quick)")
     args = parser.parse_args(argv)
     if args.quick:
-        defaults = dict(device="cpu", batch_sizes=[4, 8], long_seq_lens=[], steps=2, chunks=1, warmup_steps=0,
-                        budget=0, name="train-quick", compile="false")
+        defaults = dict(
+            device="cpu",
+            batch_sizes=[4, 8],
+            long_seq_lens=[],
+            steps=2,
+            chunks=1,
+            warmup_steps=0,
+            budget=0,
+            name="train-quick",
+            compile="false",
+        )
     else:
-        defaults = dict(device="auto", batch_sizes=[16, 32, 8], long_seq_lens=[8192, 32768], steps=10, chunks=3,
-                        warmup_steps=2, budget=200, name="train")
+        defaults = dict(
+            device="auto",
+            batch_sizes=[16, 32, 8],
+            long_seq_lens=[8192, 32768],
+            steps=10,
+            chunks=3,
+            warmup_steps=2,
+            budget=200,
+            name="train",
+        )
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -263,21 +372,25 @@ def main(argv=None) -> int:
     rows = run_cases(cases, args, probe.device, probe.dtype)
     model = TINY if args.quick else GPT2_124M
     header = results_header(
-        args.name, probe.device, model=model, wall_s=round(time.perf_counter() - start, 1),
+        args.name,
+        probe.device,
+        model=model,
+        wall_s=round(time.perf_counter() - start, 1),
         grid={"backends": args.backends, "cases": [vars(c) for c in cases], "dtype": str(probe.dtype)},
         flop_convention="MFU = model.flops_per_token(T) * tokens / time / train.peak_flops_for(card): "
-                        "6N + 12*L*H*D*T per token (PaLM, nanoGPT), dense bf16 datasheet peak",
+        "6N + 12*L*H*D*T per token (PaLM, nanoGPT), dense bf16 datasheet peak",
         notes={
             "model": ", ".join(f"{k}={v}" for k, v in model.items()),
             "step": "train.py's loop body: autocast, GradScaler, grad clip 1.0, fused AdamW on CUDA, "
-                    "torch.compile as train.py decides (--compile), synthetic random tokens",
+            "torch.compile as train.py decides (--compile), synthetic random tokens",
             "timing": f"first step timed alone (compile_s = first step - steady step); then {args.warmup_steps} "
-                      f"untimed steps; ms_per_iter = median over {args.chunks} chunks of the mean of {args.steps} "
-                      f"steps (host clock, synchronised at chunk ends); inductor's on-disk caches carry over "
-                      f"between rows, so a row after a similar one compiles faster",
+            f"untimed steps; ms_per_iter = median over {args.chunks} chunks of the mean of {args.steps} "
+            f"steps (host clock, synchronised at chunk ends); inductor's on-disk caches carry over "
+            f"between rows, so a row after a similar one compiles faster",
             "memory": "peak_mem_mib = torch.cuda.max_memory_allocated over the row (weights, optimizer, "
-                      "activations); none on CPU",
-        })
+            "activations); none on CPU",
+        },
+    )
     for path in write_results(args.out, args.name, header, rows, COLUMNS, plot):
         print(f"wrote {path}")
     return 0

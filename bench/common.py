@@ -3,6 +3,7 @@
 Each bench writes three files under its --out folder, named after the card so results from several GPUs
 can sit side by side:  <card>-<name>.json (header + rows), <card>-<name>.md (a table), <card>-<name>.png.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -14,8 +15,8 @@ import re
 import shlex
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -32,11 +33,12 @@ _VENDOR_WORDS = {"nvidia", "geforce", "tesla", "quadro", "amd", "radeon"}
 # ----------------------------------------------------------------------------------------------
 # Device and environment
 
+
 def bench_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def card_slug(device_name: Optional[str] = None) -> str:
+def card_slug(device_name: str | None = None) -> str:
     """Short file-name form of the GPU's name: 'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA A100-SXM4-80GB' ->
     'a100', 'NVIDIA GeForce RTX 4090' -> 'rtx-4090'; 'cpu' without a GPU."""
     if device_name is None:
@@ -51,7 +53,7 @@ def card_slug(device_name: Optional[str] = None) -> str:
     return re.sub(r"[^a-z0-9]+", "-", "-".join(taken)).strip("-")
 
 
-def _package_version(name: str) -> Optional[str]:
+def _package_version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
@@ -85,6 +87,7 @@ def results_header(name: str, device: torch.device, **extra) -> dict:
 
 # ----------------------------------------------------------------------------------------------
 # Failures: one line per cell, never a silent gap
+
 
 def is_oom(error: BaseException) -> bool:
     # Compiled code and some kernels raise a plain RuntimeError for an allocation failure.
@@ -127,14 +130,20 @@ class Budget:
 # ----------------------------------------------------------------------------------------------
 # Timing
 
-def median_ms(fn: Callable[[], object], device: torch.device, grad_to_none: Sequence[torch.Tensor] = (),
-              warmup_ms: float = 25, rep_ms: float = 100) -> float:
+
+def median_ms(
+    fn: Callable[[], object],
+    device: torch.device,
+    grad_to_none: Sequence[torch.Tensor] = (),
+    warmup_ms: float = 25,
+    rep_ms: float = 100,
+) -> float:
     """Median time of fn() in ms. On CUDA: triton.testing.do_bench (CUDA events per run, and the L2 cache
     flushed before each run, so a small input cannot be served from cache). Elsewhere: host clock."""
     if device.type == "cuda":
         from triton.testing import do_bench
-        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=list(grad_to_none),
-                              return_mode="median"))
+
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=list(grad_to_none), return_mode="median"))
     times = []
     deadline = time.perf_counter() + (warmup_ms + rep_ms) / 1000
     for i in range(1000):
@@ -176,6 +185,7 @@ def synchronize(device: torch.device):
 # ----------------------------------------------------------------------------------------------
 # Writing results: JSON, markdown table, plot
 
+
 class Column:
     """One markdown column: the row key, its title and how to print a value."""
 
@@ -198,12 +208,18 @@ def markdown_table(rows: Iterable[dict], columns: Sequence[Column]) -> str:
     return "\n".join(lines)
 
 
-def results_stem(out_dir: Path, name: str, card: Optional[str] = None) -> Path:
+def results_stem(out_dir: Path, name: str, card: str | None = None) -> Path:
     return Path(out_dir) / f"{card or card_slug()}-{name}"
 
 
-def write_results(out_dir, name: str, header: dict, rows: list[dict], columns: Sequence[Column],
-                  plot: Optional[Callable[[list[dict], Path], None]] = None) -> list[Path]:
+def write_results(
+    out_dir,
+    name: str,
+    header: dict,
+    rows: list[dict],
+    columns: Sequence[Column],
+    plot: Callable[[list[dict], Path], None] | None = None,
+) -> list[Path]:
     """<card>-<name>.json, .md and (when `plot` is given) .png under out_dir; returns the paths written."""
     stem = results_stem(out_dir, name, header.get("card"))
     stem.parent.mkdir(parents=True, exist_ok=True)
@@ -211,8 +227,9 @@ def write_results(out_dir, name: str, header: dict, rows: list[dict], columns: S
     json_path.write_text(json.dumps({"header": header, "rows": rows}, indent=1, default=str) + "\n")
     title = f"# {name}: {header['device_name']}, torch {header['torch']}, {header['date']}\n\n"
     notes = "".join(f"- {k}: {v}\n" for k, v in header.get("notes", {}).items())
-    md_path.write_text(title + (notes + "\n" if notes else "") + markdown_table(rows, columns)
-                       + f"\n\n`{header['command']}`\n")
+    md_path.write_text(
+        title + (notes + "\n" if notes else "") + markdown_table(rows, columns) + f"\n\n`{header['command']}`\n"
+    )
     paths = [json_path, md_path]
     if plot is not None:
         png_path = stem.with_suffix(".png")
@@ -221,12 +238,23 @@ def write_results(out_dir, name: str, header: dict, rows: list[dict], columns: S
     return paths
 
 
-def plot_lines(rows: list[dict], path: Path, *, x: str, y: str, y_label: str, panel: str,
-               series: Callable[[dict], str], memory: str = "peak_mem_mib", title: str = "",
-               dashed: Callable[[str], bool] = lambda name: False):
+def plot_lines(
+    rows: list[dict],
+    path: Path,
+    *,
+    x: str,
+    y: str,
+    y_label: str,
+    panel: str,
+    series: Callable[[dict], str],
+    memory: str = "peak_mem_mib",
+    title: str = "",
+    dashed: Callable[[str], bool] = lambda name: False,
+):
     """Left: one panel per value of `panel` with y against x, one line per series. Right: memory against x
     on a log scale, all panels together (line style tells the panels apart)."""
     import matplotlib
+
     matplotlib.use("Agg")  # no display on the bench machines
     import matplotlib.pyplot as plt
 
@@ -260,8 +288,9 @@ def plot_lines(rows: list[dict], path: Path, *, x: str, y: str, y_label: str, pa
     if memory_ax.lines:
         memory_ax.set_yscale("log")
     else:
-        memory_ax.text(0.5, 0.5, "no device memory figures\n(CPU run)", ha="center", va="center",
-                       transform=memory_ax.transAxes)
+        memory_ax.text(
+            0.5, 0.5, "no device memory figures\n(CPU run)", ha="center", va="center", transform=memory_ax.transAxes
+        )
     memory_ax.grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
     if handles:
@@ -277,15 +306,22 @@ def plot_lines(rows: list[dict], path: Path, *, x: str, y: str, y_label: str, pa
 
 LOG_LINE = re.compile(
     r"iter (?P<iter>\d+) \| loss (?P<loss>\S+) \| lr (?P<lr>\S+) \| (?P<ms>[\d.]+) ms \| (?P<tok_s>[\d,]+) tok/s \| "
-    r"MFU (?P<mfu>[\d.]+%|n/a) \| mem (?P<mem>[\d.]+) GiB")
+    r"MFU (?P<mfu>[\d.]+%|n/a) \| mem (?P<mem>[\d.]+) GiB"
+)
 
 
-def parse_log_line(line: str) -> Optional[dict]:
+def parse_log_line(line: str) -> dict | None:
     """The fields of one train.py log line (format_log_line), or None if the line is not one."""
     match = LOG_LINE.search(line)
     if match is None:
         return None
     mfu = match["mfu"]
-    return {"iter": int(match["iter"]), "loss": float(match["loss"]), "lr": float(match["lr"]),
-            "ms_per_iter": float(match["ms"]), "tokens_per_sec": float(match["tok_s"].replace(",", "")),
-            "mfu": None if mfu == "n/a" else float(mfu.rstrip("%")) / 100, "mem_gib": float(match["mem"])}
+    return {
+        "iter": int(match["iter"]),
+        "loss": float(match["loss"]),
+        "lr": float(match["lr"]),
+        "ms_per_iter": float(match["ms"]),
+        "tokens_per_sec": float(match["tok_s"].replace(",", "")),
+        "mfu": None if mfu == "n/a" else float(mfu.rstrip("%")) / 100,
+        "mem_gib": float(match["mem"]),
+    }

@@ -8,6 +8,7 @@ beats what auto runs without it (sdpa:auto for causal cells, flex_attention for 
 and at every longer measured T. model.SM90_FLASH_ATTN_4_FROM keys a head dim by the largest it covers
 (64, 256); entries for maskings the file does not hold are kept.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,16 +34,21 @@ def fit(results: dict) -> dict[tuple[str, int], int]:
     fitted = {}
     for masking, head_dim in sorted({(m, d) for m, d, _ in times}):
         rival = WITHOUT_FLASH_ATTN_4[masking]
-        cells = sorted((t, c) for (m, d, t), c in times.items() if (m, d) == (masking, head_dim)
-                       and "flash_attn_4" in c and rival in c)
+        cells = sorted(
+            (t, c)
+            for (m, d, t), c in times.items()
+            if (m, d) == (masking, head_dim) and "flash_attn_4" in c and rival in c
+        )
         start = None
         for seq_len, cell in reversed(cells):  # longest first; stop at the first T where flash-attn-4 loses
             if cell["flash_attn_4"] >= cell[rival]:
                 break
             start = seq_len
         if start is None:
-            raise ValueError(f"{masking} D={head_dim}: flash_attn_4 does not beat {rival} at the longest "
-                             f"measured T, so no threshold fits; edit SM90_FLASH_ATTN_4_FROM by hand")
+            raise ValueError(
+                f"{masking} D={head_dim}: flash_attn_4 does not beat {rival} at the longest "
+                f"measured T, so no threshold fits; edit SM90_FLASH_ATTN_4_FROM by hand"
+            )
         fitted[(masking, 64 if head_dim <= 64 else 256)] = start
     return fitted
 
@@ -50,7 +56,7 @@ def fit(results: dict) -> dict[tuple[str, int], int]:
 def table_source(table: dict[tuple[str, int], int]) -> str:
     entries = [f'("{m}", {d}): {t}' for (m, d), t in sorted(table.items())]
     lines = ["SM90_FLASH_ATTN_4_FROM = {" + ", ".join(entries[:2])]
-    lines += ["                          " + ", ".join(entries[i:i + 2]) for i in range(2, len(entries), 2)]
+    lines += ["                          " + ", ".join(entries[i : i + 2]) for i in range(2, len(entries), 2)]
     return ",\n".join(lines) + "}"
 
 
@@ -61,8 +67,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     results = json.loads(args.results.read_text())
     if results["header"].get("capability") != "sm90":
-        print(f"error: {args.results} is from {results['header'].get('capability')}, and only sm90 has a "
-              "fitted table", file=sys.stderr)
+        print(
+            f"error: {args.results} is from {results['header'].get('capability')}, and only sm90 has a fitted table",
+            file=sys.stderr,
+        )
         return 2
     try:
         table = {**model.SM90_FLASH_ATTN_4_FROM, **fit(results)}

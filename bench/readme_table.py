@@ -1,6 +1,6 @@
 """The README's attention table, made from a results file, and the checks of the attention targets.
 
-    python bench/readme_table.py                                   # print the table of bench/results/h100-attention.json
+    python bench/readme_table.py                                   # print the table of h100-attention.json
     python bench/readme_table.py RESULTS.json --readme README.md   # also write it between the README's markers
     python bench/readme_table.py --check                           # PASS/FAIL per target; exit 1 on any FAIL
 
@@ -15,6 +15,7 @@ Targets checked by --check, in every (dtype, docs, head dim, seq len) cell of th
   3. every backend's forward agrees with the float32 reference: ||out - ref|| / ||ref|| <= --max-rel-err
      (1e-2, the upper end of bf16's band in METHOD.md) in every cell it ran.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,9 +35,9 @@ def markers(docs: bool = False, train: bool = False) -> tuple[str, str]:
     return f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
 
 
-
 # ----------------------------------------------------------------------------------------------
 # The table
+
 
 def short_t(seq_len: int) -> str:
     return f"{seq_len // 1024}k" if seq_len % 1024 == 0 else str(seq_len)
@@ -70,8 +71,9 @@ def backend_label(rows: list[dict], backend: str) -> str:
     return f"auto (→ {', '.join(picks)})" if picks else "auto"
 
 
-def backend_table(results: dict, seq_lens=README_SEQ_LENS, docs: bool = False, dtype: str | None = None,
-                  source: str | None = None) -> str:
+def backend_table(
+    results: dict, seq_lens=README_SEQ_LENS, docs: bool = False, dtype: str | None = None, source: str | None = None
+) -> str:
     """Rows = backends; columns = fwd+bwd TF/s at a few seq lens per head dim, then memory at the longest
     seq len every head dim has; the results file and its card named under the table."""
     rows, dtype = select_rows(results, docs, dtype)
@@ -82,8 +84,9 @@ def backend_table(results: dict, seq_lens=README_SEQ_LENS, docs: bool = False, d
     head_dims = sorted({r["head_dim"] for r in rows})
     present = sorted({r["seq_len"] for r in rows})
     shown = [t for t in seq_lens if t in present] or present[:4]
-    longest = max((t for t in present if all((b, d, t) in index for b in backends for d in head_dims)),
-                  default=present[-1])
+    longest = max(
+        (t for t in present if all((b, d, t) in index for b in backends for d in head_dims)), default=present[-1]
+    )
     titles = [f"D={d} T={short_t(t)}" for d in head_dims for t in shown]
     titles += [f"mem D={d} T={short_t(longest)} (MiB)" for d in head_dims]
     lines = ["| backend | " + " | ".join(titles) + " |", "|---|" + "---:|" * len(titles)]
@@ -94,12 +97,15 @@ def backend_table(results: dict, seq_lens=README_SEQ_LENS, docs: bool = False, d
     header = results["header"]
     grid = header.get("grid", {})
     masking = "causal, document masks" if docs else "causal"
-    lines += ["", f"fwd+bwd TF/s ({masking}, {dtype}, B·T = {grid.get('tokens_per_call', '?')} tokens, "
-                  f"H = {grid.get('heads', '?')}; FLOPs: fwd = 2·B·H·T²·D, fwd+bwd = 3.5 × fwd); mem = the "
-                  f"attention's own peak memory in one fwd+bwd. OOM: out of memory; n/a: cannot run here; "
-                  f"the reasons are in the results file.",
-              f"Source: `{source or 'results file'}` ({header.get('device_name')}, torch {header.get('torch')}, "
-              f"{header.get('date', '')[:10]})."]
+    lines += [
+        "",
+        f"fwd+bwd TF/s ({masking}, {dtype}, B·T = {grid.get('tokens_per_call', '?')} tokens, "
+        f"H = {grid.get('heads', '?')}; FLOPs: fwd = 2·B·H·T²·D, fwd+bwd = 3.5 × fwd); mem = the "
+        f"attention's own peak memory in one fwd+bwd. OOM: out of memory; n/a: cannot run here; "
+        f"the reasons are in the results file.",
+        f"Source: `{source or 'results file'}` ({header.get('device_name')}, torch {header.get('torch')}, "
+        f"{header.get('date', '')[:10]}).",
+    ]
     return "\n".join(lines)
 
 
@@ -113,12 +119,16 @@ def train_table(results_list: list[dict], sources: list[str]) -> str:
             name = f"auto (→ {r['resolved']})" if r["backend"] == "auto" else r["backend"]
             mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
             mem = f"{r['peak_mem_mib'] / 1024:.1f} GiB" if r.get("peak_mem_mib") is not None else "n/a"
-            lines.append(f"| {name} | {r['seq_len']} | {r['batch_size']} | {r['ms_per_iter']:.1f} | "
-                         f"{r['tokens_per_sec']:,.0f} | {mfu} | {mem} |")
+            lines.append(
+                f"| {name} | {r['seq_len']} | {r['batch_size']} | {r['ms_per_iter']:.1f} | "
+                f"{r['tokens_per_sec']:,.0f} | {mfu} | {mem} |"
+            )
     header = results_list[0]["header"]
     files = ", ".join(f"`{s}`" for s in sources)
-    lines += ["", f"Source: {files} ({header.get('device_name')}, torch {header.get('torch')}, "
-                  f"{header.get('date', '')[:10]})."]
+    lines += [
+        "",
+        f"Source: {files} ({header.get('device_name')}, torch {header.get('torch')}, {header.get('date', '')[:10]}).",
+    ]
     return "\n".join(lines)
 
 
@@ -131,12 +141,13 @@ def update_readme(readme: Path, table: str, docs: bool = False, train: bool = Fa
     start, end = text.find(start_marker), text.find(end_marker)
     if start < 0 or end < start:
         return False
-    readme.write_text(text[:start + len(start_marker)] + "\n" + table + "\n" + text[end:])
+    readme.write_text(text[: start + len(start_marker)] + "\n" + table + "\n" + text[end:])
     return True
 
 
 # ----------------------------------------------------------------------------------------------
 # The targets
+
 
 def materialises_scores(row: dict) -> str:
     """Why this backend's memory is O(T^2) by design ('' if it is not): such backends are exempt from target 2."""
@@ -170,8 +181,13 @@ def check_auto_fastest(rows: list[dict], tolerance: float, metric: str = "fwd_bw
         fastest = min(others, key=lambda r: r[metric])
         excess = auto[metric] / fastest[metric] - 1
         verdict = "PASS" if excess <= tolerance else "FAIL"
-        results.append((verdict, f"{where}: auto ({auto.get('resolved')}) {auto[metric]:.3f} ms vs fastest "
-                                 f"{fastest['backend']} {fastest[metric]:.3f} ms ({excess:+.1%})"))
+        results.append(
+            (
+                verdict,
+                f"{where}: auto ({auto.get('resolved')}) {auto[metric]:.3f} ms vs fastest "
+                f"{fastest['backend']} {fastest[metric]:.3f} ms ({excess:+.1%})",
+            )
+        )
     return results
 
 
@@ -194,15 +210,23 @@ def check_memory_linear(rows: list[dict], max_slope: float) -> list[tuple[str, s
         if exempt:
             results.append(("SKIP", f"{where}: O(T^2) by design ({'; '.join(sorted(exempt))})"))
             continue
-        points = sorted((r["seq_len"], r["peak_mem_mib"] / r["batch_size"]) for r in group
-                        if r.get("mem_pass") == "fwd_bwd" and r.get("peak_mem_mib") and r["peak_mem_mib"] > 0)
+        points = sorted(
+            (r["seq_len"], r["peak_mem_mib"] / r["batch_size"])
+            for r in group
+            if r.get("mem_pass") == "fwd_bwd" and r.get("peak_mem_mib") and r["peak_mem_mib"] > 0
+        )
         if len(points) < 2:
             results.append(("SKIP", f"{where}: fewer than 2 seq lens with a fwd+bwd memory figure"))
             continue
         slope = log_log_slope(points)
         verdict = "PASS" if slope <= max_slope else "FAIL"
-        results.append((verdict, f"{where}: memory/sequence ~ T^{slope:.2f} over T={points[0][0]}..{points[-1][0]} "
-                                 f"({points[0][1]:.1f} -> {points[-1][1]:.1f} MiB)"))
+        results.append(
+            (
+                verdict,
+                f"{where}: memory/sequence ~ T^{slope:.2f} over T={points[0][0]}..{points[-1][0]} "
+                f"({points[0][1]:.1f} -> {points[-1][1]:.1f} MiB)",
+            )
+        )
     return results
 
 
@@ -223,19 +247,27 @@ def check_forward_error(rows: list[dict], max_rel_err: float) -> list[tuple[str,
             continue
         worst = max(group, key=lambda r: r["rel_err"])
         verdict = "PASS" if worst["rel_err"] <= max_rel_err else "FAIL"
-        results.append((verdict, f"{where}: largest rel. error {worst['rel_err']:.1e} over {len(group)} cells "
-                                 f"(D={worst['head_dim']} T={worst['seq_len']})"))
+        results.append(
+            (
+                verdict,
+                f"{where}: largest rel. error {worst['rel_err']:.1e} over {len(group)} cells "
+                f"(D={worst['head_dim']} T={worst['seq_len']})",
+            )
+        )
     return results
 
 
-def run_checks(results: dict, tolerance: float = 0.05, max_slope: float = 1.2, max_rel_err: float = 1e-2,
-               out=print) -> bool:
+def run_checks(
+    results: dict, tolerance: float = 0.05, max_slope: float = 1.2, max_rel_err: float = 1e-2, out=print
+) -> bool:
     """Print PASS/FAIL/SKIP per target and cell; True when nothing failed."""
     rows = results["rows"]
     ok = True
-    for target, checks in ((f"auto within {tolerance:.0%} of the fastest", check_auto_fastest(rows, tolerance)),
-                           (f"memory ~linear in T (slope <= {max_slope})", check_memory_linear(rows, max_slope)),
-                           (f"forward error vs float32 <= {max_rel_err:g}", check_forward_error(rows, max_rel_err))):
+    for target, checks in (
+        (f"auto within {tolerance:.0%} of the fastest", check_auto_fastest(rows, tolerance)),
+        (f"memory ~linear in T (slope <= {max_slope})", check_memory_linear(rows, max_slope)),
+        (f"forward error vs float32 <= {max_rel_err:g}", check_forward_error(rows, max_rel_err)),
+    ):
         for verdict, detail in checks:
             out(f"{verdict} [{target}] {detail}")
         counts = {v: sum(1 for c, _ in checks if c == v) for v in ("PASS", "FAIL", "SKIP")}
@@ -247,6 +279,7 @@ def run_checks(results: dict, tolerance: float = 0.05, max_slope: float = 1.2, m
 
 # ----------------------------------------------------------------------------------------------
 
+
 def repo_relative(path: Path) -> str:
     try:
         return str(path.resolve().relative_to(REPO_ROOT))
@@ -256,20 +289,34 @@ def repo_relative(path: Path) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", nargs="*", type=Path, default=[DEFAULT_RESULTS],
-                        help="results JSON of bench_attention.py (default bench/results/h100-attention.json), "
-                             "or with --train one or more of bench_train.py")
+    parser.add_argument(
+        "results",
+        nargs="*",
+        type=Path,
+        default=[DEFAULT_RESULTS],
+        help="results JSON of bench_attention.py (default bench/results/h100-attention.json), "
+        "or with --train one or more of bench_train.py",
+    )
     parser.add_argument("--readme", type=Path, default=REPO_ROOT / "README.md", help="README to update")
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=list(README_SEQ_LENS),
-                        help="seq lens shown (default 1024 4096 16384)")
+    parser.add_argument(
+        "--seq-lens",
+        type=int,
+        nargs="+",
+        default=list(README_SEQ_LENS),
+        help="seq lens shown (default 1024 4096 16384)",
+    )
     parser.add_argument("--docs", action="store_true", help="table of the document-masked rows instead")
     parser.add_argument("--train", action="store_true", help="table of bench_train.py results instead")
     parser.add_argument("--dtype", default=None, help="dtype of the rows shown (default the file's)")
     parser.add_argument("--check", action="store_true", help="check the targets instead of writing the table")
     parser.add_argument("--tolerance", type=float, default=0.05, help="auto may be this much slower (0.05)")
     parser.add_argument("--max-slope", type=float, default=1.2, help="largest log-log memory slope (1.2)")
-    parser.add_argument("--max-rel-err", type=float, default=1e-2,
-                        help="largest forward error ||out - ref|| / ||ref|| (1e-2: METHOD.md's bf16 band)")
+    parser.add_argument(
+        "--max-rel-err",
+        type=float,
+        default=1e-2,
+        help="largest forward error ||out - ref|| / ||ref|| (1e-2: METHOD.md's bf16 band)",
+    )
     args = parser.parse_args(argv)
     missing = [str(path) for path in args.results if not path.is_file()]
     if missing:

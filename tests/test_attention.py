@@ -4,34 +4,32 @@ Numerics follow the project METHOD: every backend is compared with `manual` on f
 float64 to ~1e-10 and float32 to ~1e-5 relative (‖out − ref‖ / ‖ref‖), forward and q/k/v gradients;
 `manual` itself is checked against an independent per-document loop written here.
 """
+
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
 import math
-import sys
 import warnings
 import zlib
-from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import model  # noqa: E402
-from model import GPT, GPTConfig, AttentionMask, Package, Resolution  # noqa: E402
+import model
+from model import GPT, AttentionMask, GPTConfig, Package, Resolution
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # an object only: the resolver tests never touch a real GPU
 MPS = torch.device("mps")
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 RTOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.double(), ref.double()
@@ -118,6 +116,7 @@ def assert_docs_masked(out_docs, out_causal, doc_ids, same=1e-4):
 
 # ---- masks ------------------------------------------------------------------------------------
 
+
 def test_dense_mask_uses_runs_of_ids_not_sorted_ids():
     ids = torch.tensor([[3, 3, 1, 1, 1, 7], [4, 4, 4, 4, 4, 4], [2, 9, 9, 2, 2, 2]])
     dense = AttentionMask(6, CPU, ids).dense()
@@ -156,8 +155,7 @@ def test_manual_matches_independent_reference(shape, docs, dtype):
     doc_ids = doc_ids_for(shape[0], shape[2]) if docs else None
     out, grads = forward_backward(model.manual_attention, q, k, v, dy, AttentionMask(shape[2], CPU, doc_ids))
     assert out.dtype == dtype
-    ref_out, ref_grads = forward_backward(reference_attention, q.double(), k.double(), v.double(), dy.double(),
-                                          doc_ids)
+    ref_out, ref_grads = forward_backward(reference_attention, q.double(), k.double(), v.double(), dy.double(), doc_ids)
     assert_matches(out, grads, ref_out, ref_grads, RTOL[dtype], f"manual {dtype}")
     if docs:
         assert_docs_masked(out, reference_attention(q, k, v), doc_ids)
@@ -171,6 +169,7 @@ def test_reference_is_not_trivially_causal():
 
 
 # ---- every CPU backend vs manual, float64 and float32, forward and gradients ---------------------
+
 
 def sdpa_with(kernel):
     return functools.partial(model.sdpa_attention, kernel=kernel)
@@ -208,8 +207,9 @@ def test_cpu_backend_matches_manual(backend, dtype, docs, shape):
     mask = AttentionMask(T, CPU, doc_ids)
     out, grads = forward_backward(CPU_BACKENDS[backend], q, k, v, dy, mask)
     assert out.dtype == dtype and out.shape == q.shape
-    ref_out, ref_grads = forward_backward(model.manual_attention, q.double(), k.double(), v.double(), dy.double(),
-                                          AttentionMask(T, CPU, doc_ids))
+    ref_out, ref_grads = forward_backward(
+        model.manual_attention, q.double(), k.double(), v.double(), dy.double(), AttentionMask(T, CPU, doc_ids)
+    )
     assert_matches(out, grads, ref_out, ref_grads, RTOL[dtype], f"{backend} {dtype}")
     if docs:
         causal, _ = forward_backward(CPU_BACKENDS[backend], q, k, v, dy, AttentionMask(T, CPU))
@@ -225,9 +225,9 @@ def no_eager_flex():
         yield
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("docs, shape", [(False, (2, 3, 130, 64)), (True, (3, 2, 77, 64))],
-                         ids=["causal-2x3x130x64", "docs-3x2x77x64"])
+@pytest.mark.parametrize(
+    "docs, shape", [(False, (2, 3, 130, 64)), (True, (3, 2, 77, 64))], ids=["causal-2x3x130x64", "docs-3x2x77x64"]
+)
 def test_flex_attention_cpu_forward_matches_manual(docs, shape):
     """flex_attention on CPU: compiled, forward only, float32. One shape each (a compile is ~10 s)."""
     problem = model.backend_problem("flex_attention", CPU, torch.float32, doc_mask=docs, head_dim=shape[-1])
@@ -248,16 +248,19 @@ def test_flex_attention_cpu_forward_matches_manual(docs, shape):
 
 # ---- the flash-attn call path (layout, varlen, tuple outputs), with stand-in kernels on CPU -------
 
+
 def fake_flash_module(returns_tuple: bool, calls: list):
     """A stand-in flash-attn module: same (B, T, H, D) / varlen (tokens, H, D) API, computed by the reference."""
+
     def flash_attn_func(q, k, v, causal, **kwargs):
         calls.append(("dense", kwargs))
         assert causal is True and q.dim() == 4
         y = reference_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2).to(q.dtype)
         return (y, None) if returns_tuple else y
 
-    def flash_attn_varlen_func(q, k, v, qv=None, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               causal, **kwargs):  # keywords only: FA4's 4th positional argument is qv
+    def flash_attn_varlen_func(
+        q, k, v, qv=None, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, **kwargs
+    ):  # keywords only: FA4's 4th positional argument is qv
         calls.append(("varlen", kwargs))
         assert causal is True and q.dim() == 3 and qv is None
         assert torch.equal(cu_seqlens_q, cu_seqlens_k) and max_seqlen_q == max_seqlen_k
@@ -270,8 +273,9 @@ def fake_flash_module(returns_tuple: bool, calls: list):
         y = torch.cat(pieces).to(q.dtype)
         return (y, None) if returns_tuple else y
 
-    return SimpleNamespace(flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func,
-                           __version__="0.0-fake")
+    return SimpleNamespace(
+        flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func, __version__="0.0-fake"
+    )
 
 
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "docs"])
@@ -292,6 +296,7 @@ def fake_flash_attn_4_interface(calls: list):
     """flash-attn-4's private forward/backward (what its own autograd Function calls), as explicit float64
     formulas on CPU: (B, T, H, D) or varlen (N, H, D) in, (out, lse, ...) / (dq, dk, dv) out. The backward
     is written out (dS = P * (dP - rowsum(dP * P))) because custom ops run below autograd."""
+
     def probabilities(q, k, cu_seqlens):  # -> (B, H, T, T) softmax of the masked, scaled scores
         T = q.size(1)
         allowed = torch.ones(T, T, dtype=torch.bool).tril()
@@ -360,8 +365,9 @@ def test_flash_attn_4_custom_ops_give_manual_gradients_and_compile_in_one_graph(
     torch.library.opcheck(op, (*layout, cu_seqlens, max_seqlen))
     out, lse = op(*layout, cu_seqlens, max_seqlen)
     backward = getattr(torch.ops, f"test_fa4_{'docs' if docs else 'causal'}").backward
-    torch.library.opcheck(backward, (torch.randn_like(out), *(t.detach() for t in (*layout, out, lse)),
-                                     cu_seqlens, max_seqlen))
+    torch.library.opcheck(
+        backward, (torch.randn_like(out), *(t.detach() for t in (*layout, out, lse)), cu_seqlens, max_seqlen)
+    )
 
 
 def test_flash_attn_4_without_the_private_functions_is_unavailable(monkeypatch):
@@ -378,6 +384,7 @@ def test_attention_function_binds_the_package_once(monkeypatch):
     def load(name):
         lookups.append(name)
         return Package(fake, "0.0-fake", "")
+
     monkeypatch.setattr(model, "_load_package", load)
     attend = model.attention_function("flash_attn_2")
     assert lookups == ["flash_attn"] and attend.keywords == {"package": fake}
@@ -409,25 +416,34 @@ def test_flash_attn_2_draft_of_flash_attn_cute_is_not_flash_attn_4(monkeypatch):
 
 # ---- resolution: the fallback chain, with availability simulated ----------------------------------
 
+
 @pytest.fixture
 def fake_env(monkeypatch):
     """Simulate installed packages, the GPU's compute capability and the torch version."""
+
     def guard(*args, **kwargs):
         raise AssertionError("a resolver test touched real CUDA")
+
     monkeypatch.setattr(torch.cuda, "get_device_capability", guard)
     monkeypatch.setattr(torch.cuda, "get_device_name", guard)
 
     def configure(installed=(), capability=(9, 0), torch_version=(2, 11)):
         def load(name):
             if name in installed:
-                module = SimpleNamespace(__name__=name, flash_attn_func=None, flash_attn_varlen_func=None,
-                                         interface=SimpleNamespace(_flash_attn_fwd=None, _flash_attn_bwd=None))
+                module = SimpleNamespace(
+                    __name__=name,
+                    flash_attn_func=None,
+                    flash_attn_varlen_func=None,
+                    interface=SimpleNamespace(_flash_attn_fwd=None, _flash_attn_bwd=None),
+                )
                 return Package(module, "9.9", "")
             pretty = model._PACKAGE_NAMES.get(name, (name,))[0]
             return Package(None, "", f"{pretty} is not installed")
+
         monkeypatch.setattr(model, "_load_package", load)
         monkeypatch.setattr(model, "_cuda_capability", lambda device: capability)
         monkeypatch.setattr(model, "_torch_version", lambda: torch_version)
+
     return configure
 
 
@@ -563,8 +579,10 @@ def test_auto_on_cpu_picks_sdpa(fake_env, dtype, doc_mask):
     assert reason.startswith(f"auto: first that runs on cpu/{str(dtype)[6:]}")
 
 
-@pytest.mark.parametrize("doc_mask, head_dim, short, long", [
-    (False, 64, 256, 512), (False, 128, 512, 1024), (True, 64, 2048, 4096), (True, 128, 4096, 8192)])
+@pytest.mark.parametrize(
+    "doc_mask, head_dim, short, long",
+    [(False, 64, 256, 512), (False, 128, 512, 1024), (True, 64, 2048, 4096), (True, 128, 4096, 8192)],
+)
 def test_auto_on_sm90_takes_flash_attn_4_from_the_measured_lengths(fake_env, doc_mask, head_dim, short, long):
     fake_env(installed=("flash_attn", "flash_attn.cute"), capability=(9, 0))
     below = "flex_attention" if doc_mask else "sdpa"
@@ -631,6 +649,7 @@ def test_sdpa_kernel_resolution():
 
 # ---- the model logs its choice once, and resolves for the device/dtype it runs with ---------------
 
+
 def tiny_config(**overrides) -> GPTConfig:
     base = dict(block_size=32, vocab_size=64, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True)
     return GPTConfig(**{**base, **overrides})
@@ -682,8 +701,9 @@ def test_unusable_sdpa_kernel_warns_once(caplog):
     torch.manual_seed(0)
     train_and_eval(GPT(tiny_config(attention_backend="sdpa", sdpa_kernel="cudnn")))
     warnings_ = [r.getMessage() for r in model_records(caplog) if r.levelno == logging.WARNING]
-    assert warnings_ == ["sdpa_kernel=cudnn requested but SDPA's cudnn kernel runs on CUDA only (device is cpu); "
-                         "letting PyTorch choose"]
+    assert warnings_ == [
+        "sdpa_kernel=cudnn requested but SDPA's cudnn kernel runs on CUDA only (device is cpu); letting PyTorch choose"
+    ]
 
 
 def test_resolution_follows_cpu_autocast_dtype():
@@ -718,8 +738,16 @@ def test_resolution_follows_grad_mode_for_flex_on_cpu():
 
 GPU_SHAPES = [(77, 64), (77, 128), (1000, 64), (1000, 128), (2048, 64), (2048, 128)]  # (T, D)
 FLEX_GPU_SHAPES = [(77, 128), (2048, 64)]  # each (shape, dtype, docs) compiles flex fwd+bwd: keep them few
-GPU_BACKENDS = ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "flex_attention", "flash_attn_2",
-                "flash_attn_3", "flash_attn_4"]
+GPU_BACKENDS = [
+    "sdpa-flash",
+    "sdpa-cudnn",
+    "sdpa-efficient",
+    "sdpa-math",
+    "flex_attention",
+    "flash_attn_2",
+    "flash_attn_3",
+    "flash_attn_4",
+]
 GPU_CASES = [(b, T, D) for b in GPU_BACKENDS for T, D in (FLEX_GPU_SHAPES if b == "flex_attention" else GPU_SHAPES)]
 
 
@@ -739,7 +767,6 @@ def gpu_attention(backend, dtype, docs, head_dim):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("backend, T, D", GPU_CASES, ids=[f"{b}-T{T}-D{D}" for b, T, D in GPU_CASES])
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "docs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])  # -k fp16 selects one
@@ -752,8 +779,9 @@ def test_gpu_backend_matches_float32_manual(monkeypatch, backend, dtype, docs, T
     with no_eager_flex():
         out, grads = forward_backward(attend, q, k, v, dy, AttentionMask(T, q.device, doc_ids))
     assert out.dtype == dtype and out.shape == q.shape
-    ref_out, ref_grads = forward_backward(model.manual_attention, q.float(), k.float(), v.float(), dy.float(),
-                                          AttentionMask(T, q.device, doc_ids))
+    ref_out, ref_grads = forward_backward(
+        model.manual_attention, q.float(), k.float(), v.float(), dy.float(), AttentionMask(T, q.device, doc_ids)
+    )
     assert_matches(out, grads, ref_out, ref_grads, 2e-2, f"{backend} {dtype} T={T} D={D}")
     if docs:
         causal = model.manual_attention(q.float(), k.float(), v.float(), AttentionMask(T, q.device))

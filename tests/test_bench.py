@@ -3,6 +3,7 @@
 The two quick runs start together in one fixture (each uses one CPU thread) and take ~20 s; the rest is
 pure Python on small synthetic results.
 """
+
 from __future__ import annotations
 
 import json
@@ -10,27 +11,59 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import model  # noqa: E402
-from bench import readme_table  # noqa: E402
-from bench.common import card_slug, parse_log_line  # noqa: E402
-from train import format_log_line  # noqa: E402
+import model
+from bench import readme_table
+from bench.common import card_slug, parse_log_line
+from helpers import REPO as ROOT
+from train import format_log_line
 
-HEADER_FIELDS = ("device_name", "card", "torch", "cuda", "cudnn", "triton", "flash_attn", "date", "command",
-                 "flop_convention")
-ATTENTION_FIELDS = ("backend", "head_dim", "seq_len", "batch_size", "docs", "dtype", "fwd_ms", "fwd_bwd_ms",
-                    "fwd_tflops", "fwd_bwd_tflops", "peak_mem_mib", "max_err", "status")
-TRAIN_FIELDS = ("backend", "seq_len", "batch_size", "dtype", "ms_per_iter", "tokens_per_sec", "mfu",
-                "peak_mem_mib", "compile_s", "status")
+HEADER_FIELDS = (
+    "device_name",
+    "card",
+    "torch",
+    "cuda",
+    "cudnn",
+    "triton",
+    "flash_attn",
+    "date",
+    "command",
+    "flop_convention",
+)
+ATTENTION_FIELDS = (
+    "backend",
+    "head_dim",
+    "seq_len",
+    "batch_size",
+    "docs",
+    "dtype",
+    "fwd_ms",
+    "fwd_bwd_ms",
+    "fwd_tflops",
+    "fwd_bwd_tflops",
+    "peak_mem_mib",
+    "max_err",
+    "status",
+)
+TRAIN_FIELDS = (
+    "backend",
+    "seq_len",
+    "batch_size",
+    "dtype",
+    "ms_per_iter",
+    "tokens_per_sec",
+    "mfu",
+    "peak_mem_mib",
+    "compile_s",
+    "status",
+)
 
 
 # ---- the quick runs ---------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def quick_runs(tmp_path_factory):
@@ -39,8 +72,10 @@ def quick_runs(tmp_path_factory):
     for script, name in (("bench_attention.py", "attention-quick"), ("bench_train.py", "train-quick")):
         out = tmp_path_factory.mktemp(name)
         command = [sys.executable, str(ROOT / "bench" / script), "--quick", "--out", str(out)]
-        runs[name] = (subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       text=True), out)
+        runs[name] = (
+            subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+            out,
+        )
     results = {}
     for name, (process, out) in runs.items():
         output, _ = process.communicate(timeout=180)
@@ -55,8 +90,13 @@ def test_attention_quick_has_a_row_with_a_status_for_every_backend_and_cell(quic
     assert all(header.get(k) is not None or k in ("cuda", "cudnn", "triton", "flash_attn") for k in HEADER_FIELDS)
     assert "3.5" in header["flop_convention"]
     grid = header["grid"]
-    expected = {(b, d, t, docs) for b in grid["backends"] for d in grid["head_dims"] for t in grid["seq_lens"]
-                for docs in grid["docs"]}
+    expected = {
+        (b, d, t, docs)
+        for b in grid["backends"]
+        for d in grid["head_dims"]
+        for t in grid["seq_lens"]
+        for docs in grid["docs"]
+    }
     assert sorted((r["backend"], r["head_dim"], r["seq_len"], r["docs"]) for r in rows) == sorted(expected)
     for row in rows:
         assert set(ATTENTION_FIELDS) <= set(row), row
@@ -95,9 +135,18 @@ def test_train_quick_times_the_real_step_and_records_why_a_backend_cannot_run(qu
 
 # ---- shared helpers ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name, slug", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
-                                        ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA GeForce RTX 4090", "rtx-4090"),
-                                        ("NVIDIA GH200 480GB", "gh200"), ("Tesla T4", "t4")])
+
+@pytest.mark.parametrize(
+    "name, slug",
+    [
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA A100-SXM4-80GB", "a100"),
+        ("NVIDIA GeForce RTX 4090", "rtx-4090"),
+        ("NVIDIA GH200 480GB", "gh200"),
+        ("Tesla T4", "t4"),
+    ],
+)
 def test_card_slug(name, slug):
     assert card_slug(name) == slug
 
@@ -127,25 +176,42 @@ def synthetic_results(auto_slowdown: float = 1.0, flex_memory_power: float = 1.0
             for backend, factor in speed.items():
                 power = {"manual": 2.0, "flex_attention": flex_memory_power}.get(backend, 1.0)
                 manual_oom = backend == "manual" and seq_len == 16384
-                rows.append({
-                    "backend": backend, "resolved": "sdpa" if backend == "auto" else backend,
-                    "head_dim": head_dim, "seq_len": seq_len, "batch_size": batch, "docs": False,
-                    "dtype": "bfloat16", "fwd_ms": None, "fwd_tflops": None, "max_err": 1e-3,
-                    "fwd_bwd_ms": None if manual_oom else factor * seq_len / 1024,
-                    "fwd_bwd_tflops": None if manual_oom else 300 / factor,
-                    "peak_mem_mib": None if manual_oom else batch * 0.01 * (seq_len / 1024) ** power * 1024,
-                    "mem_pass": None if manual_oom else "fwd_bwd",
-                    "fwd_bwd_status": "OOM" if manual_oom else "ok", "status": "OOM" if manual_oom else "ok"})
-    header = {"device_name": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "date": "2026-11-26T00:00:00+00:00",
-              "grid": {"dtype": "bfloat16", "tokens_per_call": 16384, "heads": 16}}
+                rows.append(
+                    {
+                        "backend": backend,
+                        "resolved": "sdpa" if backend == "auto" else backend,
+                        "head_dim": head_dim,
+                        "seq_len": seq_len,
+                        "batch_size": batch,
+                        "docs": False,
+                        "dtype": "bfloat16",
+                        "fwd_ms": None,
+                        "fwd_tflops": None,
+                        "max_err": 1e-3,
+                        "fwd_bwd_ms": None if manual_oom else factor * seq_len / 1024,
+                        "fwd_bwd_tflops": None if manual_oom else 300 / factor,
+                        "peak_mem_mib": None if manual_oom else batch * 0.01 * (seq_len / 1024) ** power * 1024,
+                        "mem_pass": None if manual_oom else "fwd_bwd",
+                        "fwd_bwd_status": "OOM" if manual_oom else "ok",
+                        "status": "OOM" if manual_oom else "ok",
+                    }
+                )
+    header = {
+        "device_name": "NVIDIA H100 80GB HBM3",
+        "torch": "2.11.0",
+        "date": "2026-11-26T00:00:00+00:00",
+        "grid": {"dtype": "bfloat16", "tokens_per_call": 16384, "heads": 16},
+    }
     return {"header": header, "rows": rows}
 
 
 def test_readme_table_has_backends_seq_lens_memory_and_source():
     table = readme_table.backend_table(synthetic_results(), source="bench/results/h100-attention.json")
     lines = table.splitlines()
-    assert lines[0] == ("| backend | D=64 T=1k | D=64 T=4k | D=64 T=16k | D=128 T=1k | D=128 T=4k | D=128 T=16k "
-                        "| mem D=64 T=16k (MiB) | mem D=128 T=16k (MiB) |")
+    assert lines[0] == (
+        "| backend | D=64 T=1k | D=64 T=4k | D=64 T=16k | D=128 T=1k | D=128 T=4k | D=128 T=16k "
+        "| mem D=64 T=16k (MiB) | mem D=128 T=16k (MiB) |"
+    )
     manual = next(line for line in lines if line.startswith("| manual"))
     assert manual.split("|")[3].strip() == "30" and "OOM" in manual
     assert any(line.startswith("| auto (→ sdpa) |") for line in lines)
@@ -183,7 +249,8 @@ def test_checks_catch_a_slow_auto_and_a_quadratic_backend(tmp_path):
     quadratic = synthetic_results(flex_memory_power=2.0)
     ok, lines = check_lines(quadratic)
     assert not ok and [line for line in lines if line.startswith("FAIL")] == [
-        line for line in lines if line.startswith("FAIL [memory") and "flex_attention" in line]
+        line for line in lines if line.startswith("FAIL [memory") and "flex_attention" in line
+    ]
     path = tmp_path / "h100-attention.json"
     path.write_text(json.dumps(quadratic))
     assert readme_table.main([str(path), "--check"]) == 1
@@ -192,12 +259,32 @@ def test_checks_catch_a_slow_auto_and_a_quadratic_backend(tmp_path):
 
 
 def test_compare_backends_tabulates_each_backends_last_log_line(char_data, tmp_path):
-    env = {**os.environ, "BACKENDS": "sdpa manual", "OUT_DIR": str(tmp_path), "PYTHON": sys.executable,
-           "OMP_NUM_THREADS": "1"}
-    arguments = [f"--data_dir={char_data}", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16",
-                 "--batch_size=4", "--max_iters=4", "--log_interval=2", "--device=cpu"]
-    result = subprocess.run(["bash", "bench/compare_backends.sh", *arguments],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    env = {
+        **os.environ,
+        "BACKENDS": "sdpa manual",
+        "OUT_DIR": str(tmp_path),
+        "PYTHON": sys.executable,
+        "OMP_NUM_THREADS": "1",
+    }
+    arguments = [
+        f"--data_dir={char_data}",
+        "--n_layer=2",
+        "--n_head=2",
+        "--n_embd=32",
+        "--block_size=16",
+        "--batch_size=4",
+        "--max_iters=4",
+        "--log_interval=2",
+        "--device=cpu",
+    ]
+    result = subprocess.run(
+        ["bash", "bench/compare_backends.sh", *arguments],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr
     rows = {line.split("|")[1].strip(): line for line in result.stdout.splitlines() if line.startswith("| ")}
     assert set(rows) >= {"sdpa", "manual"}
@@ -207,8 +294,14 @@ def test_compare_backends_tabulates_each_backends_last_log_line(char_data, tmp_p
     saved = json.loads((tmp_path / "cpu-compare_backends.json").read_text())
     assert [r["backend"] for r in saved["rows"]] == ["sdpa", "manual"]
     # KEEP_ROWS=1: a later run of one backend keeps the other's row from the earlier file
-    result = subprocess.run(["bash", "bench/compare_backends.sh", *arguments], cwd=ROOT, capture_output=True,
-                            env={**env, "BACKENDS": "manual", "KEEP_ROWS": "1"}, text=True, timeout=180)
+    result = subprocess.run(
+        ["bash", "bench/compare_backends.sh", *arguments],
+        cwd=ROOT,
+        capture_output=True,
+        env={**env, "BACKENDS": "manual", "KEEP_ROWS": "1"},
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr
     merged = json.loads((tmp_path / "cpu-compare_backends.json").read_text())
     assert [r["backend"] for r in merged["rows"]] == ["sdpa", "manual"]
@@ -244,6 +337,7 @@ def test_fit_auto_takes_flash_attn_4_from_where_it_wins_at_every_longer_length()
 
     def row(backend, d, t, ms, docs=False):
         return {"backend": backend, "head_dim": d, "seq_len": t, "docs": docs, "fwd_bwd_ms": ms}
+
     rows = [row("sdpa:auto", 64, t, 1.0) for t in (1024, 2048, 4096, 8192)]
     rows += [row("flash_attn_4", 64, t, ms) for t, ms in ((1024, 0.9), (2048, 1.1), (4096, 0.9), (8192, 0.8))]
     rows += [row("flex_attention", 128, t, 1.0, True) for t in (1024, 4096)]
@@ -258,6 +352,7 @@ def test_fit_auto_takes_flash_attn_4_from_where_it_wins_at_every_longer_length()
 
 def test_fit_auto_writes_the_table_model_py_reads():
     from bench import fit_auto
+
     text = fit_auto.MODEL_FILE.read_text()
     assert fit_auto.table_source(model.SM90_FLASH_ATTN_4_FROM) in text  # --write would change nothing
     namespace = {}
@@ -267,6 +362,7 @@ def test_fit_auto_writes_the_table_model_py_reads():
 
 def test_fit_auto_refuses_a_file_of_another_card(tmp_path, capsys):
     from bench import fit_auto
+
     path = tmp_path / "a100-attention.json"
     path.write_text(json.dumps({"header": {"capability": "sm80"}, "rows": []}))
     assert fit_auto.main([str(path)]) == 2
@@ -279,6 +375,7 @@ def test_graphs_go_to_the_smallest_backends_and_a_failed_capture_times_eagerly(m
     from types import SimpleNamespace
 
     from bench import bench_attention
+
     captured = []
 
     def fake_graph(fn, grads, device):
@@ -286,14 +383,20 @@ def test_graphs_go_to_the_smallest_backends_and_a_failed_capture_times_eagerly(m
             raise RuntimeError("operation not permitted when stream is capturing")
         captured.append(fn)
         return SimpleNamespace(replay=f"replay {fn}")
+
     monkeypatch.setattr(bench_attention, "cuda_graph", fake_graph)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=100 * 2**30))
 
     def measurement(name, mib, fn=None):
         runs = {"fwd": (fn or f"{name} fwd", ()), "fwd_bwd": (fn or f"{name} fwd_bwd", ())}
         return bench_attention.Measurement({"backend": name, "peak_mem_mib": mib}, runs, {}, {})
-    ms = [measurement("manual", 20_000), measurement("sdpa", 300), measurement("broken", 100, "breaks"),
-          measurement("flex", 5_000)]
+
+    ms = [
+        measurement("manual", 20_000),
+        measurement("sdpa", 300),
+        measurement("broken", 100, "breaks"),
+        measurement("flex", 5_000),
+    ]
     bench_attention.capture_graphs(ms, torch.device("cuda"))
     manual, sdpa, broken, flex = ms
     assert captured == ["sdpa fwd", "sdpa fwd_bwd", "flex fwd", "flex fwd_bwd"]

@@ -1,5 +1,6 @@
 """checkpoint.py: atomic saves (an exception or a kill -9 mid-write leaves the previous checkpoint whole),
 rotation with hard links, weights_only loading, RNG capture, safetensors export, one-line errors."""
+
 from __future__ import annotations
 
 import io
@@ -16,12 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, run_script, subprocess_env
-
 import checkpoint
-from checkpoint import (CheckpointError, capture_rng, export_safetensors, load_checkpoint, restore_rng,
-                        save_checkpoint)
-
+from checkpoint import CheckpointError, capture_rng, export_safetensors, load_checkpoint, restore_rng, save_checkpoint
+from helpers import REPO, run_script, subprocess_env
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,6 +33,7 @@ def leftovers(folder: Path) -> list[str]:
 
 
 # ---- atomic save ----
+
 
 def test_failed_save_leaves_previous_checkpoint(monkeypatch, tmp_path):
     save_checkpoint(small_state(1), tmp_path, 1, keep_last_k=2, is_best=True)
@@ -65,8 +64,14 @@ print("saved", flush=True)
 
 def test_kill_9_mid_save_leaves_previous_checkpoint(tmp_path):
     save_checkpoint(small_state(1), tmp_path, 1, keep_last_k=2, is_best=True)
-    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(tmp_path)], cwd=REPO, env=subprocess_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WRITER, str(tmp_path)],
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not [p for p in tmp_path.glob(".ckpt-0000002.pt.tmp.*") if p.stat().st_size > 0]:
@@ -92,6 +97,7 @@ def test_kill_9_mid_save_leaves_previous_checkpoint(tmp_path):
 
 # ---- rotation ----
 
+
 @pytest.mark.parametrize("keep", [1, 2, 3])
 def test_keep_last_k_rotation_keeps_links_and_best(tmp_path, keep):
     for it in range(1, 7):
@@ -114,6 +120,7 @@ def test_rotation_keeps_the_newest_saves_in_a_reused_out_dir(tmp_path):
 
 
 # ---- loading: weights_only, errors ----
+
 
 class RunsCode:
     """Unpickling this calls os.mkdir(marker): stands in for any code a malicious checkpoint would run."""
@@ -141,8 +148,14 @@ def test_load_refuses_pickled_code(tmp_path):
 
 
 def draws() -> tuple:
-    return (random.random(), random.gauss(0, 1), np.random.standard_normal(3).tolist(), np.random.rand(),
-            torch.rand(3).tolist(), torch.randn(2).tolist())
+    return (
+        random.random(),
+        random.gauss(0, 1),
+        np.random.standard_normal(3).tolist(),
+        np.random.rand(),
+        torch.rand(3).tolist(),
+        torch.randn(2).tolist(),
+    )
 
 
 def test_capture_restore_rng_roundtrip():
@@ -167,17 +180,26 @@ DAMAGE = {  # "missing" writes nothing; "truncated" and "not-a-checkpoint" are m
 }
 
 
-@pytest.mark.parametrize("damage", [
-    "missing", "empty", "random-bytes", "zeros", "truncated", "not-a-checkpoint",
-    "text-file", "pickle-bad-memo",
-])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "missing",
+        "empty",
+        "random-bytes",
+        "zeros",
+        "truncated",
+        "not-a-checkpoint",
+        "text-file",
+        "pickle-bad-memo",
+    ],
+)
 def test_unreadable_checkpoint_is_one_line_error(trained_out, tmp_path, damage):
     path = tmp_path / "ckpt.pt"
     if damage in DAMAGE:
         path.write_bytes(DAMAGE[damage])
     elif damage == "truncated":
         good = (trained_out / "ckpt.pt").read_bytes()
-        path.write_bytes(good[:len(good) // 2])
+        path.write_bytes(good[: len(good) // 2])
     elif damage == "not-a-checkpoint":
         torch.save({"weights": torch.zeros(3)}, path)
     with pytest.raises(CheckpointError) as error:
@@ -187,6 +209,7 @@ def test_unreadable_checkpoint_is_one_line_error(trained_out, tmp_path, damage):
 
 
 # ---- export ----
+
 
 def test_export_safetensors_weights_and_metadata(trained_out, tmp_path):
     from safetensors import safe_open
@@ -215,8 +238,11 @@ def test_export_cli(trained_out, tmp_path):
     assert "transformer.wte.weight" in load_file(out)
 
 
-@pytest.mark.parametrize("argv", [[], ["export"], ["import", "a.pt", "b.safetensors"], ["export", "NO.pt", "x"]],
-                         ids=["no-args", "missing-paths", "unknown-command", "missing-checkpoint"])
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["export"], ["import", "a.pt", "b.safetensors"], ["export", "NO.pt", "x"]],
+    ids=["no-args", "missing-paths", "unknown-command", "missing-checkpoint"],
+)
 def test_export_cli_bad_input(tmp_path, capsys, argv):
     argv = [str(tmp_path / a) if a.endswith(("pt", "x")) and a != "export" else a for a in argv]
     assert checkpoint.main(argv) == 2

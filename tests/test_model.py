@@ -1,28 +1,22 @@
 """The GPT-2 model of model.py: structure, init, forward/loss, helpers for training, generation,
 documents in packed rows, `python model.py` and the GPU smoke tests."""
+
 from __future__ import annotations
 
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import model  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+import model
+from helpers import REPO as ROOT
+from helpers import tiny_config
+from model import GPT, GPTConfig
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 ALL_NAMES = model.BACKENDS + tuple(model.ALIASES)
-
-
-def tiny_config(**overrides) -> GPTConfig:
-    base = dict(block_size=32, vocab_size=64, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True)
-    return GPTConfig(**{**base, **overrides})
 
 
 def tiny_model(seed=0, **overrides) -> GPT:
@@ -44,20 +38,24 @@ def hand_param_count(c: GPTConfig) -> tuple[int, int]:
 
 # ---- config validation -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(n_embd=30, n_head=4), r"n_embd \(30\) must be divisible by n_head \(4\)"),
-    (dict(n_embd=6, n_head=2), "head dim n_embd/n_head = 3 must be even"),
-    (dict(n_layer=0), "n_layer must be a positive integer, got 0"),
-    (dict(n_head=-2), "n_head must be a positive integer, got -2"),
-    (dict(n_embd=0), "n_embd must be a positive integer, got 0"),
-    (dict(block_size=0), "block_size must be a positive integer, got 0"),
-    (dict(vocab_size=-1), "vocab_size must be a positive integer, got -1"),
-    (dict(n_layer=2.0), "n_layer must be a positive integer, got 2.0"),
-    (dict(n_layer=True), "n_layer must be a positive integer, got True"),
-    (dict(dropout=-0.1), r"dropout must be in \[0, 1\), got -0.1"),
-    (dict(dropout=1.0), r"dropout must be in \[0, 1\), got 1.0"),
-    (dict(sdpa_kernel="fast"), "unknown sdpa_kernel 'fast'; choose one of auto, flash, cudnn, efficient, math"),
-])
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(n_embd=30, n_head=4), r"n_embd \(30\) must be divisible by n_head \(4\)"),
+        (dict(n_embd=6, n_head=2), "head dim n_embd/n_head = 3 must be even"),
+        (dict(n_layer=0), "n_layer must be a positive integer, got 0"),
+        (dict(n_head=-2), "n_head must be a positive integer, got -2"),
+        (dict(n_embd=0), "n_embd must be a positive integer, got 0"),
+        (dict(block_size=0), "block_size must be a positive integer, got 0"),
+        (dict(vocab_size=-1), "vocab_size must be a positive integer, got -1"),
+        (dict(n_layer=2.0), "n_layer must be a positive integer, got 2.0"),
+        (dict(n_layer=True), "n_layer must be a positive integer, got True"),
+        (dict(dropout=-0.1), r"dropout must be in \[0, 1\), got -0.1"),
+        (dict(dropout=1.0), r"dropout must be in \[0, 1\), got 1.0"),
+        (dict(sdpa_kernel="fast"), "unknown sdpa_kernel 'fast'; choose one of auto, flash, cudnn, efficient, math"),
+    ],
+)
 def test_config_validation(overrides, message):
     with pytest.raises(ValueError, match=message):
         tiny_config(**overrides)
@@ -69,6 +67,7 @@ def test_valid_config_keeps_values():
 
 
 # ---- backend names, aliases, deprecation -------------------------------------------------------
+
 
 @pytest.mark.parametrize("alias, canonical", sorted(model.ALIASES.items()))
 def test_aliases_map_to_canonical_names(alias, canonical):
@@ -90,8 +89,10 @@ def test_use_flash_attention_is_deprecated(value, backend):
 
 
 def test_unknown_backend_name_lists_every_choice():
-    for make in (lambda: tiny_config(attention_backend="flash"),
-                 lambda: model.resolve_attention_backend("flash", "cpu", torch.float32)):
+    for make in (
+        lambda: tiny_config(attention_backend="flash"),
+        lambda: model.resolve_attention_backend("flash", "cpu", torch.float32),
+    ):
         with pytest.raises(ValueError, match="unknown attention_backend 'flash'") as info:
             make()
         for name in ALL_NAMES:
@@ -100,20 +101,29 @@ def test_unknown_backend_name_lists_every_choice():
 
 # ---- structure and init ----------------------------------------------------------------------
 
+
 def test_gpt2_parameter_names_and_shapes():
     gpt = tiny_model(n_layer=2)
     shapes = {name: tuple(p.shape) for name, p in gpt.named_parameters()}
     C, V, T = 32, 64, 32
     expected = {
-        "transformer.wte.weight": (V, C), "transformer.wpe.weight": (T, C),
-        "transformer.h.0.ln_1.weight": (C,), "transformer.h.0.ln_1.bias": (C,),
-        "transformer.h.0.attn.c_attn.weight": (3 * C, C), "transformer.h.0.attn.c_attn.bias": (3 * C,),
-        "transformer.h.0.attn.c_proj.weight": (C, C), "transformer.h.0.attn.c_proj.bias": (C,),
-        "transformer.h.0.ln_2.weight": (C,), "transformer.h.0.ln_2.bias": (C,),
-        "transformer.h.0.mlp.c_fc.weight": (4 * C, C), "transformer.h.0.mlp.c_fc.bias": (4 * C,),
-        "transformer.h.0.mlp.c_proj.weight": (C, 4 * C), "transformer.h.0.mlp.c_proj.bias": (C,),
+        "transformer.wte.weight": (V, C),
+        "transformer.wpe.weight": (T, C),
+        "transformer.h.0.ln_1.weight": (C,),
+        "transformer.h.0.ln_1.bias": (C,),
+        "transformer.h.0.attn.c_attn.weight": (3 * C, C),
+        "transformer.h.0.attn.c_attn.bias": (3 * C,),
+        "transformer.h.0.attn.c_proj.weight": (C, C),
+        "transformer.h.0.attn.c_proj.bias": (C,),
+        "transformer.h.0.ln_2.weight": (C,),
+        "transformer.h.0.ln_2.bias": (C,),
+        "transformer.h.0.mlp.c_fc.weight": (4 * C, C),
+        "transformer.h.0.mlp.c_fc.bias": (4 * C,),
+        "transformer.h.0.mlp.c_proj.weight": (C, 4 * C),
+        "transformer.h.0.mlp.c_proj.bias": (C,),
         "transformer.h.1.attn.c_attn.weight": (3 * C, C),
-        "transformer.ln_f.weight": (C,), "transformer.ln_f.bias": (C,),
+        "transformer.ln_f.weight": (C,),
+        "transformer.ln_f.bias": (C,),
     }
     for name, shape in expected.items():
         assert shapes.get(name) == shape, name
@@ -159,13 +169,14 @@ def test_mlp_uses_tanh_gelu():
     mlp = gpt.transformer.h[0].mlp
     x = torch.randn(4, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 40
     h = mlp.c_fc(x)
-    tanh_gelu = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
+    tanh_gelu = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3)))
     torch.testing.assert_close(mlp(x), mlp.c_proj(tanh_gelu), rtol=1e-12, atol=1e-12)
     erf = mlp.c_proj(F.gelu(h))
     assert (mlp(x) - erf).abs().max() > 1e-6, "indistinguishable from erf GELU: the test lost its power"
 
 
 # ---- forward and loss ------------------------------------------------------------------------
+
 
 def test_forward_without_targets_returns_last_position_only():
     gpt = tiny_model().eval()
@@ -203,6 +214,7 @@ def test_sequence_longer_than_block_size_is_an_error():
 
 
 # ---- helpers for training --------------------------------------------------------------------
+
 
 def test_num_params_counts_by_hand():
     gpt = tiny_model()
@@ -257,6 +269,7 @@ def test_crop_block_size():
 
 # ---- generation ------------------------------------------------------------------------------
 
+
 def test_generate_appends_tokens_and_keeps_the_prompt():
     gpt = tiny_model(block_size=8).eval()
     prompt = tokens(2, 5)
@@ -283,6 +296,7 @@ def test_generate_top_k_1_is_greedy_and_deterministic():
 
 # ---- every backend name trains on CPU --------------------------------------------------------
 
+
 @pytest.mark.filterwarnings("error:flex_attention called without torch.compile")
 @pytest.mark.parametrize("name", ALL_NAMES)
 @pytest.mark.usefixtures("allow_flex_recompiles")  # the final no-grad loss may run flex on CPU
@@ -304,6 +318,7 @@ def test_every_backend_name_trains_on_cpu(monkeypatch, name):
 
 
 # ---- documents in a packed row ---------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["manual", "sdpa"])
 def test_documents_do_not_see_each_other(name):
@@ -333,6 +348,7 @@ def test_documents_do_not_see_each_other(name):
 
 # ---- python model.py and attention_report ------------------------------------------------------
 
+
 def test_python_model_py_reports_every_backend():
     result = subprocess.run([sys.executable, "model.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -343,8 +359,18 @@ def test_python_model_py_reports_every_backend():
 
 def test_attention_report_keys():
     report = model.attention_report("cpu")
-    assert set(report) == {"torch", "cuda", "cudnn", "device", "gpu", "capability", "dtype", "backends", "auto",
-                           "auto_long"}
+    assert set(report) == {
+        "torch",
+        "cuda",
+        "cudnn",
+        "device",
+        "gpu",
+        "capability",
+        "dtype",
+        "backends",
+        "auto",
+        "auto_long",
+    }
     assert report["device"] == "cpu" and report["dtype"] == "float32" and report["torch"] == torch.__version__
     assert set(report["backends"]) == set(model.BACKENDS) - {"auto"}
     for name, row in report["backends"].items():
@@ -359,8 +385,8 @@ def test_attention_report_keys():
 
 # ---- GPU (run on the device) -----------------------------------------------------------------
 
+
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.filterwarnings("error:flex_attention called without torch.compile")
 @pytest.mark.parametrize("name", ALL_NAMES)
 @pytest.mark.usefixtures("allow_flex_recompiles")
@@ -382,7 +408,6 @@ def test_tiny_gpt_trains_on_cuda_under_bf16_autocast(monkeypatch, name):
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_cpu_built_model_resolves_for_cuda_bf16():
     gpt = tiny_model(attention_backend="auto")
     gpt(tokens(2, 8))  # resolved once on CPU
@@ -397,7 +422,6 @@ def test_cpu_built_model_resolves_for_cuda_bf16():
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("name", ["flash_attn_2", "flash_attn_4"])
 def test_flash_backends_compile_without_breaks_per_layer(name):
     """torch.compile keeps the flash kernels in the graph: as many graphs as with sdpa. (A traced package
@@ -413,4 +437,5 @@ def test_flash_backends_compile_without_breaks_per_layer(name):
         gpt = tiny_model(attention_backend=backend, block_size=64, n_head=2, n_embd=128).cuda()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             return torch._dynamo.explain(gpt)(idx, idx).graph_count
+
     assert graph_count(name) == graph_count("sdpa")

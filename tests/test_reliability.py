@@ -1,5 +1,6 @@
 """train.py under stress: SIGTERM/SIGINT save and exit cleanly, non-finite steps are skipped and stop the run,
 and every bad input is one `error: ` line with exit code 2 that leaves the disk as it was."""
+
 from __future__ import annotations
 
 import json
@@ -14,16 +15,16 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import Child, tiny_args, tree_digest
-
 import model
 import train
 from checkpoint import load_checkpoint
+from helpers import Child, tiny_args, tree_digest
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- signals: finish the step, save, exit 0; resume from there ----
+
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_saves_and_exits_then_resumes(char_data, tmp_path, capsys, sig):
@@ -43,8 +44,9 @@ def test_signal_saves_and_exits_then_resumes(char_data, tmp_path, capsys, sig):
     assert load_checkpoint(path)["iter_num"] == stopped_at
 
     capsys.readouterr()
-    code = train.main(tiny_args(char_data, out, "--init_from=resume", f"--max_iters={stopped_at + 2}",
-                                "--eval_interval=100000"))
+    code = train.main(
+        tiny_args(char_data, out, "--init_from=resume", f"--max_iters={stopped_at + 2}", "--eval_interval=100000")
+    )
     resumed = capsys.readouterr().out
     assert code == 0
     assert f"resuming at iter {stopped_at}" in resumed
@@ -58,6 +60,7 @@ def test_in_process_run_restores_signal_handlers(char_data, tmp_path, capsys):
 
 
 # ---- non-finite loss: skipped steps, a warning, a stop after max_bad_steps ----
+
 
 def inject_nan(monkeypatch, bad_steps) -> dict:
     """Make the loss NaN (so the gradients are NaN too) on the training forward passes whose 0-based
@@ -94,8 +97,16 @@ def test_persistent_nan_stops_with_exit_1(monkeypatch, char_data, tmp_path, caps
         return path
 
     monkeypatch.setattr(train, "save_checkpoint", save_and_fingerprint)
-    code = train.main(tiny_args(char_data, out, "--max_iters=40", "--eval_interval=4", f"--max_bad_steps={max_bad}",
-                                "--always_save_checkpoint=true"))
+    code = train.main(
+        tiny_args(
+            char_data,
+            out,
+            "--max_iters=40",
+            "--eval_interval=4",
+            f"--max_bad_steps={max_bad}",
+            "--always_save_checkpoint=true",
+        )
+    )
     captured = capsys.readouterr()
     assert code == 1
     assert "Traceback" not in captured.err
@@ -123,8 +134,9 @@ def test_transient_nan_is_skipped_with_a_warning(monkeypatch, char_data, tmp_pat
     assert code == 0, captured.err
     warnings = [line for line in captured.err.splitlines() if "not finite" in line]
     assert len(warnings) == 1 and warnings[0].startswith("WARNING: ") and "1 consecutive" in warnings[0], captured.err
-    losses = {int(m.group(1)): float(m.group(2))
-              for m in re.finditer(r"^iter (\d+) \| loss (\S+) \|", captured.out, re.M)}
+    losses = {
+        int(m.group(1)): float(m.group(2)) for m in re.finditer(r"^iter (\d+) \| loss (\S+) \|", captured.out, re.M)
+    }
     assert math.isnan(losses[4]) and math.isfinite(losses[8])
     val = float(re.search(r"^eval 8 \| train \S+ \| val (\S+)$", captured.out, re.M).group(1))
     assert math.isfinite(val)
@@ -134,9 +146,11 @@ def test_transient_nan_is_skipped_with_a_warning(monkeypatch, char_data, tmp_pat
 
 # ---- bad input: exit 2, one line, nothing on disk changed ----
 
+
 def write(path, text):
     def setup(case):
         (case["tmp"] / path).write_text(text)
+
     return setup
 
 
@@ -155,7 +169,8 @@ def damage_checkpoint(how):
         elif how == "text":
             path.write_text("this is not a checkpoint\n" * 100)
         else:
-            path.write_bytes(data[:len(data) // 3])
+            path.write_bytes(data[: len(data) // 3])
+
     return setup
 
 
@@ -182,6 +197,7 @@ def data_file(name, how):
             meta = json.loads(path.read_text())
             del meta["vocab_size"]
             path.write_text(json.dumps(meta))
+
     return setup
 
 
@@ -193,6 +209,7 @@ def chain(*setups):
     def setup(case):
         for s in setups:
             s(case)
+
     return setup
 
 
@@ -204,15 +221,24 @@ BAD_INPUTS = [
     # config files
     case("cfg-missing", "{tmp}/nope.py", expect=("nope.py", "not found")),
     case("cfg-not-py", "{tmp}/settings.txt", setup=write("settings.txt", "batch_size = 8\n"), expect=(".py",)),
-    case("cfg-syntax-error", "{tmp}/c.py", setup=write("c.py", "batch_size = = 8\n"),
-         expect=("syntax error on line 1",)),
-    case("cfg-unknown-name", "{tmp}/c.py", setup=write("c.py", "learning_rat = 1e-3\n"),
-         expect=("learning_rat", "did you mean: learning_rate")),
+    case(
+        "cfg-syntax-error", "{tmp}/c.py", setup=write("c.py", "batch_size = = 8\n"), expect=("syntax error on line 1",)
+    ),
+    case(
+        "cfg-unknown-name",
+        "{tmp}/c.py",
+        setup=write("c.py", "learning_rat = 1e-3\n"),
+        expect=("learning_rat", "did you mean: learning_rate"),
+    ),
     case("cfg-wrong-type", "{tmp}/c.py", setup=write("c.py", "batch_size = '12'\n"), expect=("batch_size", "int")),
     case("cfg-float-for-int", "{tmp}/c.py", setup=write("c.py", "max_iters = 1.5\n"), expect=("max_iters", "int")),
     case("cfg-bool-for-int", "{tmp}/c.py", setup=write("c.py", "n_layer = True\n"), expect=("n_layer", "int")),
-    case("cfg-raises", "{tmp}/c.py", setup=write("c.py", "x = 1\nbatch_size = 8 // 0\n"),
-         expect=("ZeroDivisionError", "line 2")),
+    case(
+        "cfg-raises",
+        "{tmp}/c.py",
+        setup=write("c.py", "x = 1\nbatch_size = 8 // 0\n"),
+        expect=("ZeroDivisionError", "line 2"),
+    ),
     # overrides: syntax and types
     case("unknown-key", "--frobnicate=1", expect=("frobnicate", "--help")),
     case("misspelled-key", "--learning_rat=1e-3", expect=("did you mean: learning_rate",)),
@@ -250,8 +276,11 @@ BAD_INPUTS = [
     # overrides: names with a fixed set of values
     case("unknown-dtype", "--dtype=float64", expect=("float64", "auto, bfloat16, float16, float32")),
     case("unknown-backend-ddp", "--backend=ddp", expect=("ddp", "nccl or gloo")),
-    case("unknown-attention_backend", "--attention_backend=flash3",
-         expect=("flash3", "auto, flash_attn_4, flash_attn_3, flash_attn_2, flex_attention, sdpa, manual")),
+    case(
+        "unknown-attention_backend",
+        "--attention_backend=flash3",
+        expect=("flash3", "auto, flash_attn_4, flash_attn_3, flash_attn_2, flex_attention, sdpa, manual"),
+    ),
     case("unknown-sdpa_kernel", "--sdpa_kernel=fastest", expect=("fastest", "auto, flash, cudnn, efficient, math")),
     case("n_embd-not-divisible", "--n_embd=30", "--n_head=4", expect=("n_embd (30)", "n_head (4)")),
     case("odd-head-dim", "--n_embd=34", "--n_head=2", expect=("even",)),
@@ -281,27 +310,70 @@ BAD_INPUTS = [
     case("vocab_size-below-dataset", "--vocab_size=5", expect=("vocab_size 5", "dataset's 41")),
     # checkpoints
     case("resume-without-checkpoint", "--init_from=resume", expect=("no checkpoint at", "ckpt.pt")),
-    case("resume-corrupt-checkpoint", "--init_from=resume", setup=damage_checkpoint("corrupt"),
-         expect=("not a readable checkpoint",)),
-    case("resume-truncated-checkpoint", "--init_from=resume", setup=damage_checkpoint("truncate"),
-         expect=("not a readable checkpoint",)),
-    case("resume-text-file-checkpoint", "--init_from=resume", setup=damage_checkpoint("text"),
-         expect=("not a readable checkpoint",)),
-    case("resume-other-shape", "--init_from=resume", "--n_layer=3", setup=copy_checkpoint,
-         expect=("n_layer=2 (config says 3)",)),
-    case("finetune-other-shape", "--init_from={out}/ckpt.pt", "--n_embd=64", "--n_head=4", setup=copy_checkpoint,
-         expect=("n_head=2 (config says 4)", "n_embd=32 (config says 64)")),
-    case("resume-other-vocab", "--init_from=resume", "--vocab_size=128", setup=copy_checkpoint,
-         expect=("vocab_size=41 (config says 128)",)),
-    case("resume-longer-block", "--init_from=resume", "--block_size=32", setup=copy_checkpoint,
-         expect=("block_size 32", "checkpoint's 16")),
+    case(
+        "resume-corrupt-checkpoint",
+        "--init_from=resume",
+        setup=damage_checkpoint("corrupt"),
+        expect=("not a readable checkpoint",),
+    ),
+    case(
+        "resume-truncated-checkpoint",
+        "--init_from=resume",
+        setup=damage_checkpoint("truncate"),
+        expect=("not a readable checkpoint",),
+    ),
+    case(
+        "resume-text-file-checkpoint",
+        "--init_from=resume",
+        setup=damage_checkpoint("text"),
+        expect=("not a readable checkpoint",),
+    ),
+    case(
+        "resume-other-shape",
+        "--init_from=resume",
+        "--n_layer=3",
+        setup=copy_checkpoint,
+        expect=("n_layer=2 (config says 3)",),
+    ),
+    case(
+        "finetune-other-shape",
+        "--init_from={out}/ckpt.pt",
+        "--n_embd=64",
+        "--n_head=4",
+        setup=copy_checkpoint,
+        expect=("n_head=2 (config says 4)", "n_embd=32 (config says 64)"),
+    ),
+    case(
+        "resume-other-vocab",
+        "--init_from=resume",
+        "--vocab_size=128",
+        setup=copy_checkpoint,
+        expect=("vocab_size=41 (config says 128)",),
+    ),
+    case(
+        "resume-longer-block",
+        "--init_from=resume",
+        "--block_size=32",
+        setup=copy_checkpoint,
+        expect=("block_size 32", "checkpoint's 16"),
+    ),
     case("init_from-nonexistent", "--init_from={tmp}/nonexistent.pt", expect=("scratch, resume",)),
     case("init_from-garbage-word", "--init_from=scratchy", expect=("'scratchy'", "scratch, resume")),
-    case("init_from-not-a-checkpoint", "--init_from={tmp}/foreign.pt", setup=save_foreign_pt,
-         expect=("not a checkpoint of this repo",)),
+    case(
+        "init_from-not-a-checkpoint",
+        "--init_from={tmp}/foreign.pt",
+        setup=save_foreign_pt,
+        expect=("not a checkpoint of this repo",),
+    ),
     # the out_dir itself
-    case("out_dir-is-a-file", "--out_dir={tmp}/afile", "--max_iters=1", "--eval_interval=1",
-         setup=write("afile", "not a folder\n"), expect=("out_dir",)),
+    case(
+        "out_dir-is-a-file",
+        "--out_dir={tmp}/afile",
+        "--max_iters=1",
+        "--eval_interval=1",
+        setup=write("afile", "not a folder\n"),
+        expect=("out_dir",),
+    ),
 ]
 
 
@@ -315,8 +387,12 @@ def test_bad_input(args, setup, expect, char_data, trained_out, tmp_path, capsys
     shutil.copytree(char_data, case["data"])
     if setup:
         setup(case)
-    values = {"tmp": tmp_path, "data": case["data"], "out": case["out"],
-              "val_tokens": json.loads((char_data / "meta.json").read_text())["val_tokens"]}
+    values = {
+        "tmp": tmp_path,
+        "data": case["data"],
+        "out": case["out"],
+        "val_tokens": json.loads((char_data / "meta.json").read_text())["val_tokens"],
+    }
     argv = tiny_args(case["data"], case["out"], "--max_iters=0") + [arg.format(**values) for arg in args]
     before = tree_digest(tmp_path, trained_out)
 
@@ -333,8 +409,10 @@ def test_bad_input(args, setup, expect, char_data, trained_out, tmp_path, capsys
 
 def test_cuda_out_of_memory_suggests_smaller_batches(monkeypatch, char_data, tmp_path, capsys):
     """An OOM (raised here from the first forward, as a GPU would) gets one line and exit code 2."""
+
     def out_of_memory(self, *args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
     monkeypatch.setattr(model.GPT, "forward", out_of_memory)
     code = train.main(tiny_args(char_data, tmp_path / "out", "--max_iters=2"))
     err = capsys.readouterr().err

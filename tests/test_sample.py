@@ -1,13 +1,13 @@
 """sample.py: text from a trained checkpoint, on the command line and in-process."""
+
 from __future__ import annotations
 
 import re
 
 import pytest
 
-from conftest import run_script
-
 import sample
+from helpers import run_script
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -22,8 +22,9 @@ def samples(stdout: str) -> list[str]:
 
 
 def test_sample_cli(trained_out):
-    result = run_script("sample.py", [f"--out_dir={trained_out}", "--num_samples=2", "--max_new_tokens=20",
-                                      "--device=cpu"], timeout=60)
+    result = run_script(
+        "sample.py", [f"--out_dir={trained_out}", "--num_samples=2", "--max_new_tokens=20", "--device=cpu"], timeout=60
+    )
     assert result.returncode == 0, result.stderr
     texts = samples(result.stdout)
     assert len(texts) == 2
@@ -41,16 +42,28 @@ def run_sample(capsys, *argv: str) -> tuple[int, str, str]:
 def test_prompt_from_file(trained_out, tmp_path, capsys):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("ROMEO:\nthe king")
-    code, out, err = run_sample(capsys, f"--out_dir={trained_out}", f"--start=FILE:{prompt}", "--num_samples=1",
-                                "--max_new_tokens=5", "--device=cpu")
+    code, out, err = run_sample(
+        capsys,
+        f"--out_dir={trained_out}",
+        f"--start=FILE:{prompt}",
+        "--num_samples=1",
+        "--max_new_tokens=5",
+        "--device=cpu",
+    )
     assert code == 0, err
     [text] = samples(out)
     assert text.startswith("ROMEO:\nthe king") and len(text) == len("ROMEO:\nthe king") + 5
 
 
 def test_same_seed_same_text(trained_out, capsys):
-    argv = (f"--out_dir={trained_out}", "--num_samples=2", "--max_new_tokens=30", "--device=cpu",
-            "--temperature=1.5", "--top_k=None")
+    argv = (
+        f"--out_dir={trained_out}",
+        "--num_samples=2",
+        "--max_new_tokens=30",
+        "--device=cpu",
+        "--temperature=1.5",
+        "--top_k=None",
+    )
     first = run_sample(capsys, *argv, "--seed=7")
     again = run_sample(capsys, *argv, "--seed=7")
     other = run_sample(capsys, *argv, "--seed=8")
@@ -59,19 +72,33 @@ def test_same_seed_same_text(trained_out, capsys):
     assert samples(first[1]) != samples(other[1])
 
 
-@pytest.mark.parametrize("args, expect", [
-    (["--out_dir={tmp}/empty"], "no checkpoint at"),
-    (["--checkpoint={tmp}/nope.pt"], "no checkpoint at"),
-    (["--temperature=0"], "temperature must be > 0"),
-    (["--top_k=0"], "top_k"),
-    (["--num_samples=0"], "num_samples"),
-    (["--start=ROMEO€"], "vocabulary"),
-    (["--start=FILE:{tmp}/missing.txt"], "missing.txt"),
-    (["--start="], "prompt is empty"),
-    (["--device=cuda"], "CUDA is not available"),
-    (["--tempreature=0.5"], "did you mean: temperature"),
-], ids=["missing-checkpoint", "missing-checkpoint-file", "temperature-0", "top_k-0", "num_samples-0",
-        "unknown-char", "missing-prompt-file", "empty-prompt", "cuda", "misspelled-key"])
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        (["--out_dir={tmp}/empty"], "no checkpoint at"),
+        (["--checkpoint={tmp}/nope.pt"], "no checkpoint at"),
+        (["--temperature=0"], "temperature must be > 0"),
+        (["--top_k=0"], "top_k"),
+        (["--num_samples=0"], "num_samples"),
+        (["--start=ROMEO€"], "vocabulary"),
+        (["--start=FILE:{tmp}/missing.txt"], "missing.txt"),
+        (["--start="], "prompt is empty"),
+        (["--device=cuda"], "CUDA is not available"),
+        (["--tempreature=0.5"], "did you mean: temperature"),
+    ],
+    ids=[
+        "missing-checkpoint",
+        "missing-checkpoint-file",
+        "temperature-0",
+        "top_k-0",
+        "num_samples-0",
+        "unknown-char",
+        "missing-prompt-file",
+        "empty-prompt",
+        "cuda",
+        "misspelled-key",
+    ],
+)
 def test_bad_input(trained_out, tmp_path, capsys, args, expect):
     argv = [f"--out_dir={trained_out}", "--max_new_tokens=3", "--device=cpu"]
     argv += [arg.format(tmp=tmp_path) for arg in args]

@@ -1,5 +1,6 @@
 """train.py: the log a person reads, the config surface, the LR schedule, MFU peaks, exact resume after a
 kill -9, dataset auto-prepare, and wandb. CPU only; subprocesses only where a real process is the point."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,19 +15,20 @@ import types
 import pytest
 import torch
 
-from conftest import REPO, TINY_MODEL, Child, run_script, tiny_args
-
 import train
 from checkpoint import load_checkpoint
 from configurator import load_config
 from data.common import prepare_text
+from helpers import REPO, TINY_MODEL, Child, run_script, tiny_args
 from model import GPT, GPTConfig
 from train import TrainConfig, UsageError, learning_rate_at, peak_flops_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ITER_LINE = re.compile(r"iter \d+ \| loss \d+\.\d{4} \| lr \d\.\de[-+]\d{2} \| \d+\.\d ms \| "
-                       r"\d{1,3}(,\d{3})* tok/s \| MFU n/a \| mem \d+\.\d GiB")
+ITER_LINE = re.compile(
+    r"iter \d+ \| loss \d+\.\d{4} \| lr \d\.\de[-+]\d{2} \| \d+\.\d ms \| "
+    r"\d{1,3}(,\d{3})* tok/s \| MFU n/a \| mem \d+\.\d GiB"
+)
 EVAL_LINE = re.compile(r"eval \d+ \| train \d+\.\d{4} \| val \d+\.\d{4}")
 
 
@@ -35,6 +37,7 @@ def lines_starting(text: str, prefix: str) -> list[str]:
 
 
 # ---- a real run: the log, the checkpoint ----
+
 
 def test_smoke_run_log_lines_and_checkpoint(char_data, tmp_path):
     out = tmp_path / "out"
@@ -68,12 +71,18 @@ def test_smoke_run_log_lines_and_checkpoint(char_data, tmp_path):
     GPT(GPTConfig(**state["model_config"])).load_state_dict(state["model"])  # strict: the keys are the model's
 
 
-@pytest.mark.slow
 def test_compiled_run_saves_unwrapped_state_dict(char_data, tmp_path):
     """torch.compile wraps the model; the checkpoint must still hold the plain model's keys."""
     out = tmp_path / "out"
-    args = tiny_args(char_data, out, "--compile=true", "--max_iters=1", "--eval_interval=1", "--eval_iters=1",
-                     "--eval_on_start=false")
+    args = tiny_args(
+        char_data,
+        out,
+        "--compile=true",
+        "--max_iters=1",
+        "--eval_interval=1",
+        "--eval_iters=1",
+        "--eval_on_start=false",
+    )
     try:
         result = run_script("train.py", args, timeout=60)
     except subprocess.TimeoutExpired:
@@ -88,6 +97,7 @@ def test_compiled_run_saves_unwrapped_state_dict(char_data, tmp_path):
 
 # ---- the config surface ----
 
+
 def test_help_lists_every_field():
     result = run_script("train.py", ["--help"], timeout=60)
     assert result.returncode == 0, result.stderr
@@ -101,8 +111,11 @@ def test_default_config_file_equals_train_config_defaults():
     names = [name for name in runpy.run_path(str(path)) if not name.startswith("_")]
     assert len(names) > 10
     loaded, defaults = load_config(TrainConfig(), [str(path)]), TrainConfig()
-    differ = {name: (getattr(loaded, name), getattr(defaults, name)) for name in names
-              if getattr(loaded, name) != getattr(defaults, name)}
+    differ = {
+        name: (getattr(loaded, name), getattr(defaults, name))
+        for name in names
+        if getattr(loaded, name) != getattr(defaults, name)
+    }
     assert not differ, f"config file vs TrainConfig defaults: {differ}"
     assert loaded == defaults
 
@@ -148,11 +161,15 @@ def test_learning_rate_constant_without_decay():
 
 # ---- MFU peak FLOP/s ----
 
-@pytest.mark.parametrize("name, flops", [
-    ("NVIDIA H100 80GB HBM3", 989.5e12),
-    ("NVIDIA H100 PCIe", 756e12),
-    ("NVIDIA A100-SXM4-80GB", 312e12),
-])
+
+@pytest.mark.parametrize(
+    "name, flops",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.5e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+    ],
+)
 def test_peak_flops_for_known_gpus(monkeypatch, name, flops):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert peak_flops_for(torch.device("cuda"), torch.bfloat16, None) == (flops, "")
@@ -170,6 +187,7 @@ def test_peak_flops_for_unknown_gpu_cpu_and_override(monkeypatch):
 
 # ---- exact resume after kill -9 ----
 
+
 def iter_fields(output: str) -> dict[int, str]:
     """{k: 'iter k | loss X | lr Y'}: the timing fields dropped."""
     found = {}
@@ -186,8 +204,10 @@ def test_exact_resume_after_kill_9(char_data, tmp_path):
     n = 60  # > the ~50 log lines the one-page pipe holds: the killed run blocks long before its save at 2N
     common = (f"--max_iters={2 * n}", f"--eval_interval={n}", "--always_save_checkpoint=true", "--dropout=0.1")
     killed_out = tmp_path / "killed"
-    with Child("train.py", tiny_args(char_data, tmp_path / "straight", *common)) as straight, \
-            Child("train.py", tiny_args(char_data, killed_out, *common)) as killed:
+    with (
+        Child("train.py", tiny_args(char_data, tmp_path / "straight", *common)) as straight,
+        Child("train.py", tiny_args(char_data, killed_out, *common)) as killed,
+    ):
         killed.wait_for(lambda line: line.startswith("saved ") and f"(iter {n}," in line)
         assert killed.proc.poll() is None
         os.kill(killed.pid, signal.SIGKILL)
@@ -210,6 +230,7 @@ def test_exact_resume_after_kill_9(char_data, tmp_path):
 
 
 # ---- datasets: auto-prepare and unknown names ----
+
 
 def test_find_data_unknown_dataset_lists_known_ones():
     cfg = TrainConfig(dataset="no_such_dataset", data_dir="")
@@ -252,6 +273,7 @@ def test_missing_bins_run_the_dataset_prepare(monkeypatch, tmp_path, capsys):
 
 # ---- wandb ----
 
+
 def test_wandb_missing_is_a_usage_error(monkeypatch, char_data, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
     code = train.main(tiny_args(char_data, tmp_path / "out", "--wandb_log=true", "--max_iters=2"))
@@ -267,6 +289,5 @@ def test_wandb_offline_run(monkeypatch, char_data, tmp_path, capsys):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    code = train.main(tiny_args(char_data, tmp_path / "out", "--wandb_log=true", "--max_iters=2",
-                                "--eval_interval=2"))
+    code = train.main(tiny_args(char_data, tmp_path / "out", "--wandb_log=true", "--max_iters=2", "--eval_interval=2"))
     assert code == 0, capsys.readouterr().err

@@ -14,8 +14,13 @@ from data.hf import hf_prepare_main
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return hf_prepare_main(argv, default_out_dir=Path(__file__).parent, hf_name="HuggingFaceFW/fineweb-edu",
-                           hf_config="sample-10BT", description=__doc__)
+    return hf_prepare_main(
+        argv,
+        default_out_dir=Path(__file__).parent,
+        hf_name="HuggingFaceFW/fineweb-edu",
+        hf_config="sample-10BT",
+        description=__doc__,
+    )
 
 
 if __name__ == "__main__":

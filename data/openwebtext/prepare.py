@@ -13,8 +13,13 @@ from data.hf import hf_prepare_main
 
 
 def main(argv: list[str] | None = None) -> dict:
-    return hf_prepare_main(argv, default_out_dir=Path(__file__).parent, hf_name="Skylion007/openwebtext",
-                           hf_config=None, description=__doc__)
+    return hf_prepare_main(
+        argv,
+        default_out_dir=Path(__file__).parent,
+        hf_name="Skylion007/openwebtext",
+        hf_config=None,
+        description=__doc__,
+    )
 
 
 if __name__ == "__main__":
