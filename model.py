@@ -736,6 +736,24 @@ class GPT(nn.Module):
             self._logged.add(message)
             log.log(level, message)
 
+    def setup_attention(
+        self,
+        device,
+        dtype: torch.dtype,
+        *,
+        training: bool = True,
+        seq_len: Optional[int] = None,
+        documents: bool = False,
+    ):
+        """Resolve (and log) the attention backend for this device, compute dtype and use."""
+        dropout = training and self.config.dropout > 0
+        seq_len = seq_len or self.config.block_size
+        key = (torch.device(device), dtype, documents, dropout, training, seq_len)
+        self._resolutions[key] = self._resolve(
+            key[0], dtype, doc_mask=documents, dropout=dropout, backward=training, seq_len=seq_len
+        )
+        return self._resolutions[key][1]
+
     # -- forward, loss and generation --
 
     def forward(self, idx, targets=None, doc_ids=None):
