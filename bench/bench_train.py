@@ -26,7 +26,7 @@ import torch
 import torch._dynamo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (  # noqa: E402
+from bench.report import (  # noqa: E402
     DEFAULT_OUT,
     Budget,
     Column,

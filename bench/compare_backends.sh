@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, ".")
-from bench.common import Column, bench_device, parse_log_line, results_header, results_stem, write_results
+from bench.report import Column, bench_device, parse_log_line, results_header, results_stem, write_results
 
 logs, out, backends = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
 rows = []

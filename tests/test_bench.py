@@ -17,7 +17,7 @@ import torch
 
 import model
 from bench import readme_table
-from bench.common import card_slug, parse_log_line
+from bench.report import card_slug, parse_log_line
 from helpers import REPO as ROOT
 from train import format_log_line
 
