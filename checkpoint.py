@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from data.atomic import TMP_MARKER, atomic_path, fsync_dir
+
 LATEST, BEST = "ckpt.pt", "best.pt"
 
 
@@ -33,46 +35,24 @@ class CheckpointError(ValueError):
 
 
 def atomic_save(obj, path: Path) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        torch.save(obj, f)
 
 
 def _atomic_link(source: Path, target: Path) -> None:
     """Point `target` at `source`'s data in one rename (a copy where hard links are not supported)."""
-    tmp = target.with_name(f".{target.name}.tmp.{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(source, tmp)
-    except OSError:
-        shutil.copyfile(source, tmp)
-    os.replace(tmp, target)
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # some platforms cannot open folders; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with atomic_path(target) as tmp:
+        try:
+            os.link(source, tmp)
+        except OSError:
+            shutil.copyfile(source, tmp)
 
 
 def save_checkpoint(state: dict, out_dir, iter_num: int, keep_last_k: int, is_best: bool) -> Path:
     """Write `ckpt-<iter>.pt`, repoint ckpt.pt (and best.pt), drop numbered files beyond the last k."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for leftover in out_dir.glob(".*.tmp.*"):  # from a writer killed mid-save
+    for leftover in out_dir.glob(f".*{TMP_MARKER}*"):  # from a writer killed mid-save
         leftover.unlink(missing_ok=True)
     numbered = out_dir / f"ckpt-{iter_num:07d}.pt"
     atomic_save(state, numbered)
@@ -82,7 +62,7 @@ def save_checkpoint(state: dict, out_dir, iter_num: int, keep_last_k: int, is_be
     by_age = sorted(out_dir.glob("ckpt-*.pt"), key=lambda p: (p.stat().st_mtime_ns, p.name))  # save order, not
     for old in by_age[:-keep_last_k]:  # iteration order: a resumed run may save a lower iteration again
         old.unlink()  # best.pt and ckpt.pt keep their data through their own links
-    _fsync_dir(out_dir)
+    fsync_dir(out_dir)
     return out_dir / LATEST
 
 

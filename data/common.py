@@ -7,7 +7,6 @@ meta.json is written last and removed before a rewrite starts, so a folder with 
 """
 
 import argparse
-import contextlib
 import itertools
 import json
 import os
@@ -21,6 +20,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
+
+from data.atomic import atomic_path
 
 DATA_ROOT = Path(__file__).resolve().parent
 DEFAULT_CACHE_DIR = DATA_ROOT / ".cache"
@@ -39,10 +40,10 @@ class DataError(ValueError):
 
 
 def prepare_command(data_dir: str | os.PathLike) -> str:
-    """The command that (re)creates `data_dir`: python -m data.<name>.prepare [--out_dir DIR]."""
+    """The command that (re)creates `data_dir`: python data/<name>/prepare.py [--out_dir DIR]."""
     data_dir = Path(data_dir)
     name = data_dir.name if (DATA_ROOT / data_dir.name / "prepare.py").exists() else "<dataset>"
-    command = f"python -m data.{name}.prepare"
+    command = f"python data/{name}/prepare.py"
     if data_dir.resolve() != DATA_ROOT / name:
         command += f" --out_dir {data_dir}"
     return command
@@ -50,23 +51,6 @@ def prepare_command(data_dir: str | os.PathLike) -> str:
 
 # ----------------------------------------------------------------------------------------------------------------
 # writing
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike):
-    """Yield `path`.tmp to write into; on success fsync it and rename it over `path`, on error delete it.
-
-    The rename is atomic, so `path` is either the old complete file or the new complete one, never a half file.
-    """
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)  # no-op after a successful replace
 
 
 def write_split(

@@ -13,7 +13,8 @@ import datasets
 import numpy as np
 from tqdm import tqdm
 
-from data.common import DTYPE, DataError, atomic_path, write_meta
+from data.atomic import atomic_path
+from data.common import DTYPE, DataError, write_meta
 from data.tokenizer import EOT_ID, gpt2_encoding, gpt2_meta
 
 SPLIT_SEED = 2357  # nanoGPT's seed, so the val documents are the same on every run

@@ -1,0 +1,61 @@
+"""What training reads: the dataset folder (prepared on first use) and random batches from its token stream."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from data.common import DATA_ROOT, DataError, open_split, prepare_command
+
+REQUIRED_FILES = ("train.bin", "val.bin", "meta.json")
+
+
+def ensure_dataset(dataset: str, data_dir: str = "", *, master: bool = True, distributed: bool = False) -> Path:
+    """The dataset folder: data_dir if given, else data/<dataset>, whose prepare.py runs first when its files
+    are missing (on the master rank; under DDP the other ranks wait at a barrier)."""
+    if data_dir:
+        if not Path(data_dir).is_dir():
+            raise DataError(f"data_dir {data_dir!r} is not a folder")
+        return Path(data_dir)
+    known = sorted(p.parent.name for p in DATA_ROOT.glob("*/prepare.py"))
+    if dataset not in known:
+        raise DataError(f"unknown dataset {dataset!r}; choose one of {', '.join(known)} or set --data_dir")
+    folder = DATA_ROOT / dataset
+    missing = [name for name in REQUIRED_FILES if not (folder / name).exists()]
+    if missing and master:
+        print(f"{folder}: {', '.join(missing)} missing; running {prepare_command(folder)}", flush=True)
+        importlib.import_module(f"data.{dataset}.prepare").main([])
+    if missing and distributed:
+        dist.barrier()
+    return folder
+
+
+class Batches:
+    """Random windows of a split's tokens; the training stream comes from a generator whose state goes into
+    checkpoints, so a resumed run draws the same batches."""
+
+    def __init__(
+        self, data_dir: Path, batch_size: int, block_size: int, device: torch.device, *, seed: int, vocab_size: int
+    ):
+        self.data_dir, self.batch_size, self.block_size, self.device = Path(data_dir), batch_size, block_size, device
+        for split in ("train", "val"):
+            open_split(data_dir, split, block_size, vocab_size)  # validates; DataError names the fix
+        self.generator = torch.Generator().manual_seed(seed)
+        self.state_before_last = self.generator.get_state()
+
+    def get(self, split: str, generator: torch.Generator | None = None):
+        """(x, y) on the device, y shifted by one token; from `generator`, else from the training stream."""
+        if generator is None:  # the training stream: remember where this batch starts, for checkpoints
+            generator, self.state_before_last = self.generator, self.generator.get_state()
+        # A fresh memmap per batch: a long-lived one grows the process's memory (numpy memmap leak).
+        data = np.memmap(self.data_dir / f"{split}.bin", dtype=np.uint16, mode="r")
+        starts = torch.randint(len(data) - self.block_size, (self.batch_size,), generator=generator).tolist()
+        x = torch.from_numpy(np.stack([data[i : i + self.block_size] for i in starts]).astype(np.int64))
+        y = torch.from_numpy(np.stack([data[i + 1 : i + 1 + self.block_size] for i in starts]).astype(np.int64))
+        if self.device.type == "cuda":
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        return x.to(self.device), y.to(self.device)
