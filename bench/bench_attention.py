@@ -257,10 +257,11 @@ def prepare_backend(backend: str, cell: Cell, inputs, reference, args, device) -
 
 
 def capture_graphs(measurements: list[Measurement], device: torch.device):
-    """Time graph replays instead of eager calls (METHOD.md: for many small launches, capture a graph and
-    time its replays). What is timed is then the GPU's work alone, as in a training step whose host runs
-    ahead of the GPU; eager launch work is left out (flash-attn-4's Python launcher made its eager fwd+bwd
-    take 0.7-1.3 ms at any T <= 2048 on the H100, varying between rounds: results/h100-attention-eager.json).
+    """Time graph replays instead of eager calls: a call made of many small launches is otherwise timed by
+    the host that launches it. What is timed is then the GPU's work alone, as in a training step whose host
+    runs ahead of the GPU; eager launch work is left out (flash-attn-4's Python launcher made its eager
+    fwd+bwd take 0.7-1.3 ms at any T <= 2048 on the H100, varying between rounds:
+    bench/results/h100-attention-eager.json).
 
     A graph holds its memory until the cell ends. Backends are captured smallest first while their graphs
     fit in GRAPH_MEMORY_SHARE of the card; the rest (those keeping (T, T) scores, whose long kernels leave

@@ -325,3 +325,55 @@ def parse_log_line(line: str) -> dict | None:
         "mfu": None if mfu == "n/a" else float(mfu.rstrip("%")) / 100,
         "mem_gib": float(match["mem"]),
     }
+
+
+COMPARE_COLUMNS = [
+    Column("backend", "backend"),
+    Column("runs", "runs"),
+    Column("iter", "iter"),
+    Column("loss", "loss", "{:.4f}"),
+    Column("ms_per_iter", "ms/iter", "{:.1f}"),
+    Column("tokens_per_sec", "tok/s", "{:,.0f}"),
+    Column("mfu", "MFU", "{:.1%}"),
+    Column("mem_gib", "mem GiB", "{:.1f}"),
+    Column("status", "status"),
+]
+
+
+def compare_row(backend: str, log_text: str, exit_code: int) -> dict:
+    """One row of compare_backends.sh: the last log line of `train.py --attention_backend=backend`."""
+    parsed = [p for p in map(parse_log_line, log_text.splitlines()) if p]
+    # The first such line is the training resolution (train.py logs it before the loop; evaluation runs
+    # without gradients and may resolve to another backend later).
+    runs = re.findall(r"attention backend: ([\w:]+)", log_text)
+    row = {"backend": backend, "runs": runs[0] if runs else None, **(parsed[-1] if parsed else {})}
+    if exit_code == 0 and parsed:
+        row["status"] = "ok"
+    else:
+        last = [line for line in log_text.splitlines() if line.strip()][-1:] or ["(no output)"]
+        row["status"] = f"exit {exit_code}: {last[0][:160]}"
+    return row
+
+
+def tabulate_compare_logs(logs: Path, out: Path, backends: Sequence[str], command: str, keep_rows: bool) -> list[Path]:
+    """compare_backends.sh's table from <logs>/<backend>.log and .rc: <card>-compare_backends.{json,md} under
+    out. keep_rows: keep the rows of other backends from that card's earlier file (to re-run one backend)."""
+    logs, out = Path(logs), Path(out)
+    rows = [
+        compare_row(b, (logs / f"{b}.log").read_text(errors="replace"), int((logs / f"{b}.rc").read_text()))
+        for b in backends
+    ]
+    header = results_header(
+        "compare_backends",
+        bench_device(),
+        command=command,
+        logs=str(logs),
+        notes={"source": "last log line of `python train.py ... --attention_backend=X` per backend"},
+    )
+    earlier_path = results_stem(out, "compare_backends", header["card"]).with_suffix(".json")
+    if keep_rows and earlier_path.exists():
+        earlier = json.loads(earlier_path.read_text())
+        if earlier["header"]["device_name"] == header["device_name"]:
+            rows = [r for r in earlier["rows"] if r["backend"] not in backends] + rows
+            header["kept_rows_from"] = {key: earlier["header"][key] for key in ("command", "date", "torch")}
+    return write_results(out, "compare_backends", header, rows, COMPARE_COLUMNS)
