@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -139,15 +140,17 @@ def train_table(results_list: list[dict], sources: list[str]) -> str:
 
 
 def update_readme(readme: Path, table: str, docs: bool = False, train: bool = False) -> bool:
-    """Replace what is between the markers; False (and the file untouched) when there are no markers."""
+    """Replace what is between the markers, each a line of its own (a marker quoted in a sentence is not
+    one); False (and the file untouched) when there are no markers."""
     if not readme.is_file():
         return False
     start_marker, end_marker = markers(docs, train)
     text = readme.read_text()
-    start, end = text.find(start_marker), text.find(end_marker)
-    if start < 0 or end < start:
+    start = re.search(f"^{re.escape(start_marker)}$", text, re.MULTILINE)
+    end = re.search(f"^{re.escape(end_marker)}$", text, re.MULTILINE)
+    if start is None or end is None or end.start() < start.end():
         return False
-    readme.write_text(text[: start + len(start_marker)] + "\n" + table + "\n" + text[end:])
+    readme.write_text(text[: start.end()] + "\n" + table + "\n" + text[end.start() :])
     return True
 
 
