@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# Pack flash-attn 2 (the wheel prebuilt for the lent GPU's image) and flash-attn-4 with its CuTe DSL
-# libraries for that GPU, which has no network. The result is one xz tarball of a site folder, 84 MB. It is
-# split in halves under .stage-a/ and .stage-b/, each under a call's 64 MiB carry limit. bench/run_gpu.sh
-# joins and unpacks the halves on the device.
-#   bash bench/pack_gpu_packages.sh [FLASH_ATTN_2_WHEEL]   # default: ../shared/wheels/flash_attn-*.whl
-# Then carry [".stage-a"] in one call and [".stage-b"] in the next, on the same warm machine.
+# Pack flash-attn 2 and flash-attn-4 (with its CuTe DSL libraries) for a GPU machine without network, on a
+# machine with network:
+#   bash bench/pack_gpu_packages.sh FLASH_ATTN_2_WHEEL
+# FLASH_ATTN_2_WHEEL: a flash-attn 2 wheel built for the GPU machine's torch, CUDA and Python (flash-attn's
+# release wheels, or `pip wheel flash-attn --no-build-isolation` on a machine with that torch and CUDA).
+# The result is one xz tarball of a site folder, ~84 MB, split in halves under .stage-a/ and .stage-b/ (each
+# under 64 MiB, for transfers that limit a file's size) with its SHA256SUMS. Copy both folders into the repo
+# on the GPU machine; bench/run_gpu.sh joins, checks and unpacks them there.
 set -euo pipefail
+flash_attn_2=${1:?usage: bash bench/pack_gpu_packages.sh FLASH_ATTN_2_WHEEL}
+[ -f "$flash_attn_2" ] || { echo "error: no file $flash_attn_2" >&2; exit 2; }
+flash_attn_2=$(realpath "$flash_attn_2")  # given from the caller's folder; the script works from the repo root
 cd "$(dirname "$0")/.."
-flash_attn_2=${1:-$(ls ../shared/wheels/flash_attn-*.whl)}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-# The versions measured in bench/results (python 3.12, x86-64, CUDA 13 image).
+# The versions measured in bench/results, for the GPU machine's python 3.12, x86-64 and CUDA 13.
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$work/wheels" \

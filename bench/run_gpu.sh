@@ -5,13 +5,13 @@
 #   bash bench/run_gpu.sh smoke compare       # a short train.py run per backend; bench/compare_backends.sh
 #   bash bench/run_gpu.sh scan attention      # fit auto's flash-attn-4 lengths (sm90) first, then measure them
 #
-# The lent H100 has no network and no flash-attn. Two ways to bring the flash packages:
-# - .whl/flash_attn-*.whl (the prebuilt flash-attn 2 wheel, ../shared/GPU.md), installed at each call;
-# - .stage*/ (e.g. .stage-a/, then .stage-b/): parts of one xz tarball of a site folder (flash-attn 2 and
-#   flash-attn-4 with its CuTe DSL libraries: ~90 MB, more than one call may carry), one part per call on
-#   the same warm machine.
-#   Each call leaves its part in /tmp/stage; once SHA256SUMS matches the joined parts, they are unpacked
-#   to /tmp/site and put on PYTHONPATH. Made here by bench/pack_gpu_packages.sh.
+# On a GPU machine without network, the flash packages can come with the repo, in either form:
+# - .whl/flash_attn-*.whl: a flash-attn 2 wheel built for that machine's torch, CUDA and Python, installed
+#   into /tmp/fa at each run;
+# - .stage*/ (e.g. .stage-a/ and .stage-b/, made by bench/pack_gpu_packages.sh): parts of one xz tarball of a
+#   site folder with flash-attn 2 and flash-attn-4 with its CuTe DSL libraries. Each run copies the parts it
+#   finds to /tmp/stage, so they may arrive in separate runs on the same machine; once SHA256SUMS matches the
+#   joined parts, they are unpacked to /tmp/site and put on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
@@ -37,7 +37,7 @@ fi
 # flash-attn-4 compiles its kernels on first use; keep them for the next process of this machine
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-kernels
 
-corpus() {  # a text corpus for train.py runs: this repo's own sources (the device has no network)
+corpus() {  # a text corpus for train.py runs that needs no network: this repo's own sources
     cat ./*.py ./*/*.py ./*.md > /tmp/corpus.txt
     python3 -m data.shakespeare_char.prepare --input /tmp/corpus.txt --out_dir "$1" >/dev/null
 }
@@ -59,7 +59,7 @@ for stage in "$@"; do
                 | grep -E "^(iter|eval|WARNING|INFO|error)" | tail -3
         done
         ;;
-    scan)  # sdpa against flash-attn-4, causal: fit_auto.py writes the lengths auto uses into model.py (then run attention)
+    scan)  # sdpa against flash-attn-4, causal: fit_auto.py writes the lengths auto uses to config/attention_auto.json
         python3 bench/bench_attention.py --backends sdpa:auto flash_attn_4 --seq-lens 512 1024 2048 4096 8192 --rounds 1 \
             --rep-ms 30 --name attention-scan --out "$OUT" --budget 60 | tail -3
         python3 bench/fit_auto.py "$OUT"/*-attention-scan.json --write
@@ -80,7 +80,7 @@ for stage in "$@"; do
             --backends ${TRAIN_BACKENDS:-auto sdpa flash_attn_2 flash_attn_4 flex_attention manual} \
             --batch-sizes ${TRAIN_BATCH_SIZES:-16 32 8} --long-seq-lens 32768 --budget "${TRAIN_BUDGET:-300}" | tail -22
         ;;
-    compare)  # the seed guides' loop: train.py --max_iters=100 per backend, GPT-2 124M shapes on a char corpus
+    compare)  # train.py's own loop: --max_iters=100 per backend, GPT-2 124M shapes on a char corpus
         corpus /tmp/compare_data
         OUT_DIR="$OUT" BACKENDS="${COMPARE_BACKENDS:-auto sdpa flash_attn_2 flash_attn_4 flex_attention manual}" \
             bash bench/compare_backends.sh config/train_gpt2.py --data_dir=/tmp/compare_data \
