@@ -1,51 +1,49 @@
 """
 A GPT-2 language model in one file, with a choice of attention kernels.
 
-Read top-down: the config, the attention backends (one signature, one registry), the resolver that
-turns a requested backend into the one that can run here, the model, and `python model.py`, which
-prints what this machine can run.
+Read top-down: the config; the attention backends, one record each (kernel, when it cannot run, what to
+fall back to); `resolve`, which turns a requested backend into the one that runs; the model, which
+resolves once when it is set up for a device, dtype and use (`setup_attention`), never inside forward;
+and `python model.py`, which prints what this machine can run. The kernels live in attention.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import importlib
-import importlib.metadata
 import inspect
 import logging
 import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from attention import (
+    FLASH_ATTN_2,
+    FLASH_ATTN_3,
+    FLASH_ATTN_4,
+    AttentionMask,
+    FlashAttention,
+    Need,
+    auto_order,
+    card_key,
+    dtype_name,
+    flex_attention,
+    flex_problem,
+    manual_attention,
+    manual_problem,
+    measured_order,
+    read_auto_table,
+    sdpa_attention,
+    sdpa_kernel_problem,
+    sdpa_problem,
+)
+
 log = logging.getLogger("model")
-
-BACKENDS = ("auto", "flash_attn_4", "flash_attn_3", "flash_attn_2", "flex_attention", "sdpa", "manual")
-ALIASES = {
-    "eager": "manual",
-    "flash_attention_2": "flash_attn_2",
-    "flash_attention_3": "flash_attn_3",
-    "flash_attention_4": "flash_attn_4",
-    "flex": "flex_attention",
-}
-SDPA_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")
-
-
-def canonical_backend(name: str) -> str:
-    """Map a backend name or alias to its canonical name; ValueError lists what is allowed."""
-    key = ALIASES.get(str(name).strip().lower(), str(name).strip().lower())
-    if key not in BACKENDS:
-        aliases = ", ".join(f"{a} (= {b})" for a, b in ALIASES.items())
-        raise ValueError(f"unknown attention_backend {name!r}; choose one of {', '.join(BACKENDS)}; aliases: {aliases}")
-    return key
-
 
 # ----------------------------------------------------------------------------------------------
 # Config
@@ -60,8 +58,9 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm, as GPT-2 has them
-    attention_backend: str = "auto"  # one of BACKENDS or an alias; see resolve_attention_backend
+    attention_backend: str = "auto"  # a name or alias in BACKENDS, or auto; see resolve
     sdpa_kernel: str = "auto"  # restrict the sdpa backend to one PyTorch kernel: auto|flash|cudnn|efficient|math
+    auto_measure: bool = True  # auto on a GPU the table does not know times the candidates once (cached)
     use_flash_attention: bool | None = None  # deprecated: True means attention_backend="flash_attn_2"
 
     def __post_init__(self):
@@ -91,454 +90,56 @@ class GPTConfig:
 
 
 # ----------------------------------------------------------------------------------------------
-# Attention masks: causal, optionally restricted to documents of a packed sequence
+# Attention backends: one record each. Adding a backend = its kernel (attention.py) + one record here.
 
 
-class AttentionMask:
-    """The causal (and same-document) mask of one forward pass.
-
-    Built once per forward and shared by all layers; each backend asks for the form it needs
-    (a dense boolean mask, cu_seqlens for varlen kernels, a flex BlockMask), made on first use.
-    `doc_ids` (B, T): documents are the runs of equal ids, so ids need not be sorted.
-    """
-
-    def __init__(self, seq_len: int, device: torch.device, doc_ids: torch.Tensor | None = None):
-        self.seq_len, self.device = seq_len, device
-        self.segments = None if doc_ids is None else _run_ids(doc_ids)
-        self._dense = self._varlen = self._block_mask = None
-
-    @property
-    def has_documents(self) -> bool:
-        return self.segments is not None
-
-    def dense(self) -> torch.Tensor:
-        """(B or 1, 1, T, T) bool, True where attention is allowed."""
-        if self._dense is None:
-            T = self.seq_len
-            mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
-            if self.segments is not None:
-                same_doc = self.segments[:, :, None] == self.segments[:, None, :]  # (B, T, T)
-                mask = mask & same_doc
-            self._dense = mask.view(-1, 1, T, T)
-        return self._dense
-
-    def varlen(self) -> tuple[torch.Tensor, int]:
-        """cu_seqlens (int32, one entry per document start plus the end) over the flattened (B*T) tokens."""
-        if self._varlen is None:
-            starts = torch.ones_like(self.segments, dtype=torch.bool)
-            starts[:, 1:] = self.segments[:, 1:] != self.segments[:, :-1]
-            first = starts.flatten().nonzero().flatten()  # one host sync per forward, not per layer
-            cu_seqlens = torch.cat([first, first.new_tensor([self.segments.numel()])]).to(torch.int32)
-            self._varlen = (cu_seqlens, self.seq_len)  # T bounds every document's length
-        return self._varlen
-
-    def block_mask(self):
-        if self._block_mask is None:
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            segments = self.segments
-            if segments is None:
-
-                def mask_mod(b, h, q, kv):
-                    return q >= kv
-
-                batch = None
-            else:
-
-                def mask_mod(b, h, q, kv):
-                    return (q >= kv) & (segments[b, q] == segments[b, kv])
-
-                batch = segments.size(0)
-            T = self.seq_len
-            self._block_mask = create_block_mask(mask_mod, batch, None, T, T, device=self.device)
-        return self._block_mask
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    kernel: Callable  # (q, k, v, mask, dropout_p) -> y, all (B, H, T, D), causal
+    problem: Callable[[Need], str]  # why it cannot run for a use ('' when it can)
+    fallback: str | None  # what an explicit request of this backend falls back to
+    aliases: tuple[str, ...] = ()
 
 
-def _run_ids(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Number the runs of equal ids in each row 0, 1, 2, ... (documents are contiguous runs)."""
-    change = torch.zeros_like(doc_ids, dtype=torch.int32)
-    change[:, 1:] = (doc_ids[:, 1:] != doc_ids[:, :-1]).to(torch.int32)
-    return change.cumsum(dim=1)
+BACKENDS: dict[str, AttentionBackend] = {}
+SDPA_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")
 
 
-# ----------------------------------------------------------------------------------------------
-# Attention backends. One signature: (q, k, v, mask, dropout_p) -> y, all (B, H, T, D), always causal.
+def register(backend: AttentionBackend) -> AttentionBackend:
+    BACKENDS[backend.name] = backend
+    return backend
 
 
-def manual_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
-    """The reference: explicit scores, mask and a float32 (or wider) softmax. O(T^2) memory."""
-    scores = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.size(-1)))  # (B, H, T, T)
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
-    scores = scores.masked_fill(~mask.dense(), float("-inf"))
-    weights = F.dropout(F.softmax(scores, dim=-1), p=dropout_p).to(v.dtype)
-    return weights @ v
+for _backend in (
+    AttentionBackend("flash_attn_4", FLASH_ATTN_4, FLASH_ATTN_4.problem, "flash_attn_3", ("flash_attention_4",)),
+    AttentionBackend("flash_attn_3", FLASH_ATTN_3, FLASH_ATTN_3.problem, "flash_attn_2", ("flash_attention_3",)),
+    AttentionBackend("flash_attn_2", FLASH_ATTN_2, FLASH_ATTN_2.problem, "sdpa", ("flash_attention_2",)),
+    AttentionBackend("flex_attention", flex_attention, flex_problem, "sdpa", ("flex",)),
+    AttentionBackend("sdpa", sdpa_attention, sdpa_problem, "manual"),
+    AttentionBackend("manual", manual_attention, manual_problem, None, ("eager",)),
+):
+    register(_backend)
 
 
-_SDPA_BACKENDS = {
-    "flash": "FLASH_ATTENTION",
-    "cudnn": "CUDNN_ATTENTION",
-    "efficient": "EFFICIENT_ATTENTION",
-    "math": "MATH",
-}
+def backend_names() -> tuple[str, ...]:
+    return ("auto", *BACKENDS)
 
 
-def sdpa_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0, kernel: str = "auto"):
-    """torch.nn.functional.scaled_dot_product_attention; `kernel` pins one of PyTorch's kernels."""
-    if kernel == "auto":
-        context = contextlib.nullcontext()
-    else:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        context = sdpa_kernel(getattr(SDPBackend, _SDPA_BACKENDS[kernel]))
-    with context:
-        if mask.has_documents:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(), dropout_p=dropout_p)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+def aliases() -> dict[str, str]:
+    return {alias: b.name for b in BACKENDS.values() for alias in b.aliases}
 
 
-def _flash_call(package, q, k, v, mask: AttentionMask, **kwargs):
-    """Shared by the flash-attn packages: they take (B, T, H, D), or (tokens, H, D) for documents."""
-    B, H, T, D = q.shape
-    q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, T, H, D)
-    if mask.has_documents:
-        cu_seqlens, max_len = mask.varlen()
-        q, k, v = (x.reshape(B * T, H, D) for x in (q, k, v))
-        y = package.flash_attn_varlen_func(
-            q,
-            k,
-            v,
-            cu_seqlens_q=cu_seqlens,
-            cu_seqlens_k=cu_seqlens,
-            max_seqlen_q=max_len,
-            max_seqlen_k=max_len,
-            causal=True,
-            **kwargs,
+def canonical_backend(name: str) -> str:
+    """Map a backend name or alias to its canonical name; ValueError lists what is allowed."""
+    key = str(name).strip().lower()
+    key = aliases().get(key, key)
+    if key not in backend_names():
+        listed = ", ".join(f"{a} (= {b})" for a, b in aliases().items())
+        raise ValueError(
+            f"unknown attention_backend {name!r}; choose one of {', '.join(backend_names())}; aliases: {listed}"
         )
-    else:
-        y = package.flash_attn_func(q, k, v, causal=True, **kwargs)
-    y = y[0] if isinstance(y, tuple) else y  # FA3 builds and FA4 also return the log-sum-exp
-    return y.reshape(B, T, H, D).transpose(1, 2)
-
-
-# `package` is bound when the model resolves its backend (attention_function), so torch.compile never
-# traces the cached import lookup; called directly, the function looks the package up itself.
-def flash_attn_2_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0, package=None):
-    return _flash_call(package or _flash_module("flash_attn_2"), q, k, v, mask, dropout_p=dropout_p)
-
-
-def flash_attn_3_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0, package=None):
-    return _flash_call(package or _flash_module("flash_attn_3"), q, k, v, mask)  # no dropout in FA3
-
-
-def flash_attn_4_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0, package=None):
-    return _flash_call(package or _flash_module("flash_attn_4"), q, k, v, mask)  # no dropout in FA4
-
-
-def _flash_module(backend: str):
-    """What a flash backend calls: the package's module; for flash-attn-4, its kernels as custom ops, which
-    torch.compile can keep in the graph."""
-    module = _flash_package(backend).module
-    return _flash_attn_4_ops(module.interface) if backend == "flash_attn_4" else module
-
-
-@functools.cache
-def _flash_attn_4_ops(interface, namespace: str = "gpt_flash_attn_4"):
-    """flash-attn-4 as two PyTorch custom ops with an autograd formula, in the shape of a flash-attn module.
-
-    torch.compile cannot trace the package's own autograd Function (CuTe DSL compiles its kernels at the
-    first call); as custom ops the kernels stay opaque and a compiled training step keeps one graph. They
-    call the package's _flash_attn_fwd/_flash_attn_bwd, as that Function does (written against 4.0.0b36).
-    Forward outputs are contiguous and gradients take their inputs' layout, as the fake versions say.
-    """
-
-    def varlen(cu_seqlens, max_seqlen):
-        if cu_seqlens is None:
-            return {}
-        return dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
-
-    @torch.library.custom_op(f"{namespace}::forward", mutates_args=())
-    def forward(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = interface._flash_attn_fwd(q, k, v, causal=True, return_lse=True, **varlen(cu_seqlens, max_seqlen))[
-            :2
-        ]
-        return out.contiguous(), lse.contiguous()
-
-    @forward.register_fake
-    def _(q, k, v, cu_seqlens, max_seqlen):  # q: (B, T, H, D) -> lse (B, H, T); varlen (N, H, D) -> (H, N)
-        lse_shape = (q.size(0), q.size(2), q.size(1)) if cu_seqlens is None else (q.size(1), q.size(0))
-        return q.new_empty(q.shape), q.new_empty(lse_shape, dtype=torch.float32)
-
-    @torch.library.custom_op(f"{namespace}::backward", mutates_args=())
-    def backward(
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        cu_seqlens: torch.Tensor | None,
-        max_seqlen: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # Gradients in their inputs' layout, written in place by the kernel: the fake below can say their
-        # strides, and nothing is copied (a .contiguous() here slowed the H100 bench's backward)
-        dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-        interface._flash_attn_bwd(
-            q, k, v, out, dout, lse, causal=True, dq=dq, dk=dk, dv=dv, **varlen(cu_seqlens, max_seqlen)
-        )
-        return dq, dk, dv
-
-    @backward.register_fake
-    def _(dout, q, k, v, out, lse, cu_seqlens, max_seqlen):
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-    def setup_context(ctx, inputs, output):
-        q, k, v, cu_seqlens, ctx.max_seqlen = inputs
-        ctx.save_for_backward(q, k, v, *output, cu_seqlens)
-
-    def gradients(ctx, dout, dlse):
-        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-        return (*backward(dout, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen), None, None)
-
-    forward.register_autograd(gradients, setup_context=setup_context)
-
-    def flash_attn_func(q, k, v, causal):
-        return forward(q, k, v, None, 0)
-
-    def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
-        return forward(q, k, v, cu_seqlens_q, max_seqlen_q)
-
-    return SimpleNamespace(flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func)
-
-
-def flex_attention_fn(q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
-    """flex_attention with a BlockMask that skips fully masked tiles. Always compiled: run eagerly it
-    materialises the (T, T) scores."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
-    return flex(q, k, v, block_mask=mask.block_mask())
-
-
-@functools.cache
-def _compiled_flex_attention():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=False)
-
-
-ATTENTION_FUNCTIONS: dict[str, Callable] = {
-    "manual": manual_attention,
-    "sdpa": sdpa_attention,
-    "flash_attn_2": flash_attn_2_attention,
-    "flash_attn_3": flash_attn_3_attention,
-    "flash_attn_4": flash_attn_4_attention,
-    "flex_attention": flex_attention_fn,
-}
-
-
-def attention_function(name: str) -> Callable:
-    """ATTENTION_FUNCTIONS[name], with a flash backend's package bound now rather than looked up per call."""
-    if not name.startswith("flash_attn_"):
-        return ATTENTION_FUNCTIONS[name]
-    return functools.partial(ATTENTION_FUNCTIONS[name], package=_flash_module(name))
-
-
-# ----------------------------------------------------------------------------------------------
-# Resolution: which backend can run for this device, dtype and use, and why
-
-
-class Package(NamedTuple):
-    module: object  # None when it cannot be imported
-    version: str
-    problem: str  # why it cannot be used ('' when it can)
-
-
-# Import name -> (name in messages, distribution whose version is reported)
-_PACKAGE_NAMES = {
-    "flash_attn": ("flash-attn", "flash-attn"),
-    "flash_attn_interface": ("flash-attn 3 (flash_attn_interface)", "flash-attn-3"),
-    "flash_attn_3": ("flash-attn 3", "flash-attn-3"),
-    "flash_attn.cute": ("flash-attn-4 (flash_attn.cute)", "flash-attn-4"),
-}
-# The modules that may hold each flash backend, tried in order. FA3 is built from the hopper/ folder of
-# flash-attention (older builds name it flash_attn_interface); FA4 is PyPI's flash-attn-4 (CuTe DSL).
-_FLASH_MODULES = {
-    "flash_attn_2": ("flash_attn",),
-    "flash_attn_3": ("flash_attn_interface", "flash_attn_3"),
-    "flash_attn_4": ("flash_attn.cute",),
-}
-
-
-@functools.cache
-def _load_package(name: str) -> Package:
-    pretty, distribution = _PACKAGE_NAMES.get(name, (name, name))
-    if name == "flash_attn.cute" and not _dist_version(distribution):  # flash-attn 2.8 ships an early draft there
-        return Package(None, "", f"{pretty} is not installed")
-    try:
-        module = importlib.import_module(name)
-    except ModuleNotFoundError as error:
-        if name == error.name or name.startswith(f"{error.name}."):
-            return Package(None, "", f"{pretty} is not installed")
-        return Package(None, "", f"{pretty} failed to import: {error}")
-    except (ImportError, OSError) as error:  # typically a wheel built for another torch/CUDA
-        return Package(None, "", f"{pretty} failed to import: {str(error).splitlines()[0]}")
-    if not hasattr(module, "flash_attn_func"):  # flash-attn-4 alone leaves a bare flash_attn namespace
-        return Package(None, "", f"{pretty} is not installed (module {name} has no flash_attn_func)")
-    return Package(module, _dist_version(distribution) or getattr(module, "__version__", ""), "")
-
-
-def _dist_version(distribution: str) -> str:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return ""
-
-
-def _flash_package(backend: str) -> Package:
-    """The first importable module of a flash backend, or the first one's problem."""
-    packages = [_load_package(name) for name in _FLASH_MODULES[backend]]
-    found = next((p for p in packages if p.module is not None), packages[0])
-    if backend != "flash_attn_4" or found.module is None:
-        return found
-    interface = getattr(found.module, "interface", None)
-    if not all(hasattr(interface, f) for f in ("_flash_attn_fwd", "_flash_attn_bwd")):
-        return Package(
-            None,
-            found.version,
-            f"flash-attn-4 {found.version} has no interface._flash_attn_fwd/"
-            "_flash_attn_bwd, which this repo calls (written against 4.0.0b36)",
-        )
-    return found
-
-
-def _cuda_capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
-
-
-_HALF = (torch.float16, torch.bfloat16)
-
-
-def backend_problem(
-    name: str,
-    device: torch.device,
-    dtype: torch.dtype,
-    *,
-    doc_mask: bool = False,
-    dropout: bool = False,
-    backward: bool = False,
-    head_dim: int = 64,
-) -> str:
-    """Why backend `name` cannot run here ('' when it can). Checked in this order: package, device
-    type, compute capability, dtype, torch version, then limits of the kernel itself."""
-    device = torch.device(device)
-    if name == "manual":
-        return ""
-    if name == "sdpa":
-        if device.type == "mps" and doc_mask:
-            return "SDPA on MPS returns NaN for masked rows with an explicit mask (pytorch#107616)"
-        return ""
-    if name.startswith("flash_attn_"):
-        package = _flash_package(name)
-        if package.problem:
-            return package.problem
-        if device.type != "cuda":
-            return f"flash-attn runs on CUDA GPUs only (device is {device.type})"
-        capability = _cuda_capability(device)
-        sm = f"sm{capability[0]}{capability[1]}"
-        if name == "flash_attn_2" and capability < (8, 0):
-            return f"flash-attn 2 needs compute capability >= 8.0 (this GPU is {sm})"
-        if name == "flash_attn_3" and capability[0] != 9:
-            return f"FlashAttention-3 needs a Hopper GPU (sm90; this GPU is {sm})"
-        if name == "flash_attn_4" and capability[0] not in (9, 10, 11):
-            return f"flash-attn-4 trains on Hopper and Blackwell GPUs only (sm90, sm100, sm110; this GPU is {sm})"
-        if dtype not in _HALF:
-            return f"flash-attn needs float16 or bfloat16 (this run is {_dtype_name(dtype)})"
-        if head_dim % 8 or head_dim > 256:
-            return f"flash-attn needs a head dim that is a multiple of 8 and <= 256 (got {head_dim})"
-        if name == "flash_attn_4" and capability[0] != 9 and 128 < head_dim < 256:
-            return f"flash-attn-4 on {sm} needs a head dim <= 128 or 256 (got {head_dim})"
-        if name != "flash_attn_2" and dropout:
-            return f"{name} has no attention dropout (set dropout=0)"
-        return ""
-    if name == "flex_attention":
-        if _torch_version() < (2, 5):
-            return f"flex_attention needs torch >= 2.5 (this is {torch.__version__})"
-        if device.type not in ("cuda", "cpu"):
-            return f"flex_attention runs on CUDA and CPU only (device is {device.type})"
-        if device.type == "cpu" and backward:
-            return "flex_attention has no backward pass on CPU; it can only run inference there"
-        if device.type == "cpu" and dtype not in (torch.float32, *_HALF):
-            return f"flex_attention on CPU needs float32, float16 or bfloat16 (this run is {_dtype_name(dtype)})"
-        if dropout:
-            return "flex_attention has no attention dropout (set dropout=0)"
-        if head_dim < 16:
-            return f"flex_attention needs a head dim >= 16 (got {head_dim})"
-        return ""
-    raise ValueError(f"no availability rule for backend {name!r}")
-
-
-# Explicit requests fall back along these chains.
-FALLBACKS = {
-    "flash_attn_4": ("flash_attn_4", "flash_attn_3", "flash_attn_2", "sdpa", "manual"),
-    "flash_attn_3": ("flash_attn_3", "flash_attn_2", "sdpa", "manual"),
-    "flash_attn_2": ("flash_attn_2", "sdpa", "manual"),
-    "flex_attention": ("flex_attention", "sdpa", "manual"),
-    "sdpa": ("sdpa", "manual"),
-    "manual": ("manual",),
-}
-
-# What `auto` tries, fastest first. Measured with bench/bench_attention.py on an H100 (torch 2.11, bf16,
-# B*T = 16k tokens per call, CUDA-graph replays, so host launch work is left out as in a training step whose
-# host runs ahead), fwd+bwd time against what runs without flash-attn-4:
-# - causal (bench/results/h100-attention.json): flash-attn-4 is fastest at every T from 512 to 32k, at
-#   0.84-0.93x cuDNN-SDPA's time (D=64) and 0.84-0.95x from T=1024 (D=128; 1.00x at T=512). flash-attn 2
-#   takes 1.18-1.62x and flex_attention 1.11-1.46x SDPA's time.
-# - documents (bench/results/h100-attention-docs.json): SDPA needs a dense mask (1.7-6.2x flex's time);
-#   flex_attention's BlockMask is fastest at T=1024 and at D=128 T=4096, flash-attn-4's varlen kernel
-#   elsewhere (0.55-0.90x flex's time).
-# So on sm90 flash-attn-4, when installed, goes first from the lengths in SM90_FLASH_ATTN_4_FROM, which
-# bench/fit_auto.py fits from a results file. Timed eagerly, flash-attn-4's Python launcher makes a fwd+bwd
-# take 0.7-1.3 ms at any T up to 2048 (bench/results/h100-attention-eager.json); in a compiled GPT-2 step
-# that work overlaps the GPU's (bench/results/h100-train.json: T=1024, 35.2 ms against SDPA's 35.6).
-# Not measured here: older GPUs, FA3 and Blackwell, where the order follows the kernels' published speeds
-# (flash-attn-4 was written for Blackwell and reports beating cuDNN there).
-AUTO_PREFERENCE = {
-    ("cuda", "sm100+", "causal"): ("flash_attn_4", "sdpa", "flash_attn_2", "flex_attention", "manual"),
-    ("cuda", "sm100+", "documents"): ("flash_attn_4", "flex_attention", "flash_attn_2", "sdpa", "manual"),
-    ("cuda", "sm90", "causal"): ("sdpa", "flash_attn_4", "flash_attn_3", "flash_attn_2", "flex_attention", "manual"),
-    ("cuda", "sm90", "documents"): ("flex_attention", "flash_attn_4", "flash_attn_3", "flash_attn_2", "sdpa", "manual"),
-    ("cuda", "older", "causal"): ("flash_attn_2", "sdpa", "manual"),
-    ("cuda", "older", "documents"): ("flash_attn_2", "flex_attention", "sdpa", "manual"),
-    ("other", "", "causal"): ("sdpa", "manual"),
-    ("other", "", "documents"): ("sdpa", "manual"),
-}
-# (masking, largest head dim it covers) -> shortest sequence from which flash-attn-4 goes first on sm90.
-# Causal: fitted by bench/fit_auto.py from bench/results/h100-attention-scan.json. Documents: set by hand
-# from the eager runs (the docs scan's --budget ran out after T=1024); h100-attention-docs.json bears them out.
-SM90_FLASH_ATTN_4_FROM = {("causal", 64): 512, ("causal", 256): 1024, ("documents", 64): 4096, ("documents", 256): 8192}
-
-
-def auto_candidates(device: torch.device, doc_mask: bool, seq_len: int = 0, head_dim: int = 64) -> tuple[str, ...]:
-    """The order auto tries for this use; seq_len 0 (unknown) counts as short."""
-    device = torch.device(device)
-    masking = "documents" if doc_mask else "causal"
-    if device.type != "cuda":
-        return AUTO_PREFERENCE[("other", "", masking)]
-    capability = _cuda_capability(device)
-    generation = "sm100+" if capability >= (10, 0) else "sm90" if capability >= (9, 0) else "older"
-    order = AUTO_PREFERENCE[("cuda", generation, masking)]
-    if generation == "sm90":
-        start = next(t for (m, d), t in SM90_FLASH_ATTN_4_FROM.items() if m == masking and head_dim <= d)
-        if seq_len >= start:
-            order = ("flash_attn_4", *(name for name in order if name != "flash_attn_4"))
-    return order
+    return key
 
 
 class Resolution(NamedTuple):
@@ -546,52 +147,42 @@ class Resolution(NamedTuple):
     reason: str  # why it differs from the request, or how auto chose ('' when the request runs as is)
 
 
-def resolve_attention_backend(requested: str, device, dtype: torch.dtype, seq_len: int = 0, **use) -> Resolution:
-    """Turn a requested backend into the one that runs on `device` with `dtype`, and say why.
+def resolve(requested: str, need: Need, order: tuple[tuple[str, ...], str] | None = None) -> Resolution:
+    """The backend that runs for `need` when `requested` is asked for, and why.
 
-    `use` refines the check: doc_mask, dropout, backward (gradients needed), head_dim; `seq_len` (0:
-    unknown) matters to auto's order only.
+    An explicit request follows its fallback chain; `auto` takes the first that runs of `order`
+    ((names, how chosen); default: attention.auto_order, from the card's table).
     """
     requested = canonical_backend(requested)
     if requested == "auto":
-        chain = auto_candidates(device, use.get("doc_mask", False), seq_len, use.get("head_dim", 64))
+        names, how = order or auto_order(need)
     else:
-        chain = FALLBACKS[requested]
+        names, how = [requested], ""
+        while BACKENDS[names[-1]].fallback:
+            names.append(BACKENDS[names[-1]].fallback)
     skipped = []
-    for name in chain:
-        problem = backend_problem(name, device, dtype, **use)
+    for name in names:
+        problem = BACKENDS[name].problem(need)
         if not problem:
             break
         skipped.append((name, problem))
     if requested == "auto":
         why = "; ".join(f"{n}: {p}" for n, p in skipped)
-        first = f"auto: first that runs on {torch.device(device).type}/{_dtype_name(dtype)} of {' > '.join(chain)}"
-        return Resolution(name, first + (f"; skipped {why}" if why else ""))
+        how = f" ({how})" if how and how != "default order" else ""
+        return Resolution(
+            name,
+            f"auto: first that runs on {need.where} of {' > '.join(names)}{how}" + (f"; skipped {why}" if why else ""),
+        )
     if not skipped:
         return Resolution(name, "")
-    why = skipped[0][1] + "".join(f"; then {n}: {p}" for n, p in skipped[1:])
-    return Resolution(name, why)
+    return Resolution(name, skipped[0][1] + "".join(f"; then {n}: {p}" for n, p in skipped[1:]))
 
 
-def resolve_sdpa_kernel(kernel: str, device, dtype: torch.dtype, doc_mask: bool = False) -> Resolution:
-    """Which PyTorch SDPA kernel to pin ('auto' lets PyTorch choose)."""
-    device = torch.device(device)
-    problem = ""
-    if kernel in ("cudnn", "efficient") and device.type != "cuda":
-        problem = f"SDPA's {kernel} kernel runs on CUDA only (device is {device.type})"
-    elif kernel == "flash" and device.type == "cuda" and dtype not in _HALF:
-        problem = f"SDPA's flash kernel needs float16 or bfloat16 on CUDA (this run is {_dtype_name(dtype)})"
-    elif kernel == "cudnn" and dtype not in _HALF:
-        problem = f"SDPA's cudnn kernel needs float16 or bfloat16 (this run is {_dtype_name(dtype)})"
-    elif kernel in ("flash", "cudnn") and doc_mask:
-        problem = f"SDPA's {kernel} kernel takes no document mask"
-    elif kernel in ("flash", "cudnn") and device.type == "cuda" and _cuda_capability(device) < (8, 0):
-        problem = f"SDPA's {kernel} kernel needs compute capability >= 8.0"
-    return Resolution("auto", problem) if problem else Resolution(kernel, "")
+class Attention(NamedTuple):
+    """What the model's forward calls, resolved by setup_attention."""
 
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    kernel: Callable
+    resolution: Resolution
 
 
 # ----------------------------------------------------------------------------------------------
@@ -671,8 +262,9 @@ class GPT(nn.Module):
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2 scales residual projections by depth
                 nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-        self._resolutions: dict[tuple, tuple[Callable, Resolution]] = {}
-        self._logged: set[str] = set()  # say each fallback and backend line once, not per layer or step
+        self.attention: dict[bool, Attention] = {}  # documents or not -> kernel; set by setup_attention
+        self.attention_device: torch.device | None = None
+        self._logged: set[str] = set()  # say each fallback and backend line once per model
 
     @staticmethod
     def _init_weights(module):
@@ -683,45 +275,59 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    # -- attention backend, resolved for the device and dtype the model really runs with --
+    # -- attention backend: resolved once for the device, dtype and use the model runs with --
 
-    @torch.compiler.disable
-    def attention_for(
-        self, device: torch.device, doc_mask: bool = False, seq_len: int | None = None
-    ) -> tuple[Callable, Resolution]:
-        """The attention function for this call (seq_len: default block_size), resolved once per (device,
-        dtype, use, seq_len) and logged once."""
-        if torch.is_autocast_enabled(device.type):
-            dtype = torch.get_autocast_dtype(device.type)
-        else:
-            dtype = self.lm_head.weight.dtype
-        dropout = self.training and self.config.dropout > 0
-        backward = torch.is_grad_enabled()
+    def setup_attention(
+        self, device, dtype: torch.dtype, *, training: bool = True, seq_len: int | None = None, documents: bool = False
+    ) -> Resolution:
+        """Resolve the attention backend for this device, compute dtype (autocast's) and use, and log it:
+        a WARNING when an explicit request falls back, one INFO line naming what runs. Call it before
+        torch.compile; forward then reads the result. `documents` says whether the run packs documents
+        (both kinds are resolved; the one in use is logged). Returns the resolution in use."""
+        device = torch.device(device)
+        dropout = training and self.config.dropout > 0
         seq_len = seq_len or self.config.block_size
-        key = (device, dtype, doc_mask, dropout, backward, seq_len)
-        if key not in self._resolutions:
-            self._resolutions[key] = self._resolve(
-                device, dtype, doc_mask=doc_mask, dropout=dropout, backward=backward, seq_len=seq_len
-            )
-        return self._resolutions[key]
+        self.attention = {}
+        for docs in (False, True):
+            need = Need(device, dtype, self.config.head_dim, docs, dropout, training, seq_len)
+            self.attention[docs] = self._resolve(need, measure=docs == documents)
+        self.attention_device = device
+        self._log(self.attention[documents].resolution, documents)
+        return self.attention[documents].resolution
 
-    def _resolve(self, device, dtype, **use) -> tuple[Callable, Resolution]:
+    def _resolve(self, need: Need, measure: bool) -> Attention:
+        requested, order = self.config.attention_backend, None
+        if requested == "auto" and measure and self.config.auto_measure and self._card_unknown(need):
+            runs = {
+                n: BACKENDS[n].kernel for n in auto_order(need)[0] if n != "manual" and not BACKENDS[n].problem(need)
+            }
+            if len(runs) > 1:
+                order = measured_order(runs, need, self.config.n_head)
+        resolution = resolve(requested, need, order)
+        kernel = BACKENDS[resolution.used].kernel
+        if resolution.used == "sdpa" and self.config.sdpa_kernel != "auto":
+            problem = sdpa_kernel_problem(self.config.sdpa_kernel, need)
+            if problem:
+                self._log_once(
+                    logging.WARNING,
+                    f"sdpa_kernel={self.config.sdpa_kernel} requested but {problem}; letting PyTorch choose",
+                )
+            else:
+                kernel = functools.partial(sdpa_attention, kernel=self.config.sdpa_kernel)
+        return Attention(kernel, resolution)
+
+    @staticmethod
+    def _card_unknown(need: Need) -> bool:
+        return need.device.type == "cuda" and card_key(need.device) not in read_auto_table()
+
+    def _log(self, resolution: Resolution, documents: bool):
         requested = self.config.attention_backend
-        resolution = resolve_attention_backend(requested, device, dtype, head_dim=self.config.head_dim, **use)
         if requested != "auto" and resolution.used != requested:
             self._log_once(
                 logging.WARNING, f"{requested} requested but {resolution.reason}; falling back to {resolution.used}"
             )
-        attend, detail = attention_function(resolution.used), ""
-        if resolution.used == "sdpa" and self.config.sdpa_kernel != "auto":
-            kernel = resolve_sdpa_kernel(self.config.sdpa_kernel, device, dtype, use["doc_mask"])
-            if kernel.reason:
-                self._log_once(
-                    logging.WARNING,
-                    f"sdpa_kernel={self.config.sdpa_kernel} requested but {kernel.reason}; letting PyTorch choose",
-                )
-            attend = functools.partial(sdpa_attention, kernel=kernel.used)
-            detail = f", kernel {kernel.used}"
+        kernel = self.attention[documents].kernel
+        detail = f", kernel {kernel.keywords['kernel']}" if isinstance(kernel, functools.partial) else ""
         if requested == "auto":
             note = f" ({resolution.reason})"
         elif resolution.reason:
@@ -729,38 +335,27 @@ class GPT(nn.Module):
         else:
             note = ""
         self._log_once(logging.INFO, f"attention backend: {resolution.used}{detail}{note}")
-        return attend, resolution
 
     def _log_once(self, level: int, message: str):
         if message not in self._logged:
             self._logged.add(message)
             log.log(level, message)
 
-    def setup_attention(
-        self,
-        device,
-        dtype: torch.dtype,
-        *,
-        training: bool = True,
-        seq_len: Optional[int] = None,
-        documents: bool = False,
-    ):
-        """Resolve (and log) the attention backend for this device, compute dtype and use."""
-        dropout = training and self.config.dropout > 0
-        seq_len = seq_len or self.config.block_size
-        key = (torch.device(device), dtype, documents, dropout, training, seq_len)
-        self._resolutions[key] = self._resolve(
-            key[0], dtype, doc_mask=documents, dropout=dropout, backward=training, seq_len=seq_len
-        )
-        return self._resolutions[key][1]
+    def compute_dtype(self, device: torch.device) -> torch.dtype:
+        """autocast's dtype where it is on, else the weights'."""
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+        return self.lm_head.weight.dtype
 
     # -- forward, loss and generation --
 
     def forward(self, idx, targets=None, doc_ids=None):
-        attend, _ = self.attention_for(idx.device, doc_ids is not None, idx.size(1))
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
+        if self.attention_device != idx.device:  # not set up for this device: resolve for training, once
+            self.setup_attention(idx.device, self.compute_dtype(idx.device))
+        attend = self.attention[doc_ids is not None].kernel
         mask = AttentionMask(T, idx.device, doc_ids)
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
@@ -775,16 +370,22 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None):
-        """Sample `max_new_tokens` tokens after idx (B, T); the context is cropped to block_size."""
-        for _ in range(max_new_tokens):
-            context = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size :]
-            logits, _ = self(context)
-            logits = logits[:, -1, :] / max(temperature, 1e-6)
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                logits[logits < kth] = -float("inf")
-            next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-            idx = torch.cat((idx, next_token), dim=1)
+        """Sample `max_new_tokens` tokens after idx (B, T); the context is cropped to block_size. The
+        backend is resolved once for inference at this device and dtype, then restored."""
+        training_attention, training_device = self.attention, self.attention_device
+        self.setup_attention(idx.device, self.compute_dtype(idx.device), training=False)
+        try:
+            for _ in range(max_new_tokens):
+                context = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size :]
+                logits, _ = self(context)
+                logits = logits[:, -1, :] / max(temperature, 1e-6)
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits[logits < kth] = -float("inf")
+                next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+                idx = torch.cat((idx, next_token), dim=1)
+        finally:
+            self.attention, self.attention_device = training_attention, training_device
         return idx
 
     # -- helpers for training --
@@ -825,33 +426,33 @@ class GPT(nn.Module):
 
 
 def attention_report(device=None) -> dict:
-    """Versions, GPU, and for each backend whether it runs here and why not; what auto picks per dtype, for
-    T=1024 (auto) and T=32768 (auto_long)."""
+    """Versions, GPU, and for each backend whether it trains here and why not; what auto picks per dtype
+    at T=1024 (auto) and T=32768 (auto_long), from the table or the default order (not measured)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     device = torch.device(device)
     train_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     report = {
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "device": device.type,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "capability": "sm{}{}".format(*_cuda_capability(device)) if device.type == "cuda" else None,
-        "dtype": _dtype_name(train_dtype),
+        "capability": "sm{}{}".format(*capability) if capability else None,
+        "dtype": dtype_name(train_dtype),
         "backends": {},
         "auto": {},
         "auto_long": {},
     }
-    for name in BACKENDS[1:]:
-        problem = backend_problem(name, device, train_dtype, backward=True)
-        version = _flash_package(name).version if name.startswith("flash_attn_") else torch.__version__
+    for name, backend in BACKENDS.items():
+        problem = backend.problem(Need(device, train_dtype, training=True))
+        kernel = backend.kernel
+        version = kernel.package().version if isinstance(kernel, FlashAttention) else torch.__version__
         report["backends"][name] = {"available": not problem, "version": version, "why": problem}
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for key, seq_len in (("auto", 1024), ("auto_long", 32768)):
-            report[key][_dtype_name(dtype)] = resolve_attention_backend(
-                "auto", device, dtype, seq_len, backward=True
-            ).used
+            report[key][dtype_name(dtype)] = resolve("auto", Need(device, dtype, seq_len=seq_len)).used
     return report
 
 

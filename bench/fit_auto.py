@@ -1,37 +1,36 @@
-"""From an sm90 attention results file: the sequence lengths from which `auto` puts flash-attn-4 first.
+"""From an attention results file: the sequence lengths from which `auto` puts flash-attn-4 first on that card.
 
-    python bench/fit_auto.py bench/results/h100-attention.json            # print the fitted table
-    python bench/fit_auto.py bench/results/h100-attention.json --write    # and write it into model.py
+    python bench/fit_auto.py bench/results/h100-attention.json            # print the card's fitted entry
+    python bench/fit_auto.py bench/results/h100-attention.json --write    # and store it in config/attention_auto.json
 
 For each (masking, head dim) in the file: the shortest measured T from which flash_attn_4's fwd+bwd time
 beats what auto runs without it (sdpa:auto for causal cells, flex_attention for document cells) at that T
-and at every longer measured T. model.SM90_FLASH_ATTN_4_FROM keys a head dim by the largest it covers
-(64, 256); entries for maskings the file does not hold are kept.
+and at every longer measured T. The table keys a card by its compute capability (the results header's
+`capability`, e.g. sm90) and a head dim by the largest it covers (64, 256); maskings the file does not hold
+keep their earlier entries. The table is data: model code reads it, and nothing rewrites source files.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import model  # noqa: E402
+from attention import AUTO_TABLE  # noqa: E402
 
-MODEL_FILE = Path(model.__file__)
 WITHOUT_FLASH_ATTN_4 = {"causal": "sdpa:auto", "documents": "flex_attention"}
 
 
-def fit(results: dict) -> dict[tuple[str, int], int]:
-    """(masking, covered head dim) -> shortest T from which flash_attn_4 wins at every measured T."""
+def fit(results: dict) -> dict[str, list[list[int]]]:
+    """{masking: [[covered head dim, shortest T from which flash_attn_4 wins at every measured T], ...]}."""
     times: dict[tuple[str, int, int], dict[str, float]] = {}
     for row in results["rows"]:
         if row.get("fwd_bwd_ms") is not None:
             masking = "documents" if row["docs"] else "causal"
             times.setdefault((masking, row["head_dim"], row["seq_len"]), {})[row["backend"]] = row["fwd_bwd_ms"]
-    fitted = {}
+    fitted: dict[str, list[list[int]]] = {}
     for masking, head_dim in sorted({(m, d) for m, d, _ in times}):
         rival = WITHOUT_FLASH_ATTN_4[masking]
         cells = sorted(
@@ -46,43 +45,44 @@ def fit(results: dict) -> dict[tuple[str, int], int]:
             start = seq_len
         if start is None:
             raise ValueError(
-                f"{masking} D={head_dim}: flash_attn_4 does not beat {rival} at the longest "
-                f"measured T, so no threshold fits; edit SM90_FLASH_ATTN_4_FROM by hand"
+                f"{masking} D={head_dim}: flash_attn_4 does not beat {rival} at the longest measured T, "
+                f"so no threshold fits; leave this card out of the table (auto then measures on it)"
             )
-        fitted[(masking, 64 if head_dim <= 64 else 256)] = start
+        fitted.setdefault(masking, []).append([64 if head_dim <= 64 else 256, start])
     return fitted
 
 
-def table_source(table: dict[tuple[str, int], int]) -> str:
-    entries = [f'("{m}", {d}): {t}' for (m, d), t in sorted(table.items())]
-    lines = ["SM90_FLASH_ATTN_4_FROM = {" + ", ".join(entries[:2])]
-    lines += ["                          " + ", ".join(entries[i : i + 2]) for i in range(2, len(entries), 2)]
-    return ",\n".join(lines) + "}"
+def updated_table(table: dict, card: str, fitted: dict, source: str) -> dict:
+    """The table file's content with `card`'s entry refitted (maskings not in `fitted` kept)."""
+    cards = dict(table.get("cards", {}))
+    entry = {"first": "flash_attn_4", **cards.get(card, {}), **fitted}
+    entry["source"] = source
+    return {**table, "cards": {**cards, card: entry}}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", type=Path, help="an attention results JSON of an sm90 card")
-    parser.add_argument("--write", action="store_true", help=f"write the table into {MODEL_FILE.name}")
+    parser.add_argument("results", type=Path, help="an attention results JSON (bench/bench_attention.py)")
+    parser.add_argument("--write", action="store_true", help="store the entry in the table file")
+    parser.add_argument("--table", type=Path, default=AUTO_TABLE, help="the table file (default: %(default)s)")
     args = parser.parse_args(argv)
-    results = json.loads(args.results.read_text())
-    if results["header"].get("capability") != "sm90":
-        print(
-            f"error: {args.results} is from {results['header'].get('capability')}, and only sm90 has a fitted table",
-            file=sys.stderr,
-        )
-        return 2
     try:
-        table = {**model.SM90_FLASH_ATTN_4_FROM, **fit(results)}
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
+        results = json.loads(args.results.read_text())
+        card = results["header"]["capability"]
+        fitted = fit(results)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        print(f"error: {args.results}: {error}", file=sys.stderr)
         return 2
-    source = table_source(table)
-    print(source)
+    if not card or not card.startswith("sm"):
+        print(f"error: {args.results} is not from a CUDA card (capability {card!r})", file=sys.stderr)
+        return 2
+    source = f"fitted by bench/fit_auto.py from {args.results.name} ({results['header'].get('device_name', card)})"
+    table = json.loads(args.table.read_text()) if args.table.exists() else {}
+    table = updated_table(table, card, fitted, source)
+    print(json.dumps({card: table["cards"][card]}, indent=1))
     if args.write:
-        text = MODEL_FILE.read_text()
-        MODEL_FILE.write_text(re.sub(r"SM90_FLASH_ATTN_4_FROM = \{[^}]*\}", lambda _: source, text, count=1))
-        print(f"wrote {MODEL_FILE}")
+        args.table.write_text(json.dumps(table, indent=1) + "\n")
+        print(f"wrote {args.table}")
     return 0
 
 

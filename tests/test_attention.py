@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import math
 import warnings
@@ -18,8 +19,11 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 
+import attention
 import model
-from model import GPT, AttentionMask, GPTConfig, Package, Resolution
+from attention import AttentionMask, Need, Package
+from helpers import tiny_config
+from model import GPT, Resolution
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # an object only: the resolver tests never touch a real GPU
@@ -114,6 +118,26 @@ def assert_docs_masked(out_docs, out_causal, doc_ids, same=1e-4):
             assert diff > 0.1, f"row {b} has {n_docs} documents yet equals causal ({diff:.3g}): mask not applied"
 
 
+def kernel_with(module):
+    """A flash kernel whose package is `module` (a stand-in), as if it had been imported."""
+    kernel = attention.FlashAttention("stand-in", (), (0, 0), "")
+    kernel._package = Package(module, "0.0-fake", "")
+    return kernel
+
+
+def forget_flash_packages():
+    for kernel in attention.FLASH_KERNELS:
+        kernel.forget()
+
+
+@pytest.fixture(autouse=True)
+def fresh_flash_packages():
+    """Tests simulate installs; no test sees a package another test imported or faked."""
+    forget_flash_packages()
+    yield
+    forget_flash_packages()
+
+
 # ---- masks ------------------------------------------------------------------------------------
 
 
@@ -153,7 +177,7 @@ SHAPES = [(3, 2, 77, 64), (3, 4, 130, 128)]  # (B, H, T, D): T not a multiple of
 def test_manual_matches_independent_reference(shape, docs, dtype):
     q, k, v, dy = random_qkv(shape, dtype, generator_for("manual", shape, docs, dtype))
     doc_ids = doc_ids_for(shape[0], shape[2]) if docs else None
-    out, grads = forward_backward(model.manual_attention, q, k, v, dy, AttentionMask(shape[2], CPU, doc_ids))
+    out, grads = forward_backward(attention.manual_attention, q, k, v, dy, AttentionMask(shape[2], CPU, doc_ids))
     assert out.dtype == dtype
     ref_out, ref_grads = forward_backward(reference_attention, q.double(), k.double(), v.double(), dy.double(), doc_ids)
     assert_matches(out, grads, ref_out, ref_grads, RTOL[dtype], f"manual {dtype}")
@@ -172,7 +196,7 @@ def test_reference_is_not_trivially_causal():
 
 
 def sdpa_with(kernel):
-    return functools.partial(model.sdpa_attention, kernel=kernel)
+    return functools.partial(attention.sdpa_attention, kernel=kernel)
 
 
 CPU_BACKENDS = {"sdpa-auto": sdpa_with("auto"), "sdpa-math": sdpa_with("math"), "sdpa-flash": sdpa_with("flash")}
@@ -208,7 +232,7 @@ def test_cpu_backend_matches_manual(backend, dtype, docs, shape):
     out, grads = forward_backward(CPU_BACKENDS[backend], q, k, v, dy, mask)
     assert out.dtype == dtype and out.shape == q.shape
     ref_out, ref_grads = forward_backward(
-        model.manual_attention, q.double(), k.double(), v.double(), dy.double(), AttentionMask(T, CPU, doc_ids)
+        attention.manual_attention, q.double(), k.double(), v.double(), dy.double(), AttentionMask(T, CPU, doc_ids)
     )
     assert_matches(out, grads, ref_out, ref_grads, RTOL[dtype], f"{backend} {dtype}")
     if docs:
@@ -230,20 +254,20 @@ def no_eager_flex():
 )
 def test_flex_attention_cpu_forward_matches_manual(docs, shape):
     """flex_attention on CPU: compiled, forward only, float32. One shape each (a compile is ~10 s)."""
-    problem = model.backend_problem("flex_attention", CPU, torch.float32, doc_mask=docs, head_dim=shape[-1])
+    problem = attention.flex_problem(Need(CPU, torch.float32, shape[-1], docs, training=False))
     if problem:
         pytest.skip(problem)
     q, k, v, _ = random_qkv(shape, torch.float32, generator_for("flex", shape, docs))
     B, _, T, _ = shape
     doc_ids = doc_ids_for(B, T) if docs else None
     with torch.no_grad(), no_eager_flex():
-        out = model.flex_attention_fn(q, k, v, AttentionMask(T, CPU, doc_ids))
-        ref = model.manual_attention(q.double(), k.double(), v.double(), AttentionMask(T, CPU, doc_ids))
+        out = attention.flex_attention(q, k, v, AttentionMask(T, CPU, doc_ids))
+        ref = attention.manual_attention(q.double(), k.double(), v.double(), AttentionMask(T, CPU, doc_ids))
     assert out.shape == q.shape and out.dtype == torch.float32
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < RTOL[torch.float32]
     if docs:
-        assert_docs_masked(out, model.manual_attention(q, k, v, AttentionMask(T, CPU)), doc_ids)
+        assert_docs_masked(out, attention.manual_attention(q, k, v, AttentionMask(T, CPU)), doc_ids)
 
 
 # ---- the flash-attn call path (layout, varlen, tuple outputs), with stand-in kernels on CPU -------
@@ -283,13 +307,13 @@ def fake_flash_module(returns_tuple: bool, calls: list):
 def test_flash_call_path_with_stand_in_kernels(monkeypatch, name, docs):
     calls = []
     fake = fake_flash_module(returns_tuple=name == "flash_attn_3", calls=calls)
-    monkeypatch.setattr(model, "_load_package", lambda pkg: Package(fake, "0.0-fake", ""))
+    monkeypatch.setattr(attention, "import_package", lambda *module: Package(fake, "0.0-fake", ""))
     q, k, v, _ = random_qkv((3, 2, 30, 16), torch.float64, generator_for("fakeflash", name, docs))
     doc_ids = doc_ids_for(3, 30) if docs else None
-    out = model.ATTENTION_FUNCTIONS[name](q, k, v, AttentionMask(30, CPU, doc_ids), 0.0)
+    out = model.BACKENDS[name].kernel(q, k, v, AttentionMask(30, CPU, doc_ids), 0.0)
     assert [c[0] for c in calls] == ["varlen" if docs else "dense"]
     assert out.shape == q.shape
-    assert rel_err(out, model.manual_attention(q, k, v, AttentionMask(30, CPU, doc_ids))) < 1e-12
+    assert rel_err(out, attention.manual_attention(q, k, v, AttentionMask(30, CPU, doc_ids))) < 1e-12
 
 
 def fake_flash_attn_4_interface(calls: list):
@@ -343,11 +367,11 @@ def test_flash_attn_4_custom_ops_give_manual_gradients_and_compile_in_one_graph(
     """The custom-op wrapper of flash-attn-4: the autograd formula matches manual attention in float64, and
     torch.compile traces it whole (fullgraph, fake tensors of the right shapes through aot_eager)."""
     calls = []
-    ops = model._flash_attn_4_ops(fake_flash_attn_4_interface(calls), f"test_fa4_{'docs' if docs else 'causal'}")
-    attend = functools.partial(model.flash_attn_4_attention, package=ops)
+    ops = attention.flash_attn_4_ops(fake_flash_attn_4_interface(calls), f"test_fa4_{'docs' if docs else 'causal'}")
+    attend = kernel_with(ops)
     q, k, v, dy = random_qkv((2, 3, 24, 16), torch.float64, generator_for("fa4ops", docs))
     mask = AttentionMask(24, CPU, doc_ids_for(2, 24) if docs else None)
-    ref_out, ref_grads = forward_backward(model.manual_attention, q, k, v, dy, mask)
+    ref_out, ref_grads = forward_backward(attention.manual_attention, q, k, v, dy, mask)
     out, grads = forward_backward(attend, q, k, v, dy, mask)
     assert_matches(out, grads, ref_out, ref_grads, 1e-12, "flash_attn_4 ops")
     assert calls == ["fwd", "bwd"]
@@ -371,47 +395,51 @@ def test_flash_attn_4_custom_ops_give_manual_gradients_and_compile_in_one_graph(
 
 
 def test_flash_attn_4_without_the_private_functions_is_unavailable(monkeypatch):
-    monkeypatch.setattr(model, "_load_package", lambda name: Package(SimpleNamespace(interface=None), "4.9", ""))
-    package = model._flash_package("flash_attn_4")
+    module = SimpleNamespace(interface=None, flash_attn_func=None)
+    monkeypatch.setattr(attention, "import_package", lambda *names: Package(module, "4.9", ""))
+    monkeypatch.setattr(attention, "dist_version", lambda distribution: "4.9")
+    package = attention.FLASH_ATTN_4.package()
     assert package.module is None and "has no interface._flash_attn_fwd" in package.problem
 
 
-def test_attention_function_binds_the_package_once(monkeypatch):
-    """The model's flash function carries its module, so a compiled forward never calls the import lookup."""
+def test_flash_kernel_imports_its_package_once(monkeypatch):
+    """The package is imported by the first problem check; calls read it from an attribute, so a compiled
+    forward never traces an import lookup."""
     calls, lookups = [], []
     fake = fake_flash_module(returns_tuple=False, calls=calls)
 
-    def load(name):
+    def load(name, pretty, distribution):
         lookups.append(name)
         return Package(fake, "0.0-fake", "")
 
-    monkeypatch.setattr(model, "_load_package", load)
-    attend = model.attention_function("flash_attn_2")
-    assert lookups == ["flash_attn"] and attend.keywords == {"package": fake}
+    monkeypatch.setattr(attention, "import_package", load)
+    kernel = model.BACKENDS["flash_attn_2"].kernel
+    assert kernel.problem(Need(CPU, torch.bfloat16)) == "flash-attn runs on CUDA GPUs only (device is cpu)"
+    kernel.problem(Need(CPU, torch.bfloat16))
     q, k, v, _ = random_qkv((2, 2, 8, 16), torch.float64, generator_for("bound"))
-    attend(q, k, v, AttentionMask(8, CPU), 0.0)
+    kernel(q, k, v, AttentionMask(8, CPU), 0.0)
     assert lookups == ["flash_attn"] and len(calls) == 1
-    assert model.attention_function("sdpa") is model.sdpa_attention
 
 
 def test_flash_attn_4_alone_is_not_taken_for_flash_attn_2(monkeypatch):
     """flash-attn-4 installs flash_attn.cute; without flash-attn 2, `flash_attn` is a bare namespace."""
-    bare = SimpleNamespace(__name__="flash_attn")
-    monkeypatch.setattr(model.importlib, "import_module", lambda name: bare)
-    monkeypatch.setattr(model, "_load_package", model._load_package.__wrapped__)
-    package = model._load_package("flash_attn")
+    monkeypatch.setattr(attention.importlib, "import_module", lambda name: SimpleNamespace(__name__="flash_attn"))
+    package = attention.FLASH_ATTN_2.package()
     assert package.module is None and "flash-attn is not installed" in package.problem
 
 
 def test_flash_attn_2_draft_of_flash_attn_cute_is_not_flash_attn_4(monkeypatch):
     """flash-attn 2.8 ships an early flash_attn.cute; only the flash-attn-4 distribution counts as FA4."""
-    monkeypatch.setattr(model.importlib, "import_module", lambda name: SimpleNamespace(flash_attn_func=None))
-    monkeypatch.setattr(model, "_load_package", model._load_package.__wrapped__)
-    monkeypatch.setattr(model, "_dist_version", lambda distribution: "")
-    assert model._load_package("flash_attn.cute").problem == "flash-attn-4 (flash_attn.cute) is not installed"
-    monkeypatch.setattr(model, "_dist_version", lambda distribution: "4.0.0b36")
-    package = model._load_package("flash_attn.cute")
-    assert package.problem == "" and package.version == "4.0.0b36"
+    interface = SimpleNamespace(_flash_attn_fwd=None, _flash_attn_bwd=None)
+    monkeypatch.setattr(
+        attention.importlib, "import_module", lambda name: SimpleNamespace(flash_attn_func=None, interface=interface)
+    )
+    monkeypatch.setattr(attention, "flash_attn_4_ops", lambda interface: "ops")  # no op registered for a fake
+    monkeypatch.setattr(attention, "dist_version", lambda distribution: "")
+    assert attention.FLASH_ATTN_4.package().problem == "flash-attn-4 (flash_attn.cute) is not installed"
+    attention.FLASH_ATTN_4.forget()
+    monkeypatch.setattr(attention, "dist_version", lambda distribution: "4.0.0b36")
+    assert attention.FLASH_ATTN_4.package() == Package("ops", "4.0.0b36", "")
 
 
 # ---- resolution: the fallback chain, with availability simulated ----------------------------------
@@ -428,7 +456,7 @@ def fake_env(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", guard)
 
     def configure(installed=(), capability=(9, 0), torch_version=(2, 11)):
-        def load(name):
+        def load(name, pretty, distribution):
             if name in installed:
                 module = SimpleNamespace(
                     __name__=name,
@@ -437,18 +465,20 @@ def fake_env(monkeypatch):
                     interface=SimpleNamespace(_flash_attn_fwd=None, _flash_attn_bwd=None),
                 )
                 return Package(module, "9.9", "")
-            pretty = model._PACKAGE_NAMES.get(name, (name,))[0]
             return Package(None, "", f"{pretty} is not installed")
 
-        monkeypatch.setattr(model, "_load_package", load)
-        monkeypatch.setattr(model, "_cuda_capability", lambda device: capability)
-        monkeypatch.setattr(model, "_torch_version", lambda: torch_version)
+        forget_flash_packages()
+        monkeypatch.setattr(attention, "import_package", load)
+        monkeypatch.setattr(attention, "dist_version", lambda d: "9.9" if "flash_attn.cute" in installed else "")
+        monkeypatch.setattr(attention, "flash_attn_4_ops", lambda interface: interface)  # no op registered
+        monkeypatch.setattr(attention, "cuda_capability", lambda device: capability)
+        monkeypatch.setattr(attention, "torch_version", lambda: torch_version)
 
     return configure
 
 
-def resolve(name, device, dtype=torch.bfloat16, **use):
-    return model.resolve_attention_backend(name, device, dtype, **use)
+def resolve(name, device, dtype=torch.bfloat16, doc_mask=False, backward=False, dropout=False, head_dim=64, seq_len=0):
+    return model.resolve(name, Need(device, dtype, head_dim, doc_mask, dropout, backward, seq_len))
 
 
 def test_flash_attn_missing_on_cuda_falls_back_to_sdpa(fake_env):
@@ -594,17 +624,15 @@ def test_auto_on_sm90_takes_flash_attn_4_from_the_measured_lengths(fake_env, doc
     assert resolve("auto", CUDA, seq_len=long, **use).used == below
 
 
-def test_model_resolves_auto_per_sequence_length(fake_env, monkeypatch):
-    """Training resolves at block_size; each forward at its own length (generation grows it)."""
+def test_model_resolves_auto_for_the_length_it_is_set_up_for(fake_env):
+    """Training resolves at block_size (or the given length), from the card's table."""
     fake_env(installed=("flash_attn.cute",), capability=(9, 0))
-    monkeypatch.setattr(model, "_flash_attn_4_ops", lambda interface: None)  # no op registered for a fake
     gpt = GPT(tiny_config(block_size=4096, n_embd=128, n_head=2))
-    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type: True)
-    monkeypatch.setattr(torch, "get_autocast_dtype", lambda device_type: torch.bfloat16)
-    assert gpt.attention_for(CUDA)[1].used == "flash_attn_4"
-    start = model.SM90_FLASH_ATTN_4_FROM[("causal", 64)]  # head dim 128 / 2 = 64
-    assert gpt.attention_for(CUDA, seq_len=start - 1)[1].used == "sdpa"
-    assert gpt.attention_for(CUDA, seq_len=start)[1].used == "flash_attn_4"
+    assert gpt.setup_attention(CUDA, torch.bfloat16).used == "flash_attn_4"
+    start = dict(attention.read_auto_table()["sm90"]["causal"])[64]  # head dim 128 / 2 = 64
+    assert gpt.setup_attention(CUDA, torch.bfloat16, seq_len=start - 1).used == "sdpa"
+    assert gpt.setup_attention(CUDA, torch.bfloat16, seq_len=start).used == "flash_attn_4"
+    assert gpt.attention[False].kernel is attention.FLASH_ATTN_4
 
 
 def test_auto_on_sm90_without_flash_attn_picks_sdpa(fake_env):
@@ -618,7 +646,7 @@ def test_auto_with_documents_on_sm90_prefers_flex_then_flash_attn_2(fake_env, mo
     fake_env(installed=("flash_attn",), capability=(9, 0))
     assert resolve("auto", CUDA, torch.bfloat16, doc_mask=True, backward=True).used == "flex_attention"
     assert resolve("auto", CUDA, torch.bfloat16, doc_mask=False, backward=True).used == "sdpa"
-    monkeypatch.setattr(model, "_torch_version", lambda: (2, 4))  # no flex: the varlen flash kernel is next
+    monkeypatch.setattr(attention, "torch_version", lambda: (2, 4))  # no flex: the varlen flash kernel is next
     used, reason = resolve("auto", CUDA, torch.bfloat16, doc_mask=True, backward=True)
     assert used == "flash_attn_2"
     assert "flex_attention: flex_attention needs torch >= 2.5" in reason and "flash_attn_3" in reason
@@ -630,29 +658,25 @@ def test_auto_on_older_gpu_prefers_flash_attn_2(fake_env):
     assert resolve("auto", CUDA, torch.float32, backward=True).used == "sdpa"
 
 
-def test_every_fallback_chain_ends_in_manual_and_every_backend_has_a_function():
-    assert set(model.ATTENTION_FUNCTIONS) == set(model.BACKENDS) - {"auto"}
-    for name in model.BACKENDS[1:]:
-        assert model.FALLBACKS[name][0] == name and model.FALLBACKS[name][-1] == "manual"
-    for chain in model.AUTO_PREFERENCE.values():
-        assert chain[-1] == "manual" and set(chain) <= set(model.ATTENTION_FUNCTIONS)
+def test_every_fallback_chain_ends_in_manual_and_every_auto_order_names_backends():
+    for name in model.BACKENDS:
+        chain = [name]
+        while model.BACKENDS[chain[-1]].fallback:
+            chain.append(model.BACKENDS[chain[-1]].fallback)
+            assert len(chain) <= len(model.BACKENDS), f"{name}: the fallback chain loops: {chain}"
+        assert chain[-1] == "manual"
+    for order in attention.AUTO_ORDER.values():
+        assert order[-1] == "manual" and set(order) <= set(model.BACKENDS)
 
 
-def test_sdpa_kernel_resolution():
-    assert model.resolve_sdpa_kernel("math", CPU, torch.float32) == Resolution("math", "")
-    assert model.resolve_sdpa_kernel("flash", CPU, torch.float32) == Resolution("flash", "")
-    used, reason = model.resolve_sdpa_kernel("cudnn", CPU, torch.bfloat16)
-    assert used == "auto" and "CUDA only" in reason
-    used, reason = model.resolve_sdpa_kernel("flash", CPU, torch.float32, doc_mask=True)
-    assert used == "auto" and "document mask" in reason
+def test_sdpa_kernel_problems():
+    assert attention.sdpa_kernel_problem("math", Need(CPU, torch.float32)) == ""
+    assert attention.sdpa_kernel_problem("flash", Need(CPU, torch.float32)) == ""
+    assert "CUDA only" in attention.sdpa_kernel_problem("cudnn", Need(CPU, torch.bfloat16))
+    assert "document mask" in attention.sdpa_kernel_problem("flash", Need(CPU, torch.float32, documents=True))
 
 
 # ---- the model logs its choice once, and resolves for the device/dtype it runs with ---------------
-
-
-def tiny_config(**overrides) -> GPTConfig:
-    base = dict(block_size=32, vocab_size=64, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True)
-    return GPTConfig(**{**base, **overrides})
 
 
 def model_records(caplog):
@@ -673,7 +697,7 @@ def train_and_eval(gpt, steps=3, T=16):
 
 
 def test_fallback_is_logged_once_per_model(monkeypatch, caplog):
-    monkeypatch.setattr(model, "_load_package", lambda name: Package(None, "", "flash-attn is not installed"))
+    monkeypatch.setattr(attention, "import_package", lambda *names: Package(None, "", "flash-attn is not installed"))
     caplog.set_level(logging.DEBUG, logger="model")
     torch.manual_seed(0)
     train_and_eval(GPT(tiny_config(n_layer=3, attention_backend="flash_attn_2")))
@@ -706,32 +730,111 @@ def test_unusable_sdpa_kernel_warns_once(caplog):
     ]
 
 
-def test_resolution_follows_cpu_autocast_dtype():
+def test_a_model_not_set_up_resolves_at_its_first_forward_for_the_autocast_dtype():
     torch.manual_seed(0)
-    gpt = GPT(tiny_config(attention_backend="auto"))
     idx = torch.randint(0, 64, (2, 8))
-    gpt(idx, idx)
-    assert [k for k in gpt._resolutions if torch.bfloat16 in k] == []
-    assert [k for k in gpt._resolutions if torch.float32 in k] != []
+    gpt = GPT(tiny_config(attention_backend="auto"))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _, loss = gpt(idx, idx)
-        _, resolution = gpt.attention_for(CPU)
     assert torch.isfinite(loss)
-    assert [k for k in gpt._resolutions if torch.bfloat16 in k] != []
-    assert "cpu/bfloat16" in resolution.reason
-    _, resolution = gpt.attention_for(CPU)
-    assert "cpu/float32" in resolution.reason
-    gpt.double()
-    _, resolution = gpt.attention_for(CPU)
-    assert "cpu/float64" in resolution.reason
+    assert "cpu/bfloat16" in gpt.attention[False].resolution.reason
+    gpt(idx, idx)  # set up already: forward only reads the attribute
+    assert "cpu/bfloat16" in gpt.attention[False].resolution.reason
+    assert "cpu/float32" in gpt.setup_attention(CPU, torch.float32).reason
+    assert "cpu/float64" in gpt.double().setup_attention(CPU, torch.float64).reason
 
 
-def test_resolution_follows_grad_mode_for_flex_on_cpu():
+def test_training_and_inference_resolve_apart_for_flex_on_cpu():
     """Training on CPU cannot use flex (no backward there); inference may."""
     gpt = GPT(tiny_config(attention_backend="flex_attention"))
-    assert gpt.attention_for(CPU)[1].used == "sdpa"
-    with torch.no_grad():
-        assert gpt.attention_for(CPU)[1].used == "flex_attention"
+    assert gpt.setup_attention(CPU, torch.float32, training=True).used == "sdpa"
+    assert gpt.setup_attention(CPU, torch.float32, training=False).used == "flex_attention"
+
+
+def test_generate_resolves_for_inference_once_and_restores_the_training_choice(monkeypatch):
+    gpt = GPT(tiny_config()).eval()
+    gpt.setup_attention(CPU, torch.float32)
+    training_choice = gpt.attention
+    resolved = []
+    original = model.resolve
+    monkeypatch.setattr(model, "resolve", lambda *args: resolved.append(args[1]) or original(*args))
+    gpt.generate(torch.zeros(1, 1, dtype=torch.long), 5, top_k=1)
+    assert [need.training for need in resolved] == [False, False], "once per masking kind, not per token"
+    assert gpt.attention is training_choice
+
+
+# ---- adding a backend: one record + its kernel -------------------------------------------------
+
+
+def test_a_registered_toy_backend_runs_and_falls_back(monkeypatch, caplog):
+    monkeypatch.setattr(model, "BACKENDS", dict(model.BACKENDS))  # the registry as it was, after this test
+    calls = []
+
+    def toy_attention(q, k, v, mask, dropout_p=0.0):
+        calls.append(q.shape)
+        return attention.manual_attention(q, k, v, mask, dropout_p)
+
+    def toy_problem(need):
+        return (
+            "" if need.dtype == torch.float32 else f"toy needs float32 (this run is {attention.dtype_name(need.dtype)})"
+        )
+
+    model.register(model.AttentionBackend("toy", toy_attention, toy_problem, fallback="manual", aliases=("plaything",)))
+    assert model.canonical_backend("plaything") == "toy"
+    gpt = GPT(tiny_config(attention_backend="plaything"))
+    caplog.set_level(logging.INFO, logger="model")
+    assert gpt.setup_attention(CPU, torch.float32) == Resolution("toy", "")
+    idx = torch.randint(0, 64, (2, 8))
+    _, loss = gpt(idx, idx)
+    assert len(calls) == gpt.config.n_layer and torch.isfinite(loss)
+    assert gpt.double().setup_attention(CPU, torch.float64).used == "manual"
+    assert "toy requested but toy needs float32 (this run is float64); falling back to manual" in caplog.text
+
+
+# ---- auto: the per-card table, and timing on a card the table does not know -------------------
+
+
+def test_auto_table_file_is_data_the_resolver_reads(fake_env, tmp_path):
+    fake_env(installed=("flash_attn.cute",), capability=(9, 0))
+    table = {"sm90": {"first": "flash_attn_4", "causal": [[64, 100], [256, 200]]}}
+    long_need = Need(CUDA, torch.bfloat16, 64, seq_len=100)
+    assert attention.auto_order(long_need, table)[0][0] == "flash_attn_4"
+    assert attention.auto_order(Need(CUDA, torch.bfloat16, 128, seq_len=100), table)[0][0] == "sdpa"
+    assert attention.auto_order(Need(CUDA, torch.bfloat16, 64, documents=True, seq_len=10**6), table)[0][0] != (
+        "flash_attn_4"
+    )  # no documents entry: the default order
+    path = tmp_path / "auto.json"
+    path.write_text(json.dumps({"cards": table}))
+    assert attention.read_auto_table(path) == table
+    path.write_text("not json")
+    assert attention.read_auto_table(path) == {}
+
+
+def test_auto_times_the_candidates_once_and_caches_the_choice(monkeypatch, tmp_path):
+    cache = tmp_path / "auto.json"
+    need = Need(CPU, torch.float32, 16, seq_len=32)
+    slow = functools.partial(attention.manual_attention)
+    order, how = attention.measured_order({"sdpa": attention.sdpa_attention, "slow": slow}, need, 2, cache, 64)
+    assert set(order) == {"sdpa", "slow"} and how.startswith("measured on this card: ")
+    cached = json.loads(cache.read_text())
+    assert list(cached) == [attention.measure_key(need, 2)] and set(cached[attention.measure_key(need, 2)]) == set(
+        order
+    )
+    monkeypatch.setattr(attention, "time_kernel", lambda *a, **k: pytest.fail("timed again"))
+    again, how = attention.measured_order({"sdpa": attention.sdpa_attention, "slow": slow}, need, 2, cache, 64)
+    assert again == order and how.startswith("measured on this card earlier: ")
+
+
+def test_model_on_an_unknown_card_measures_and_says_so(fake_env, monkeypatch, caplog):
+    fake_env(installed=("flash_attn",), capability=(8, 9))  # an L4/4090: not in the table
+    monkeypatch.setattr(
+        model, "measured_order", lambda runs, need, n_head: (("sdpa", "flash_attn_2"), "measured on this card: x")
+    )
+    caplog.set_level(logging.INFO, logger="model")
+    gpt = GPT(tiny_config())
+    used, reason = gpt.setup_attention(CUDA, torch.bfloat16)
+    assert used == "sdpa" and "measured on this card" in reason and "measured on this card" in caplog.text
+    assert GPT(tiny_config(auto_measure=False)).setup_attention(CUDA, torch.bfloat16).used == "flash_attn_2"
 
 
 # ---- GPU: every backend there vs a float32 manual reference (run on the device) -------------------
@@ -756,14 +859,14 @@ def gpu_attention(backend, dtype, docs, head_dim):
     device = torch.device("cuda", torch.cuda.current_device())
     if backend.startswith("sdpa-"):
         kernel = backend.split("-")[1]
-        used, reason = model.resolve_sdpa_kernel(kernel, device, dtype, doc_mask=docs)
-        if reason:
-            pytest.skip(reason)
-        return sdpa_with(used)
-    problem = model.backend_problem(backend, device, dtype, doc_mask=docs, backward=True, head_dim=head_dim)
+        problem = attention.sdpa_kernel_problem(kernel, Need(device, dtype, head_dim, docs))
+        if problem:
+            pytest.skip(problem)
+        return sdpa_with(kernel)
+    problem = model.BACKENDS[backend].problem(Need(device, dtype, head_dim, docs))
     if problem:
         pytest.skip(problem)
-    return model.ATTENTION_FUNCTIONS[backend]
+    return model.BACKENDS[backend].kernel
 
 
 @pytest.mark.gpu
@@ -780,9 +883,9 @@ def test_gpu_backend_matches_float32_manual(monkeypatch, backend, dtype, docs, T
         out, grads = forward_backward(attend, q, k, v, dy, AttentionMask(T, q.device, doc_ids))
     assert out.dtype == dtype and out.shape == q.shape
     ref_out, ref_grads = forward_backward(
-        model.manual_attention, q.float(), k.float(), v.float(), dy.float(), AttentionMask(T, q.device, doc_ids)
+        attention.manual_attention, q.float(), k.float(), v.float(), dy.float(), AttentionMask(T, q.device, doc_ids)
     )
     assert_matches(out, grads, ref_out, ref_grads, 2e-2, f"{backend} {dtype} T={T} D={D}")
     if docs:
-        causal = model.manual_attention(q.float(), k.float(), v.float(), AttentionMask(T, q.device))
+        causal = attention.manual_attention(q.float(), k.float(), v.float(), AttentionMask(T, q.device))
         assert_docs_masked(out.cpu(), causal.cpu(), doc_ids.cpu(), same=2e-2)
