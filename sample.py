@@ -7,7 +7,6 @@ Sample text from a trained checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from configurator import ConfigError, load_config
 from data.common import DataError
 from data.tokenizer import load_tokenizer
 from model import GPT, GPTConfig
-from train import UsageError, pick_device, pick_dtype
+from runtime import Runtime, UsageError, pick_device, pick_dtype
 
 
 @dataclass
@@ -56,8 +55,8 @@ def read_prompt(start: str) -> str:
 
 
 def sample(cfg: SampleConfig) -> int:
-    device = pick_device(cfg.device, 0)
-    dtype = pick_dtype(cfg.dtype, device)
+    device = pick_device(cfg.device)
+    runtime = Runtime(device, pick_dtype(cfg.dtype, device))
     state = load_checkpoint(cfg.checkpoint or Path(cfg.out_dir) / "ckpt.pt")
     model = GPT(GPTConfig(**{**state["model_config"], "attention_backend": cfg.attention_backend, "dropout": 0.0}))
     model.load_state_dict(state["model"])
@@ -66,11 +65,10 @@ def sample(cfg: SampleConfig) -> int:
     prompt = encode(read_prompt(cfg.start))
     if not prompt:
         raise UsageError("the prompt is empty; give --start some text")
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
     torch.manual_seed(cfg.seed)
     idx = torch.tensor(prompt, dtype=torch.long, device=device)[None, :]
     generated, started = 0, time.time()
-    with autocast:
+    with runtime.autocast():
         for _ in range(cfg.num_samples):
             out = model.generate(idx, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k)
             generated += cfg.max_new_tokens

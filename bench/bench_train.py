@@ -4,8 +4,8 @@
     python bench/bench_train.py --budget 0      # the whole grid, however long it takes
     python bench/bench_train.py --quick         # tiny CPU model, 3 steps, no compile: seconds
 
-Each row builds a fresh model, optimizer and GradScaler with train.py's own functions (setup_runtime,
-build_model, build_training) and times train.py's train_step on synthetic random tokens (no dataset needed).
+Each row builds a fresh training state with train.py's own functions (setup_runtime, build_model,
+build_train_state) and times train.py's train_step on synthetic random tokens (no dataset needed).
 
 Rows, most wanted first, so a --budget cut drops the least wanted: every backend at T=1024 batch 16; the
 long-context model (same GPT-2 at T=8192 and T=32768, batch 1); then batch 32 and 8 at T=1024. `manual`
@@ -15,6 +15,7 @@ runs at T <= 1024 only: at T=8192 its (T, T) scores alone would need tens of GiB
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import sys
@@ -37,18 +38,8 @@ from bench.report import (  # noqa: E402
     synchronize,
     write_results,
 )
-from model import backend_problem  # noqa: E402
-from train import (  # noqa: E402
-    StopFlags,
-    TrainConfig,
-    Training,
-    build_model,
-    build_training,
-    learning_rate_at,
-    peak_flops_for,
-    setup_runtime,
-    train_step,
-)
+from runtime import model_flops_utilization, peak_flops_for, setup_runtime  # noqa: E402
+from train import TrainConfig, TrainState, build_model, build_train_state, train_step  # noqa: E402
 
 GPT2_124M = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, bias=False, dropout=0.0)
 TINY = dict(n_layer=2, n_head=2, n_embd=64, vocab_size=512, bias=False, dropout=0.0)
@@ -73,38 +64,20 @@ def default_cases(backends, batch_sizes, long_seq_lens) -> list[Case]:
 
 
 # ----------------------------------------------------------------------------------------------
-# One training setup and its step: train.py's own build_training and train_step
+# One training state, built as train.py builds it; its step is train.py's train_step
 
 
-@dataclass
-class BenchSetup:
-    training: Training
-    stop: StopFlags
-    resolved: str
-    fallback: str  # why the requested backend does not run here ('' when it does)
-
-
-def build_setup(cfg: TrainConfig) -> BenchSetup:
-    runtime = setup_runtime(cfg)
+def build_state(cfg: TrainConfig) -> TrainState:
+    runtime = setup_runtime(cfg.device, cfg.dtype, cfg.dist_backend, cfg.gradient_accumulation_steps)
     torch.manual_seed(cfg.seed)
-    training = build_training(cfg, runtime, build_model(cfg, cfg.vocab_size, None))
-    with runtime.autocast():
-        _, resolution = training.model.attention_for(runtime.device)
-    requested = cfg.attention_backend
-    fallback = resolution.reason if requested != "auto" and resolution.used != requested else ""
-    return BenchSetup(training, StopFlags(runtime), resolution.used, fallback)
+    batches = itertools.cycle(random_batches(cfg, runtime.device))
+    return build_train_state(cfg, runtime, build_model(cfg, cfg.vocab_size, None), lambda: next(batches))
 
 
-def bench_step(setup: BenchSetup, iter_num: int, batches: list) -> torch.Tensor:
-    """train.py's loop body without eval and logging: set the LR, one train_step, the stop-flag record."""
-    t = setup.training
-    for group in t.optimizer.param_groups:
-        group["lr"] = learning_rate_at(iter_num, t.cfg)
-    cursor = iter(batches[(iter_num * t.accum + k + 1) % len(batches)] for k in range(t.accum))
-    x, y = batches[(iter_num * t.accum) % len(batches)]
-    loss_sum, grad_norm, _, _ = train_step(t, x, y, lambda: next(cursor))
-    setup.stop.record(grad_norm + loss_sum)
-    return loss_sum
+def fallback_reason(state: TrainState) -> str:
+    """Why the requested backend does not run here ('' when it does, or when auto was asked for)."""
+    requested, attention = state.cfg.attention_backend, state.attention
+    return attention.reason if requested != "auto" and attention.used != requested else ""
 
 
 def random_batches(cfg: TrainConfig, device: torch.device, count: int = 4):
@@ -135,16 +108,14 @@ def case_config(case: Case, args) -> TrainConfig:
     )
 
 
-def skip_reason(case: Case, cfg: TrainConfig, device: torch.device, dtype: torch.dtype) -> str:
+def skip_reason(case: Case, cfg: TrainConfig) -> str:
     if case.backend == "manual" and case.seq_len > MANUAL_MAX_SEQ_LEN:
         gib = cfg.n_layer * cfg.n_head * case.seq_len**2 * 4 / 2**30
         return (
             f"not run: manual keeps (T, T) float32 scores, {cfg.n_layer} layers x {cfg.n_head} heads = "
             f"{gib:,.0f} GiB at T={case.seq_len}; measured at T <= {MANUAL_MAX_SEQ_LEN} only"
         )
-    if case.backend == "auto":
-        return ""
-    return backend_problem(case.backend, device, dtype, backward=True, head_dim=cfg.n_embd // cfg.n_head)
+    return ""
 
 
 def empty_row(case: Case, cfg: TrainConfig, dtype: torch.dtype) -> dict:
@@ -167,78 +138,74 @@ def empty_row(case: Case, cfg: TrainConfig, dtype: torch.dtype) -> dict:
     }
 
 
-def measure_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> dict:
+def measure_case(case: Case, args, dtype: torch.dtype) -> dict:
     cfg = case_config(case, args)
     row = empty_row(case, cfg, dtype)
-    reason = skip_reason(case, cfg, device, dtype)
+    reason = skip_reason(case, cfg)
     if reason:
         return {**row, "status": reason}
     torch._dynamo.reset()  # each row compiles afresh, as a new train.py process would
-    training = None
+    state = None
     try:  # any failure (OOM, a kernel's refusal, a compile error) becomes this row's status
-        training = build_setup(cfg)
-        row["resolved"] = training.resolved
-        row["compile"] = training.training.train_model is not training.training.model
-        if training.fallback:  # never time another backend under this one's name
-            return {**row, "status": f"falls back to {training.resolved}: {training.fallback}"}
-        row.update(time_steps(training, args))
+        state = build_state(cfg)
+        row["resolved"] = state.attention.used
+        row["compile"] = state.train_model is not state.model
+        fallback = fallback_reason(state)
+        if fallback:  # never time another backend under this one's name
+            return {**row, "status": f"falls back to {state.attention.used}: {fallback}"}
+        row.update(time_steps(state, args))
         row["status"] = "ok" if math.isfinite(row["loss"]) else f"non-finite loss {row['loss']}"
     except Exception as error:  # noqa: BLE001 - recorded, never swallowed
         row["status"] = failure_reason(error)
     finally:
-        del training
+        del state
         torch._dynamo.reset()
         free_device_memory()
     return row
 
 
-def time_steps(setup: BenchSetup, args) -> dict:
-    training = setup.training
-    cfg, device = training.cfg, training.runtime.device
-    batches = random_batches(cfg, device)
+def time_steps(state: TrainState, args) -> dict:
+    cfg, device = state.cfg, state.runtime.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     synchronize(device)
     start = time.perf_counter()
-    bench_step(setup, 0, batches)  # compiles
+    train_step(state)  # compiles
     synchronize(device)
     first_step_s = time.perf_counter() - start
-    iter_num = 1
     for _ in range(args.warmup_steps):
-        bench_step(setup, iter_num, batches)
-        iter_num += 1
+        train_step(state)
     chunk_ms = []
     for _ in range(args.chunks):  # median over chunks of mean step time (train.py's log line is a mean too)
         synchronize(device)
         start = time.perf_counter()
         for _ in range(args.steps):
-            loss = bench_step(setup, iter_num, batches)
-            iter_num += 1
+            step = train_step(state)
         synchronize(device)
         chunk_ms.append((time.perf_counter() - start) * 1000 / args.steps)
     ms = statistics.median(chunk_ms)
     tokens = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
-    peak, _ = peak_flops_for(device, training.runtime.dtype, cfg.peak_flops)
-    flops = training.model.flops_per_token(cfg.block_size) * tokens
+    peak, _ = peak_flops_for(device, state.runtime.dtype, cfg.peak_flops)
+    flops = state.model.flops_per_token(cfg.block_size) * tokens
     return {
         "ms_per_iter": ms,
         "tokens_per_sec": tokens / (ms / 1000),
-        "mfu": flops / (ms / 1000) / peak if peak else None,
+        "mfu": model_flops_utilization(flops, ms / 1000, peak),
         "peak_mem_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
         "first_step_s": first_step_s,
         "compile_s": max(0.0, first_step_s - ms / 1000),
-        "loss": loss.item(),
+        "loss": step.loss.item(),
     }
 
 
-def run_cases(cases: list[Case], args, device, dtype) -> list[dict]:
+def run_cases(cases: list[Case], args, dtype: torch.dtype) -> list[dict]:
     budget = Budget(args.budget)
     rows = []
     for case in cases:
         if budget.exhausted():
             row = {**empty_row(case, case_config(case, args), dtype), "status": budget.reason()}
         else:
-            row = measure_case(case, args, device, dtype)
+            row = measure_case(case, args, dtype)
         rows.append(row)
         print(progress_line(row, budget.elapsed()), flush=True)
     return rows
@@ -367,9 +334,9 @@ def main(argv=None) -> int:
         cases = [Case(b, 64, bs) for bs in args.batch_sizes for b in args.backends]
     else:
         cases = default_cases(args.backends, args.batch_sizes, args.long_seq_lens)
-    probe = setup_runtime(case_config(cases[0], args))  # the device and dtype every row will use
+    probe = setup_runtime(args.device, args.dtype)  # the device and dtype every row will use
     start = time.perf_counter()
-    rows = run_cases(cases, args, probe.device, probe.dtype)
+    rows = run_cases(cases, args, probe.dtype)
     model = TINY if args.quick else GPT2_124M
     header = results_header(
         args.name,
@@ -377,11 +344,12 @@ def main(argv=None) -> int:
         model=model,
         wall_s=round(time.perf_counter() - start, 1),
         grid={"backends": args.backends, "cases": [vars(c) for c in cases], "dtype": str(probe.dtype)},
-        flop_convention="MFU = model.flops_per_token(T) * tokens / time / train.peak_flops_for(card): "
+        flop_convention="MFU = runtime.model_flops_utilization: model.flops_per_token(T) * tokens / time / "
+        "runtime.peak_flops_for(card): "
         "6N + 12*L*H*D*T per token (PaLM, nanoGPT), dense bf16 datasheet peak",
         notes={
             "model": ", ".join(f"{k}={v}" for k, v in model.items()),
-            "step": "train.py's loop body: autocast, GradScaler, grad clip 1.0, fused AdamW on CUDA, "
+            "step": "train.py's train_step: autocast, GradScaler, grad clip 1.0, fused AdamW on CUDA, "
             "torch.compile as train.py decides (--compile), synthetic random tokens",
             "timing": f"first step timed alone (compile_s = first step - steady step); then {args.warmup_steps} "
             f"untimed steps; ms_per_iter = median over {args.chunks} chunks of the mean of {args.steps} "

@@ -8,20 +8,22 @@ import os
 import re
 import runpy
 import signal
-import subprocess
 import sys
 import types
 
 import pytest
 import torch
+import torch._dynamo
 
 import train
 from checkpoint import load_checkpoint
 from configurator import load_config
-from data.common import prepare_text
+from data import common, loader
+from data.common import DataError, prepare_text
 from helpers import REPO, TINY_MODEL, Child, run_script, tiny_args
 from model import GPT, GPTConfig
-from train import TrainConfig, UsageError, learning_rate_at, peak_flops_for
+from runtime import model_flops_utilization, peak_flops_for
+from train import DEPRECATED, TrainConfig, learning_rate_at
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -71,25 +73,24 @@ def test_smoke_run_log_lines_and_checkpoint(char_data, tmp_path):
     GPT(GPTConfig(**state["model_config"])).load_state_dict(state["model"])  # strict: the keys are the model's
 
 
-def test_compiled_run_saves_unwrapped_state_dict(char_data, tmp_path):
-    """torch.compile wraps the model; the checkpoint must still hold the plain model's keys."""
+def test_compiled_run_saves_unwrapped_state_dict(monkeypatch, char_data, tmp_path, capsys):
+    """torch.compile wraps the model; the checkpoint must still hold the plain model's keys. The wrapper is
+    what matters, not inductor's code: dynamo's eager backend makes the same wrapper in a fraction of the time."""
+    compiled = []
+
+    def compile_eagerly(model, **kwargs):
+        compiled.append(model)
+        return real_compile(model, backend="eager")
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", compile_eagerly)
     out = tmp_path / "out"
-    args = tiny_args(
-        char_data,
-        out,
-        "--compile=true",
-        "--max_iters=1",
-        "--eval_interval=1",
-        "--eval_iters=1",
-        "--eval_on_start=false",
-    )
+    args = tiny_args(char_data, out, "--compile=true", "--max_iters=1", "--eval_interval=1", "--eval_iters=1")
     try:
-        result = run_script("train.py", args, timeout=60)
-    except subprocess.TimeoutExpired:
-        pytest.skip("torch.compile on this CPU took over 60 s (cold inductor cache)")
-    if result.returncode != 0 and re.search(r"(InductorError|CppCompileError|BackendCompilerFailed)", result.stderr):
-        pytest.skip("torch.compile does not work on this machine: " + result.stderr.strip().splitlines()[-1])
-    assert result.returncode == 0, result.stderr
+        assert train.main([*args, "--eval_on_start=false"]) == 0, capsys.readouterr().err
+    finally:
+        torch._dynamo.reset()  # no compiled frames left for later tests
+    assert [type(model) for model in compiled] == [GPT]
     state = load_checkpoint(out / "ckpt.pt")
     assert not [k for k in state["model"] if "_orig_mod." in k]
     GPT(GPTConfig(**state["model_config"])).load_state_dict(state["model"])
@@ -98,12 +99,24 @@ def test_compiled_run_saves_unwrapped_state_dict(char_data, tmp_path):
 # ---- the config surface ----
 
 
-def test_help_lists_every_field():
-    result = run_script("train.py", ["--help"], timeout=60)
-    assert result.returncode == 0, result.stderr
+def test_help_lists_every_field(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["--help"])
+    assert exit_.value.code == 0
+    help_text = capsys.readouterr().out
     for field in dataclasses.fields(TrainConfig):
-        assert re.search(rf"^\s+--{field.name}=", result.stdout, re.M), f"--help does not list {field.name}"
-    assert "checkpoints go here" in result.stdout  # the field comments are the documentation
+        assert re.search(rf"^\s+--{field.name}=", help_text, re.M), f"--help does not list {field.name}"
+    assert "checkpoints go here" in help_text  # the field comments are the documentation
+
+
+def test_deprecated_backend_key_sets_dist_backend(tmp_path):
+    with pytest.warns(DeprecationWarning, match="^'backend' is deprecated; use dist_backend='gloo'$"):
+        assert load_config(TrainConfig(), ["--backend=gloo"], DEPRECATED).dist_backend == "gloo"
+    path = tmp_path / "ddp.py"
+    path.write_text('backend = "gloo"\n')
+    with pytest.warns(DeprecationWarning, match="'backend' is deprecated"):
+        assert load_config(TrainConfig(), [str(path)], DEPRECATED).dist_backend == "gloo"
+    assert load_config(TrainConfig(), ["--dist_backend=gloo"], DEPRECATED).dist_backend == "gloo"
 
 
 def test_default_config_file_equals_train_config_defaults():
@@ -159,7 +172,7 @@ def test_learning_rate_constant_without_decay():
     assert {learning_rate_at(it, cfg) for it in (0, 5, 10, 50, 100, 500)} == {cfg.learning_rate}
 
 
-# ---- MFU peak FLOP/s ----
+# ---- MFU ----
 
 
 @pytest.mark.parametrize(
@@ -185,6 +198,12 @@ def test_peak_flops_for_unknown_gpu_cpu_and_override(monkeypatch):
     assert peak_flops_for(torch.device("cpu"), torch.float32, 5e11) == (5e11, "")
 
 
+def test_mfu_is_model_flops_over_the_peak_of_all_devices():
+    assert model_flops_utilization(4e14, 2.0, 1e15) == pytest.approx(0.2)
+    assert model_flops_utilization(4e14, 2.0, 1e15, devices=4) == pytest.approx(0.05)
+    assert model_flops_utilization(4e14, 2.0, 0.0) is None  # no known peak: MFU n/a
+
+
 # ---- exact resume after kill -9 ----
 
 
@@ -198,33 +217,33 @@ def iter_fields(output: str) -> dict[int, str]:
     return found
 
 
-def test_exact_resume_after_kill_9(char_data, tmp_path):
+def test_exact_resume_after_kill_9(char_data, tmp_path, capsys):
     """2N iterations straight == N, kill -9 (no clean exit), resume to 2N: the same losses and learning
-    rates at every iteration after N. Dropout is on, so the RNG streams must be restored too."""
+    rates at every iteration after N. Dropout is on, so the RNG streams must be restored too. Only the
+    killed run needs a process of its own; the straight and resumed runs are in-process, on one thread
+    like the child, so all three compute bit for bit alike."""
     n = 60  # > the ~50 log lines the one-page pipe holds: the killed run blocks long before its save at 2N
     common = (f"--max_iters={2 * n}", f"--eval_interval={n}", "--always_save_checkpoint=true", "--dropout=0.1")
     killed_out = tmp_path / "killed"
-    with (
-        Child("train.py", tiny_args(char_data, tmp_path / "straight", *common)) as straight,
-        Child("train.py", tiny_args(char_data, killed_out, *common)) as killed,
-    ):
+    with Child("train.py", tiny_args(char_data, killed_out, *common)) as killed:
+        capsys.readouterr()
+        assert train.main(tiny_args(char_data, tmp_path / "straight", *common)) == 0  # while the child starts
+        straight_output = capsys.readouterr().out
         killed.wait_for(lambda line: line.startswith("saved ") and f"(iter {n}," in line)
         assert killed.proc.poll() is None
         os.kill(killed.pid, signal.SIGKILL)
         killed_code, killed_output = killed.finish(timeout=60)
-        straight_code, straight_output = straight.finish(timeout=180)
     assert killed_code == -signal.SIGKILL
-    assert straight_code == 0, straight_output
     assert load_checkpoint(killed_out / "ckpt.pt")["iter_num"] == n
     assert f"(iter {2 * n}," not in killed_output
 
-    resumed = run_script("train.py", tiny_args(char_data, killed_out, *common, "--init_from=resume"))
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert f"resuming at iter {n}" in resumed.stdout
-    want, got = iter_fields(straight_output), iter_fields(resumed.stdout)
+    assert train.main(tiny_args(char_data, killed_out, *common, "--init_from=resume")) == 0
+    resumed_output = capsys.readouterr().out
+    assert f"resuming at iter {n}" in resumed_output
+    want, got = iter_fields(straight_output), iter_fields(resumed_output)
     assert sorted(got) == list(range(n + 1, 2 * n + 1))
     assert [got[k] for k in got] == [want[k] for k in got]
-    assert lines_starting(resumed.stdout, f"eval {2 * n} ") == lines_starting(straight_output, f"eval {2 * n} ")
+    assert lines_starting(resumed_output, f"eval {2 * n} ") == lines_starting(straight_output, f"eval {2 * n} ")
     before_kill = iter_fields(killed_output)
     assert all(before_kill[k] == want[k] for k in range(1, n + 1))
 
@@ -232,11 +251,9 @@ def test_exact_resume_after_kill_9(char_data, tmp_path):
 # ---- datasets: auto-prepare and unknown names ----
 
 
-def test_find_data_unknown_dataset_lists_known_ones():
-    cfg = TrainConfig(dataset="no_such_dataset", data_dir="")
-    runtime = train.Runtime(torch.device("cpu"), torch.float32)
-    with pytest.raises(UsageError) as error:
-        train.find_data(cfg, runtime)
+def test_ensure_dataset_unknown_dataset_lists_known_ones():
+    with pytest.raises(DataError) as error:
+        loader.ensure_dataset("no_such_dataset")
     message = str(error.value)
     assert "no_such_dataset" in message and "shakespeare_char" in message and "--data_dir" in message
 
@@ -251,19 +268,20 @@ def test_missing_bins_run_the_dataset_prepare(monkeypatch, tmp_path, capsys):
         calls.append(argv)
         prepare_text("the king and the queen speak of love and death.\n" * 40, root / "fakeds", "char")
 
-    real_import = train.importlib.import_module
+    real_import = loader.importlib.import_module
 
     def import_module(name, *args):
         if name == "data.fakeds.prepare":
             return types.SimpleNamespace(main=fake_prepare_main)
         return real_import(name, *args)
 
-    monkeypatch.setattr(train, "DATA_ROOT", root)
-    monkeypatch.setattr(train.importlib, "import_module", import_module)
+    monkeypatch.setattr(loader, "DATA_ROOT", root)
+    monkeypatch.setattr(common, "DATA_ROOT", root)  # prepare_command names the datasets it finds there
+    monkeypatch.setattr(loader.importlib, "import_module", import_module)
     argv = ["--dataset=fakeds", f"--out_dir={tmp_path / 'out'}", *TINY_MODEL, "--max_iters=2", "--eval_interval=2"]
     assert train.main(argv) == 0
     out = capsys.readouterr().out
-    assert f"{root / 'fakeds'}: train.bin, val.bin, meta.json missing; running python -m data.fakeds.prepare" in out
+    assert f"{root / 'fakeds'}: train.bin, val.bin, meta.json missing; running python data/fakeds/prepare.py" in out
     assert calls == [[]]
     assert "iter 2 |" in out
 
