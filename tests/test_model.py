@@ -12,11 +12,12 @@ import torch
 import torch.nn.functional as F
 
 import model
+from attention import Need
 from helpers import REPO as ROOT
 from helpers import tiny_config
 from model import GPT, GPTConfig
 
-ALL_NAMES = model.BACKENDS + tuple(model.ALIASES)
+ALL_NAMES = model.backend_names() + tuple(model.aliases())
 
 
 def tiny_model(seed=0, **overrides) -> GPT:
@@ -69,7 +70,7 @@ def test_valid_config_keeps_values():
 # ---- backend names, aliases, deprecation -------------------------------------------------------
 
 
-@pytest.mark.parametrize("alias, canonical", sorted(model.ALIASES.items()))
+@pytest.mark.parametrize("alias, canonical", sorted(model.aliases().items()))
 def test_aliases_map_to_canonical_names(alias, canonical):
     assert tiny_config(attention_backend=alias).attention_backend == canonical
     assert tiny_config(attention_backend=alias.upper()).attention_backend == canonical
@@ -77,7 +78,7 @@ def test_aliases_map_to_canonical_names(alias, canonical):
 
 
 def test_canonical_names_map_to_themselves():
-    for name in model.BACKENDS:
+    for name in model.backend_names():
         assert model.canonical_backend(name) == name
 
 
@@ -91,7 +92,7 @@ def test_use_flash_attention_is_deprecated(value, backend):
 def test_unknown_backend_name_lists_every_choice():
     for make in (
         lambda: tiny_config(attention_backend="flash"),
-        lambda: model.resolve_attention_backend("flash", "cpu", torch.float32),
+        lambda: model.resolve("flash", Need("cpu", torch.float32)),
     ):
         with pytest.raises(ValueError, match="unknown attention_backend 'flash'") as info:
             make()
@@ -352,7 +353,7 @@ def test_documents_do_not_see_each_other(name):
 def test_python_model_py_reports_every_backend():
     result = subprocess.run([sys.executable, "model.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    for name in model.BACKENDS[1:]:
+    for name in model.BACKENDS:
         assert f"  {name} " in result.stdout, name
     assert "auto picks" in result.stdout
 
@@ -372,7 +373,7 @@ def test_attention_report_keys():
         "auto_long",
     }
     assert report["device"] == "cpu" and report["dtype"] == "float32" and report["torch"] == torch.__version__
-    assert set(report["backends"]) == set(model.BACKENDS) - {"auto"}
+    assert set(report["backends"]) == set(model.BACKENDS)
     for name, row in report["backends"].items():
         assert set(row) == {"available", "version", "why"}, name
         assert row["available"] == (row["why"] == ""), name
@@ -404,7 +405,7 @@ def test_tiny_gpt_trains_on_cuda_under_bf16_autocast(monkeypatch, name):
         losses.append(loss.item())
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0] - 0.05, losses
-    assert all(key[1] == torch.bfloat16 and key[0].type == "cuda" for key in gpt._resolutions)
+    assert gpt.attention_device.type == "cuda" and "cuda/bfloat16" in gpt.attention[False].resolution.reason
 
 
 @pytest.mark.gpu
@@ -415,10 +416,8 @@ def test_cpu_built_model_resolves_for_cuda_bf16():
     device = torch.device("cuda", torch.cuda.current_device())
     with torch.autocast("cuda", dtype=torch.bfloat16):
         logits, _ = gpt(tokens(2, 8, device="cuda"))
-        _, resolution = gpt.attention_for(device)
     assert logits.device.type == "cuda" and torch.isfinite(logits).all()
-    assert "cuda/bfloat16" in resolution.reason
-    assert any(key[0].type == "cuda" and torch.bfloat16 in key for key in gpt._resolutions)
+    assert gpt.attention_device == device and "cuda/bfloat16" in gpt.attention[False].resolution.reason
 
 
 @pytest.mark.gpu
@@ -427,7 +426,7 @@ def test_flash_backends_compile_without_breaks_per_layer(name):
     """torch.compile keeps the flash kernels in the graph: as many graphs as with sdpa. (A traced package
     lookup once broke flash-attn 2's graph at every layer; flash-attn-4 needs its custom ops for this.)"""
     device = torch.device("cuda", torch.cuda.current_device())
-    problem = model.backend_problem(name, device, torch.bfloat16, backward=True, head_dim=64)
+    problem = model.BACKENDS[name].problem(Need(device, torch.bfloat16, 64))
     if problem:
         pytest.skip(problem)
     idx = tokens(2, 64, device="cuda")
