@@ -8,10 +8,11 @@
 
 Every cell (head dim, sequence length, documents or not) gets fresh random inputs with the same number of
 tokens per call (batch = tokens // T, at least 1) and H = 16 heads for both head dims (so H*D is 1024 or
-2048), so the work per call, B*T^2 = tokens*T, grows linearly in T. Each backend runs through the very function the
-model calls (model.ATTENTION_FUNCTIONS / sdpa_attention(kernel=...)); `auto` is what resolve_attention_backend
-picks for training here. A backend that cannot run a cell records why ('OOM', the resolver's reason, or the
-exception's first line) in `status`; cells the --budget leaves no time for say so too.
+2048), so the work per call, B*T^2 = tokens*T, grows linearly in T. Each backend runs through the very
+function the model calls (model.BACKENDS[name].kernel / sdpa_attention(kernel=...)); `auto` is what
+model.resolve picks for training here, from the card's table (config/attention_auto.json; not timed at
+setup). A backend that cannot run a cell records why ('OOM', the resolver's reason, or the exception's
+first line) in `status`; cells the --budget leaves no time for say so too.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 import torch._dynamo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from attention import AttentionMask, Need, sdpa_attention, sdpa_kernel_problem  # noqa: E402
 from bench.report import (  # noqa: E402
     DEFAULT_OUT,
     Budget,
@@ -43,14 +45,7 @@ from bench.report import (  # noqa: E402
     synchronize,
     write_results,
 )
-from model import (  # noqa: E402
-    AttentionMask,
-    attention_function,
-    backend_problem,
-    resolve_attention_backend,
-    resolve_sdpa_kernel,
-    sdpa_attention,
-)
+from model import BACKENDS, resolve  # noqa: E402
 
 SDPA_VARIANTS = ("sdpa:auto", "sdpa:flash", "sdpa:cudnn", "sdpa:efficient", "sdpa:math")
 ALL_BACKENDS = ("manual", *SDPA_VARIANTS, "flex_attention", "flash_attn_2", "flash_attn_3", "flash_attn_4", "auto")
@@ -152,23 +147,19 @@ class Plan:
 
 
 def plan_backend(backend: str, cell: Cell, device: torch.device) -> Plan:
-    use = dict(doc_mask=cell.docs, head_dim=cell.head_dim)
-    if backend == "auto":  # resolved for training (backward=True), as the model resolves it
-        resolution = resolve_attention_backend("auto", device, cell.dtype, cell.seq_len, backward=True, **use)
-        return Plan(attention_function(resolution.used), resolution.used, "", "")
+    def need(training: bool) -> Need:
+        return Need(device, cell.dtype, cell.head_dim, cell.docs, training=training, seq_len=cell.seq_len)
+
+    if backend == "auto":  # resolved for training, as the model resolves it
+        used = resolve("auto", need(True)).used
+        return Plan(BACKENDS[used].kernel, used, "", "")
     if backend.startswith("sdpa:"):
         kernel = backend.split(":", 1)[1]
-        problem = (
-            backend_problem("sdpa", device, cell.dtype, **use)
-            or resolve_sdpa_kernel(kernel, device, cell.dtype, doc_mask=cell.docs).reason
-        )  # pinned: never let PyTorch pick another
+        # pinned: never let PyTorch pick another
+        problem = BACKENDS["sdpa"].problem(need(False)) or sdpa_kernel_problem(kernel, need(False))
         return Plan(functools.partial(sdpa_attention, kernel=kernel), backend, problem, problem)
-    return Plan(
-        attention_function(backend),
-        backend,
-        backend_problem(backend, device, cell.dtype, backward=False, **use),
-        backend_problem(backend, device, cell.dtype, backward=True, **use),
-    )
+    record = BACKENDS[backend]
+    return Plan(record.kernel, backend, record.problem(need(False)), record.problem(need(True)))
 
 
 def attention_flops(batch: int, heads: int, seq_len: int, head_dim: int) -> tuple[float, float]:
