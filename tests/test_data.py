@@ -5,15 +5,17 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from data import common, tokenizer
+from data import atomic, common, tokenizer
 from data.common import DataError, open_split, read_meta, shakespeare_text, strip_gutenberg, write_dataset, write_split
 from data.tokenizer import EOT, EOT_ID, gpt2_encoding, load_tokenizer
+from helpers import run_script, subprocess_env
 
 SAMPLE_TEXT = (
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
@@ -27,7 +29,7 @@ def read_bin(path: Path) -> np.ndarray:
 
 
 def no_tmp_files(folder: Path) -> bool:
-    return not list(folder.rglob("*.tmp"))
+    return not [path for path in folder.rglob("*") if atomic.TMP_MARKER in path.name]
 
 
 @pytest.fixture
@@ -59,6 +61,52 @@ def test_char_prepare_roundtrip(tmp_path):
     _, decode = load_tokenizer(meta)
     assert decode(train) + decode(val) == SAMPLE_TEXT
     assert no_tmp_files(tmp_path)
+
+
+def test_char_prepare_runs_as_a_script(tmp_path):
+    """nanoGPT's `python data/shakespeare_char/prepare.py`, not only `python -m data.shakespeare_char.prepare`."""
+    text_file = tmp_path / "input.txt"
+    text_file.write_text(SAMPLE_TEXT, encoding="utf-8")
+    out_dir = tmp_path / "out"
+    result = run_script("data/shakespeare_char/prepare.py", ["--input", str(text_file), "--out_dir", str(out_dir)])
+    assert result.returncode == 0, result.stderr
+    assert f"wrote {out_dir}/{{train.bin,val.bin,meta.json}}" in result.stdout
+    meta = read_meta(out_dir)
+    _, decode = load_tokenizer(meta)
+    assert decode(read_bin(out_dir / "train.bin")) + decode(read_bin(out_dir / "val.bin")) == SAMPLE_TEXT
+
+
+RUN_AS_SCRIPTS = """
+import runpy, sys
+path = list(sys.path)
+for script in sys.argv[1:]:
+    sys.path[:] = path  # each script on its own: no repo root, no repo package left by the one before
+    for name in [name for name in sys.modules if name == "data" or name.startswith("data.")]:
+        del sys.modules[name]
+    sys.argv = [script, "--help"]
+    try:
+        runpy.run_path(script, run_name="__main__")  # as `python <script>` runs it
+    except SystemExit as done:
+        assert done.code == 0, script
+    print("ok", script, flush=True)
+"""
+
+
+def test_every_prepare_script_runs_as_a_script_from_anywhere(tmp_path):
+    """Each data/*/prepare.py --help run as a script from a folder outside the repo, in one interpreter (two
+    of them import the `datasets` package, which takes seconds)."""
+    scripts = sorted(str(path) for path in common.DATA_ROOT.glob("*/prepare.py"))
+    assert len(scripts) >= 4
+    result = subprocess.run(
+        [sys.executable, "-c", RUN_AS_SCRIPTS, *scripts],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert [line for line in result.stdout.splitlines() if line.startswith("ok ")] == [f"ok {s}" for s in scripts]
 
 
 def test_gpt2_prepare_roundtrip(tmp_path):
@@ -259,7 +307,7 @@ def test_open_split_errors_name_the_fix(prepared, problem, message):
     with pytest.raises(DataError) as error:
         open_split(prepared, "val", block_size=16)
     assert message in str(error.value)
-    assert f"python -m data.shakespeare_char.prepare --out_dir {prepared}" in str(error.value)
+    assert f"python data/shakespeare_char/prepare.py --out_dir {prepared}" in str(error.value)
     assert "\n" not in str(error.value)
 
 
@@ -271,9 +319,9 @@ def test_open_split_too_short_and_model_vocab(prepared):
 
 
 def test_prepare_command_for_default_and_custom_folders(tmp_path):
-    assert common.prepare_command(common.DATA_ROOT / "shakespeare") == "python -m data.shakespeare.prepare"
+    assert common.prepare_command(common.DATA_ROOT / "shakespeare") == "python data/shakespeare/prepare.py"
     custom = tmp_path / "mine"
-    assert common.prepare_command(custom) == f"python -m data.<dataset>.prepare --out_dir {custom}"
+    assert common.prepare_command(custom) == f"python data/<dataset>/prepare.py --out_dir {custom}"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -312,7 +360,7 @@ def test_interrupted_write_keeps_the_old_file(tmp_path, monkeypatch):
     def replace_fails(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(common.os, "replace", replace_fails)
+    monkeypatch.setattr(atomic.os, "replace", replace_fails)
     with pytest.raises(OSError, match="disk full"):
         write_split(path, np.arange(5))
     assert path.read_bytes() == good and no_tmp_files(tmp_path)

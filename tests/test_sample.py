@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 
 import sample
-from helpers import run_script
+from helpers import REPO, subprocess_env
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -21,16 +23,39 @@ def samples(stdout: str) -> list[str]:
     return parts[:-1]
 
 
-def test_sample_cli(trained_out):
-    result = run_script(
-        "sample.py", [f"--out_dir={trained_out}", "--num_samples=2", "--max_new_tokens=20", "--device=cpu"], timeout=60
+@pytest.fixture(scope="module")
+def cli_run(trained_out) -> tuple[subprocess.CompletedProcess, str, set[str]]:
+    """`python sample.py ...` once, with the interpreter listing each module it imports (PYTHONPROFILEIMPORTTIME
+    lines on stderr): (the run, stderr without those lines, the names of the imported modules)."""
+    argv = [f"--out_dir={trained_out}", "--num_samples=2", "--max_new_tokens=20", "--device=cpu"]
+    result = subprocess.run(
+        [sys.executable, "sample.py", *argv],
+        cwd=REPO,
+        env={**subprocess_env(), "PYTHONPROFILEIMPORTTIME": "1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
-    assert result.returncode == 0, result.stderr
+    import_lines = [line for line in result.stderr.splitlines() if line.startswith("import time:")]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in import_lines}
+    stderr = "\n".join(line for line in result.stderr.splitlines() if not line.startswith("import time:"))
+    return result, stderr, imported
+
+
+def test_sample_cli(cli_run):
+    result, stderr, _ = cli_run
+    assert result.returncode == 0, stderr
     texts = samples(result.stdout)
     assert len(texts) == 2
     assert all(len(text) == 1 + 20 and text.startswith("\n") for text in texts)  # the "\n" prompt + 20 chars
-    assert re.search(r"^40 tokens in \d+\.\d s \([\d,]+ tokens/s\)$", result.stderr, re.M), result.stderr
-    assert "Traceback" not in result.stderr
+    assert re.search(r"^40 tokens in \d+\.\d s \([\d,]+ tokens/s\)$", stderr, re.M), stderr
+    assert "Traceback" not in stderr
+
+
+def test_sample_does_not_import_train(cli_run):
+    _, _, imported = cli_run
+    assert {"runtime", "model", "checkpoint"} <= imported  # the list is real
+    assert "train" not in imported  # sampling needs no training code: device and dtype come from runtime.py
 
 
 def run_sample(capsys, *argv: str) -> tuple[int, str, str]:
