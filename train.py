@@ -429,12 +429,12 @@ def evaluate_and_maybe_save(state: TrainState, batches: Batches, meta: dict, wan
     improved = losses["val"] < state.best_val_loss
     state.best_val_loss = min(state.best_val_loss, losses["val"])
     if it > 0 and (improved or cfg.always_save_checkpoint):
-        path = save(state, batches, meta, improved)
+        path = write_checkpoint(state, batches, meta, improved)
         if runtime.master:
             print(f"saved {path} (iter {it}, val {losses['val']:.4f})", flush=True)
 
 
-def save(state: TrainState, batches: Batches, meta: dict, is_best: bool) -> Path:
+def write_checkpoint(state: TrainState, batches: Batches, meta: dict, is_best: bool) -> Path:
     """Write a checkpoint from rank 0, with every rank's RNG and data position; returns out_dir/ckpt.pt."""
     cfg, runtime = state.cfg, state.runtime
     ranks = [{"rng": capture_rng(), "data": batches.state_before_last}]  # draws the next step's batch
@@ -532,7 +532,7 @@ def log_step(state: TrainState, step: Step, throughput: Throughput, wandb) -> No
 
 
 def save_and_exit_on_signal(state: TrainState, batches: Batches, meta: dict) -> None:
-    path = save(state, batches, meta, is_best=False)
+    path = write_checkpoint(state, batches, meta, is_best=False)
     if state.runtime.master:
         signal_name = state.stop.signal_name or "a stop signal"  # another rank may have got it
         print(f"received {signal_name}; saved {path} at iter {state.iter_num}; exiting", flush=True)
