@@ -297,7 +297,8 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     scaler = torch.amp.GradScaler(
         device.type, init_scale=2.0**16 if scaled else 1.0, enabled=device.type in ("cuda", "cpu")
     )
-    eval_model = torch.compile(model) if compile_enabled(cfg, device) else model
+    use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
+    eval_model = torch.compile(model) if use_compile else model
     train_model = eval_model
     if runtime.ddp:
         from torch.nn.parallel import DistributedDataParallel
@@ -306,10 +307,6 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     return TrainState(
         cfg, runtime, model, eval_model, train_model, optimizer, scaler, StopFlags(runtime), next_batch, attention
     )
-
-
-def compile_enabled(cfg: TrainConfig, device: torch.device) -> bool:
-    return cfg.compile if cfg.compile is not None else device.type == "cuda"
 
 
 def train_step(state: TrainState) -> Step:

@@ -109,6 +109,7 @@ def test_same_seed_same_text(trained_out, capsys):
         (["--start=FILE:{tmp}/missing.txt"], "missing.txt"),
         (["--start="], "prompt is empty"),
         (["--device=cuda"], "CUDA is not available"),
+        (["--dtype=float64"], "unknown dtype 'float64'"),
         (["--tempreature=0.5"], "did you mean: temperature"),
     ],
     ids=[
@@ -121,6 +122,7 @@ def test_same_seed_same_text(trained_out, capsys):
         "missing-prompt-file",
         "empty-prompt",
         "cuda",
+        "unknown-dtype",
         "misspelled-key",
     ],
 )
