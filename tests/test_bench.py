@@ -1,7 +1,7 @@
 """The benches (bench/): both --quick runs end to end, the README table, and the checks of the targets.
 
-The two quick runs start together in one fixture (each uses one CPU thread) and take ~20 s; the rest is
-pure Python on small synthetic results.
+The three end-to-end runs (both --quick benches and compare_backends.sh) start together in one fixture;
+the rest is pure Python on small synthetic results.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import sys
 import pytest
 import torch
 
-import model
-from bench import readme_table
+from bench import readme_table, report
 from bench.report import card_slug, parse_log_line
 from helpers import REPO as ROOT
 from train import format_log_line
@@ -62,24 +61,56 @@ TRAIN_FIELDS = (
 )
 
 
-# ---- the quick runs ---------------------------------------------------------------------------
+# ---- the end-to-end runs --------------------------------------------------------------------
+
+COMPARE_ARGUMENTS = (
+    "--n_layer=1",
+    "--n_head=2",
+    "--n_embd=32",
+    "--block_size=16",
+    "--batch_size=4",
+    "--max_iters=4",
+    "--log_interval=2",
+    "--device=cpu",
+)
 
 
 @pytest.fixture(scope="module")
-def quick_runs(tmp_path_factory):
-    """{name: (results dict, out folder)} for bench_attention.py and bench_train.py --quick, run in parallel."""
-    runs = {}
-    for script, name in (("bench_attention.py", "attention-quick"), ("bench_train.py", "train-quick")):
+def runs(char_data, tmp_path_factory):
+    """{name: (exit code, stdout, stderr, out folder)} of bench_attention.py --quick, bench_train.py --quick and
+    compare_backends.sh (sdpa, manual). Started together: each uses one CPU thread and most of their time is
+    importing torch, so on two cores they take about as long as the longest alone."""
+    commands = {
+        # the shortest timings that still time: these tests check rows and statuses, not speed
+        "attention-quick": [sys.executable, "bench/bench_attention.py", "--quick", "--warmup-ms", "1", "--rep-ms", "5"],
+        "train-quick": [sys.executable, "bench/bench_train.py", "--quick"],
+        "compare": ["bash", "bench/compare_backends.sh", f"--data_dir={char_data}", *COMPARE_ARGUMENTS],
+    }
+    started = {}
+    for name, command in commands.items():
         out = tmp_path_factory.mktemp(name)
-        command = [sys.executable, str(ROOT / "bench" / script), "--quick", "--out", str(out)]
-        runs[name] = (
-            subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
-            out,
-        )
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        if name == "compare":
+            # TMPDIR: the script's log folder lands in out, not in /tmp
+            env.update(BACKENDS="sdpa manual", OUT_DIR=str(out), PYTHON=sys.executable, TMPDIR=str(out))
+        else:
+            command = [*command, "--out", str(out)]
+        with open(out / "stdout.txt", "w") as stdout, open(out / "stderr.txt", "w") as stderr:
+            started[name] = (subprocess.Popen(command, cwd=ROOT, env=env, stdout=stdout, stderr=stderr), out)
+    finished = {}
+    for name, (process, out) in started.items():
+        code = process.wait(timeout=240)
+        finished[name] = (code, (out / "stdout.txt").read_text(), (out / "stderr.txt").read_text(), out)
+    return finished
+
+
+@pytest.fixture(scope="module")
+def quick_runs(runs):
+    """{name: (results dict, out folder)} of the two --quick runs."""
     results = {}
-    for name, (process, out) in runs.items():
-        output, _ = process.communicate(timeout=180)
-        assert process.returncode == 0, f"{name} failed:\n{output[-3000:]}"
+    for name in ("attention-quick", "train-quick"):
+        code, stdout, stderr, out = runs[name]
+        assert code == 0, f"{name} failed:\n{(stdout + stderr)[-3000:]}"
         results[name] = (json.loads((out / f"cpu-{name}.json").read_text()), out)
     return results
 
@@ -228,6 +259,10 @@ def test_readme_update_replaces_only_between_markers(tmp_path):
     plain.write_text("no markers\n")
     assert not readme_table.update_readme(plain, "| new |") and plain.read_text() == "no markers\n"
     assert not readme_table.update_readme(tmp_path / "missing.md", "| new |")
+    quoted = tmp_path / "QUOTED.md"  # a marker named in a sentence is not where the table goes
+    quoted.write_text(f"see `{start}` below\n{start}\nold\n{end}\n")
+    assert readme_table.update_readme(quoted, "| new |")
+    assert quoted.read_text() == f"see `{start}` below\n{start}\n| new |\n{end}\n"
 
 
 def check_lines(results: dict) -> tuple[bool, list[str]]:
@@ -258,54 +293,36 @@ def test_checks_catch_a_slow_auto_and_a_quadratic_backend(tmp_path):
     assert readme_table.main([str(path), "--check"]) == 0
 
 
-def test_compare_backends_tabulates_each_backends_last_log_line(char_data, tmp_path):
-    env = {
-        **os.environ,
-        "BACKENDS": "sdpa manual",
-        "OUT_DIR": str(tmp_path),
-        "PYTHON": sys.executable,
-        "OMP_NUM_THREADS": "1",
-    }
-    arguments = [
-        f"--data_dir={char_data}",
-        "--n_layer=2",
-        "--n_head=2",
-        "--n_embd=32",
-        "--block_size=16",
-        "--batch_size=4",
-        "--max_iters=4",
-        "--log_interval=2",
-        "--device=cpu",
-    ]
-    result = subprocess.run(
-        ["bash", "bench/compare_backends.sh", *arguments],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stderr
-    rows = {line.split("|")[1].strip(): line for line in result.stdout.splitlines() if line.startswith("| ")}
+def test_compare_backends_tabulates_each_backends_last_log_line(runs, tmp_path):
+    """One real run of the script for two backends; KEEP_ROWS is checked on a re-tabulation of one of its
+    logs, which is what a re-run of that backend hands to the same function."""
+    code, stdout, stderr, out = runs["compare"]
+    assert code == 0, stderr
+    rows = {line.split("|")[1].strip(): line for line in stdout.splitlines() if line.startswith("| ")}
     assert set(rows) >= {"sdpa", "manual"}
     for backend in ("sdpa", "manual"):
         cells = [c.strip() for c in rows[backend].split("|")[1:-1]]
         assert cells[1] == backend and cells[2] == "4" and cells[-1] == "ok", rows[backend]
-    saved = json.loads((tmp_path / "cpu-compare_backends.json").read_text())
+    saved = json.loads((out / "cpu-compare_backends.json").read_text())
     assert [r["backend"] for r in saved["rows"]] == ["sdpa", "manual"]
-    # KEEP_ROWS=1: a later run of one backend keeps the other's row from the earlier file
-    result = subprocess.run(
-        ["bash", "bench/compare_backends.sh", *arguments],
-        cwd=ROOT,
-        capture_output=True,
-        env={**env, "BACKENDS": "manual", "KEEP_ROWS": "1"},
-        text=True,
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stderr
+    assert saved["header"]["command"].startswith('BACKENDS="sdpa manual" bench/compare_backends.sh --data_dir=')
+    (logs,) = out.glob("compare_backends.*")
+    assert f"logs in {logs}" in stderr
+
+    # KEEP_ROWS=1: re-running one backend keeps the other's row from the earlier file
+    (tmp_path / "cpu-compare_backends.json").write_text(json.dumps(saved))
+    report.tabulate_compare_logs(logs, tmp_path, ["manual"], "re-run of manual", keep_rows=True)
     merged = json.loads((tmp_path / "cpu-compare_backends.json").read_text())
     assert [r["backend"] for r in merged["rows"]] == ["sdpa", "manual"]
     assert merged["rows"][0] == saved["rows"][0] and "kept_rows_from" in merged["header"]
+    report.tabulate_compare_logs(logs, tmp_path, ["manual"], "re-run of manual", keep_rows=False)
+    alone = json.loads((tmp_path / "cpu-compare_backends.json").read_text())
+    assert [r["backend"] for r in alone["rows"]] == ["manual"]
+
+
+def test_compare_row_records_a_failed_run_with_its_last_line():
+    row = report.compare_row("flash_attn_2", "INFO: attention backend: sdpa\nerror: no such thing\n", 2)
+    assert row == {"backend": "flash_attn_2", "runs": "sdpa", "status": "exit 2: error: no such thing"}
 
 
 def test_checks_catch_a_wrong_forward():
@@ -330,43 +347,6 @@ def test_memory_of_auto_is_checked_per_kernel_it_ran():
     assert ok, "\n".join(lines)
     assert any("auto→flex_attention D=64" in line for line in lines)
     assert any("auto→sdpa D=64" in line and "T^1.00" in line for line in lines)
-
-
-def test_fit_auto_takes_flash_attn_4_from_where_it_wins_at_every_longer_length():
-    from bench import fit_auto
-
-    def row(backend, d, t, ms, docs=False):
-        return {"backend": backend, "head_dim": d, "seq_len": t, "docs": docs, "fwd_bwd_ms": ms}
-
-    rows = [row("sdpa:auto", 64, t, 1.0) for t in (1024, 2048, 4096, 8192)]
-    rows += [row("flash_attn_4", 64, t, ms) for t, ms in ((1024, 0.9), (2048, 1.1), (4096, 0.9), (8192, 0.8))]
-    rows += [row("flex_attention", 128, t, 1.0, True) for t in (1024, 4096)]
-    rows += [row("flash_attn_4", 128, 1024, 0.5, True), row("flash_attn_4", 128, 4096, 0.7, True)]
-    # 1024 wins but 2048 loses: the table starts at 4096, the first length of the winning run to the end
-    assert fit_auto.fit({"rows": rows}) == {("causal", 64): 4096, ("documents", 256): 1024}
-    rows.append(row("flash_attn_4", 64, 16384, None))  # an unmeasured cell changes nothing
-    rows += [row("sdpa:auto", 64, 32768, 1.0), row("flash_attn_4", 64, 32768, 2.0)]
-    with pytest.raises(ValueError, match="does not beat sdpa:auto at the longest"):
-        fit_auto.fit({"rows": rows})
-
-
-def test_fit_auto_writes_the_table_model_py_reads():
-    from bench import fit_auto
-
-    text = fit_auto.MODEL_FILE.read_text()
-    assert fit_auto.table_source(model.SM90_FLASH_ATTN_4_FROM) in text  # --write would change nothing
-    namespace = {}
-    exec(fit_auto.table_source({("causal", 64): 512, ("causal", 256): 2048}), namespace)
-    assert namespace["SM90_FLASH_ATTN_4_FROM"] == {("causal", 64): 512, ("causal", 256): 2048}
-
-
-def test_fit_auto_refuses_a_file_of_another_card(tmp_path, capsys):
-    from bench import fit_auto
-
-    path = tmp_path / "a100-attention.json"
-    path.write_text(json.dumps({"header": {"capability": "sm80"}, "rows": []}))
-    assert fit_auto.main([str(path)]) == 2
-    assert "only sm90" in capsys.readouterr().err
 
 
 def test_graphs_go_to_the_smallest_backends_and_a_failed_capture_times_eagerly(monkeypatch):
