@@ -183,6 +183,7 @@ class Attention(NamedTuple):
 
     kernel: Callable
     resolution: Resolution
+    need: Need  # what it was resolved for
 
 
 # ----------------------------------------------------------------------------------------------
@@ -316,7 +317,7 @@ class GPT(nn.Module):
                 )
             else:
                 kernel = functools.partial(sdpa_attention, kernel=self.config.sdpa_kernel)
-        return Attention(kernel, resolution)
+        return Attention(kernel, resolution, need)
 
     @staticmethod
     def _card_unknown(need: Need) -> bool:
