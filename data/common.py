@@ -2,7 +2,8 @@
 
 A prepared dataset is a folder with
     train.bin, val.bin  token ids as raw little-endian uint16 (nanoGPT's format: np.memmap(path, np.uint16, "r"))
-    meta.json           {"vocab_size", "tokenizer", "dtype", "train_tokens", "val_tokens", ...; char level: "itos"}
+    meta.json           {"vocab_size", "tokenizer", "dtype", "train_tokens", "val_tokens", "train_max_id",
+                        "val_max_id", ...; char level: "itos"}
 meta.json is written last and removed before a rewrite starts, so a folder with meta.json is complete.
 """
 
@@ -16,7 +17,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -58,20 +59,21 @@ def write_split(
     ids: np.ndarray | Iterable[int],
     vocab_size: int = MAX_VOCAB_SIZE,
     chunk_size: int = 1 << 20,
-) -> int:
-    """Write token ids (an array, or any iterable streamed in chunks) to `path` as uint16; return the count."""
+) -> tuple[int, int]:
+    """Write token ids (an array, or any iterable streamed in chunks) to `path` as uint16; return
+    (token count, largest id or -1 when empty): meta.json caches the largest id so readers need not rescan."""
     path = Path(path)
     chunks = [np.asarray(ids)] if isinstance(ids, (np.ndarray, list, tuple)) else _chunks(ids, chunk_size)
-    count = 0
+    count, largest = 0, -1
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         for chunk in chunks:
-            low, high = (int(chunk.min()), int(chunk.max())) if chunk.size else (0, 0)
+            low, high = (int(chunk.min()), int(chunk.max())) if chunk.size else (0, -1)
             if low < 0 or high >= vocab_size:
                 bad = low if low < 0 else high
                 raise DataError(f"{path.name}: token id {bad} is outside [0, {vocab_size}); nothing was written")
             f.write(chunk.astype("<u2").tobytes())  # "<u2": the .bin format is little-endian on every machine
-            count += chunk.size
-    return count
+            count, largest = count + chunk.size, max(largest, high)
+    return count, largest
 
 
 def _chunks(ids: Iterable[int], chunk_size: int):
@@ -90,15 +92,18 @@ def write_meta(out_dir: str | os.PathLike, meta: dict) -> dict:
 
 
 def write_dataset(out_dir: str | os.PathLike, train_ids, val_ids, meta: dict) -> dict:
-    """Write train.bin, val.bin and (last) meta.json with the token counts; return the meta written."""
+    """Write train.bin, val.bin and (last) meta.json with each split's token count and largest id."""
     out_dir = Path(out_dir)
     _check_meta({**meta, "dtype": np.dtype(DTYPE).name}, out_dir / "meta.json")  # fail before touching files
     out_dir.mkdir(parents=True, exist_ok=True)
     # An interrupted rewrite must not leave old meta.json next to new bins: without meta.json nothing loads.
     (out_dir / "meta.json").unlink(missing_ok=True)
-    train_tokens = write_split(out_dir / "train.bin", train_ids, meta["vocab_size"])
-    val_tokens = write_split(out_dir / "val.bin", val_ids, meta["vocab_size"])
-    return write_meta(out_dir, {**meta, "train_tokens": train_tokens, "val_tokens": val_tokens})
+    written = {}
+    for split, ids in (("train", train_ids), ("val", val_ids)):
+        written[f"{split}_tokens"], written[f"{split}_max_id"] = write_split(
+            out_dir / f"{split}.bin", ids, meta["vocab_size"]
+        )
+    return write_meta(out_dir, {**meta, **written})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -108,10 +113,11 @@ def write_dataset(out_dir: str | os.PathLike, train_ids, val_ids, meta: dict) ->
 def read_meta(data_dir: str | os.PathLike) -> dict:
     """Load and validate data_dir/meta.json; DataError if it is missing, not JSON, or lacks a required key."""
     path = Path(data_dir) / "meta.json"
-    if not path.exists():
-        raise DataError(f"{path} is missing; run: {prepare_command(data_dir)}")
+    _check_readable(path, f"run: {prepare_command(data_dir)}")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:  # e.g. removed or made unreadable since the check just above
+        raise DataError(f"{path} cannot be read ({e.strerror or e}); rerun: {prepare_command(data_dir)}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{path} is not valid JSON ({e}); rerun: {prepare_command(data_dir)}") from e
     _check_meta(meta, path)
@@ -136,18 +142,41 @@ def _check_meta(meta, path: Path) -> None:
         raise DataError(f"{path}: char tokenizer needs 'itos', a list of vocab_size={vocab_size} chars; {fix}")
 
 
+def _check_readable(path: Path, fix: str) -> None:
+    """DataError naming `path` unless it is a file this process can open: missing, a directory, no permission,
+    a symlink loop... each become one line instead of a traceback."""
+    try:
+        with open(path, "rb"):
+            pass
+    except FileNotFoundError:
+        raise DataError(f"{path} is missing; {fix}") from None
+    except OSError as e:
+        raise DataError(f"{path} cannot be read ({e.strerror or e}); {fix}") from None
+
+
 def open_split(data_dir: str | os.PathLike, split: str, block_size: int, vocab_size: int | None = None) -> np.memmap:
     """Memory-map data_dir/{split}.bin read-only after checking it can feed blocks of block_size tokens.
 
-    vocab_size (the model's) is checked against the largest id in a sample of the file; meta.json's own
-    vocab_size always is.
+    Every token id must be below meta.json's vocab_size and below vocab_size (the model's), if given. The
+    largest id is meta.json's {split}_max_id when meta.json vouches for this very file, else a scan of it.
     """
     data_dir = Path(data_dir)
     path = data_dir / f"{split}.bin"
     fix = f"run: {prepare_command(data_dir)}"
-    if not path.exists():
-        raise DataError(f"{path} is missing; {fix}")
+    _check_readable(path, fix)
     meta = read_meta(data_dir)
+    try:
+        data, largest = _open_tokens(path, split, block_size, meta, fix)
+    except OSError as e:  # an I/O error while scanning, or a file replaced since it was checked
+        raise DataError(f"{path} cannot be read ({e.strerror or e}); {fix}") from None
+    limit = min(meta["vocab_size"], vocab_size or MAX_VOCAB_SIZE)
+    if largest >= limit:
+        raise DataError(f"{path} holds token id {largest} >= vocab_size {limit} (dataset and model disagree); re{fix}")
+    return data
+
+
+def _open_tokens(path: Path, split: str, block_size: int, meta: dict, fix: str) -> tuple[np.memmap, int]:
+    """(the split's tokens memory-mapped, its largest id) after the size checks."""
     size = path.stat().st_size
     if size == 0:
         raise DataError(f"{path} is empty; re{fix}")
@@ -164,21 +193,26 @@ def open_split(data_dir: str | os.PathLike, split: str, block_size: int, vocab_s
             f"(lower block_size or use more text); {fix}"
         )
     data = np.memmap(path, dtype=DTYPE, mode="r")
-    limit = min(meta["vocab_size"], vocab_size or MAX_VOCAB_SIZE)
-    largest = _sampled_max(data)
-    if largest >= limit:
-        raise DataError(f"{path} holds token id {largest} >= vocab_size {limit} (dataset and model disagree); re{fix}")
-    return data
+    cached = meta.get(f"{split}_max_id")
+    # meta.json vouches only for the bins written before it: a bin edited later (newer mtime) is scanned again.
+    vouched = expected == num_tokens and path.stat().st_mtime_ns <= (path.parent / "meta.json").stat().st_mtime_ns
+    if vouched and isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
+        return data, cached
+    return data, largest_token_id(path)
 
 
-def _sampled_max(data: np.ndarray, num_chunks: int = 64, chunk_size: int = 16_384) -> int:
-    """Largest id in <= 1M tokens read as 64 contiguous chunks spread over the file, first and last included.
+def largest_token_id(path: str | os.PathLike, chunk_tokens: int = 1 << 24) -> int:
+    """The largest id in a .bin, read in chunks of 16M tokens (32 MB): every token counts, as any one id out
+    of range would crash the batch that draws it (on a GPU, as a device-side assert).
 
-    Contiguous chunks read ~2 MB from disk; a plain stride would touch one page per sampled token.
+    Plain reads rather than a memmap: an I/O error is then an OSError, not a SIGBUS that kills the process.
     """
-    chunk_size = min(chunk_size, len(data))
-    starts = np.unique(np.linspace(0, len(data) - chunk_size, num_chunks, dtype=np.int64))
-    return max(int(data[start : start + chunk_size].max()) for start in starts)
+    largest = -1
+    with open(path, "rb") as f:
+        buffer = np.empty(max(1, min(chunk_tokens, os.fstat(f.fileno()).st_size // 2)), dtype="<u2")
+        while count := f.readinto(memoryview(buffer).cast("B")) // buffer.itemsize:
+            largest = max(largest, int(buffer[:count].max()))
+    return largest
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -275,13 +309,53 @@ def read_text_file(path: str | os.PathLike) -> str:
         return Path(path).read_text(encoding="utf-8")
     except FileNotFoundError as e:
         raise DataError(f"--input {path}: no such file") from e
+    except OSError as e:  # a directory, no permission, ...
+        raise DataError(f"--input {path} cannot be read ({e.strerror or e})") from None
     except UnicodeDecodeError as e:
         raise DataError(f"--input {path} is not UTF-8 text ({e.reason} at byte {e.start})") from e
 
 
+def make_out_dir(out_dir: Path) -> None:
+    """Create --out_dir up front, so that a bad path fails at once rather than after a long download or tokenize."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(f"--out_dir {out_dir} is a file, not a folder")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"--out_dir {out_dir} cannot be created ({e.strerror or e})") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise DataError(f"--out_dir {out_dir} is not writable")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad option as one `error:` line (exit code 2), like every other error here."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def run_prepare(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> int:
+    """Run a prepare script's main as a command and return its exit code: a DataError or an OSError is one
+    `error:` line on stderr and 2; Ctrl-C one line and 130, what a shell reports for SIGINT."""
+    try:
+        main(argv)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # e.g. the disk filled up while writing; name the path where there is one
+        where = f"{e.filename}: " if e.filename else ""
+        reason = e.strerror or (str(e).strip().splitlines() or [type(e).__name__])[0]
+        print(f"error: {where}{reason}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; nothing half-written is used (meta.json comes last): rerun to finish", file=sys.stderr)
+        return 130
+    return 0
+
+
 def text_prepare_main(argv: list[str] | None, tokenizer: str, default_out_dir: Path, description: str) -> dict:
     """CLI shared by the single-text datasets: --input FILE, --out_dir, --val_fraction."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", type=Path, help="UTF-8 text file to use instead of Shakespeare's works")
     parser.add_argument("--out_dir", type=Path, default=default_out_dir, help="where to write (default: %(default)s)")
     parser.add_argument(
@@ -292,6 +366,7 @@ def text_prepare_main(argv: list[str] | None, tokenizer: str, default_out_dir: P
     )
     args = parser.parse_args(argv)
     started = time.perf_counter()
+    make_out_dir(args.out_dir)
     if args.input:
         text, source = read_text_file(args.input), str(args.input)
     else:

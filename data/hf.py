@@ -14,7 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data.atomic import atomic_path
-from data.common import DTYPE, DataError, write_meta
+from data.common import DTYPE, DataError, OneLineParser, make_out_dir, write_meta
 from data.tokenizer import EOT_ID, gpt2_encoding, gpt2_meta
 
 SPLIT_SEED = 2357  # nanoGPT's seed, so the val documents are the same on every run
@@ -66,10 +66,12 @@ def tokenize_documents(batch: dict, text_column: str) -> dict:
     return {"ids": ids, "len": [len(document) for document in ids]}
 
 
-def write_tokens(path: Path, tokenized, max_shards: int = 1024) -> int:
-    """Concatenate the `ids` of every row into path as uint16, in contiguous shards; return the token count."""
+def write_tokens(path: Path, tokenized, max_shards: int = 1024) -> tuple[int, int]:
+    """Concatenate the `ids` of every row into path as uint16, in contiguous shards; return (token count,
+    largest id), the largest for meta.json so that readers need not scan the whole file for it."""
     total = int(np.sum(tokenized.with_format("numpy")[:]["len"], dtype=np.int64))
     num_shards = min(max_shards, len(tokenized))
+    largest = -1
     with atomic_path(path) as tmp:
         tokens = np.memmap(tmp, dtype=DTYPE, mode="w+", shape=(total,))
         position = 0
@@ -78,9 +80,10 @@ def write_tokens(path: Path, tokenized, max_shards: int = 1024) -> int:
             ids = np.concatenate(shard[:]["ids"])
             tokens[position : position + len(ids)] = ids
             position += len(ids)
+            largest = max(largest, int(ids.max())) if len(ids) else largest
         tokens.flush()
         del tokens  # unmap before atomic_path fsyncs and renames the file
-    return total
+    return total, largest
 
 
 def prepare_hf_dataset(
@@ -116,10 +119,9 @@ def prepare_hf_dataset(
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "meta.json").unlink(missing_ok=True)  # bins and meta.json from different runs must never mix
-    counts = {
-        name: write_tokens(out_dir / f"{name}.bin", tokenized[split])
-        for name, split in (("train", "train"), ("val", "test"))
-    }
+    written = {}
+    for name, split in (("train", "train"), ("val", "test")):
+        written[f"{name}_tokens"], written[f"{name}_max_id"] = write_tokens(out_dir / f"{name}.bin", tokenized[split])
     source = str(dataset_path) if dataset_path is not None else f"{hf_name} ({hf_config or 'default'})"
     return write_meta(
         out_dir,
@@ -127,8 +129,7 @@ def prepare_hf_dataset(
             "dataset": out_dir.name,
             "source": source,
             **gpt2_meta(),
-            "train_tokens": counts["train"],
-            "val_tokens": counts["val"],
+            **written,
             "train_documents": len(splits["train"]),
             "val_documents": len(splits["test"]),
         },
@@ -139,7 +140,7 @@ def hf_prepare_main(
     argv: list[str] | None, default_out_dir: Path, hf_name: str, hf_config: str | None, description: str
 ) -> dict:
     """CLI shared by the Hugging Face datasets; each prepare.py only supplies its defaults."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--dataset_path",
         type=Path,
@@ -165,6 +166,7 @@ def hf_prepare_main(
     )
     args = parser.parse_args(argv)
     started = time.perf_counter()
+    make_out_dir(args.out_dir)
     meta = prepare_hf_dataset(
         args.out_dir,
         args.dataset_path,

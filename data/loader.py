@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import importlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +14,7 @@ import torch.distributed as dist
 from data.common import DATA_ROOT, DataError, open_split, prepare_command
 
 REQUIRED_FILES = ("train.bin", "val.bin", "meta.json")
+PREPARE_LOCK = ".prepare.lock"  # held while a dataset folder is auto-prepared; never removed (see prepare_once)
 
 
 def ensure_dataset(dataset: str, data_dir: str = "", *, master: bool = True, distributed: bool = False) -> Path:
@@ -25,13 +28,37 @@ def ensure_dataset(dataset: str, data_dir: str = "", *, master: bool = True, dis
     if dataset not in known:
         raise DataError(f"unknown dataset {dataset!r}; choose one of {', '.join(known)} or set --data_dir")
     folder = DATA_ROOT / dataset
-    missing = [name for name in REQUIRED_FILES if not (folder / name).exists()]
+    missing = _missing_files(folder)
     if missing and master:
-        print(f"{folder}: {', '.join(missing)} missing; running {prepare_command(folder)}", flush=True)
-        importlib.import_module(f"data.{dataset}.prepare").main([])
+        prepare_once(folder, lambda: importlib.import_module(f"data.{dataset}.prepare").main([]))
     if missing and distributed:
         dist.barrier()
     return folder
+
+
+def _missing_files(folder: Path) -> list[str]:
+    return [name for name in REQUIRED_FILES if not (folder / name).exists()]
+
+
+def prepare_once(folder: Path, prepare: Callable[[], object]) -> None:
+    """Run `prepare` unless `folder` holds a dataset by then, under an exclusive flock on folder/.prepare.lock:
+    two first runs at once must not write the same files together, so the second waits and then finds the
+    dataset ready. The kernel drops the lock when its holder exits, however it dies, so a stale lock file is
+    harmless and stays (deleting it could let a third process lock a different file than a waiting one)."""
+    try:
+        lock = open(folder / PREPARE_LOCK, "a")  # closed by the `with` below, which releases the lock
+    except OSError as e:
+        raise DataError(f"cannot prepare {folder} ({e.strerror or e}); prepare it elsewhere, set --data_dir") from None
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"{folder}: another process is preparing it; waiting", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        missing = _missing_files(folder)  # again: the process we waited for has probably written them
+        if missing:
+            print(f"{folder}: {', '.join(missing)} missing; running {prepare_command(folder)}", flush=True)
+            prepare()
 
 
 class Batches:

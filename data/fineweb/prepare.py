@@ -14,6 +14,7 @@ from pathlib import Path
 if not __package__:  # run as `python data/<name>/prepare.py`: put the repo root on the path, as `-m` would
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from data.common import run_prepare  # noqa: E402
 from data.hf import hf_prepare_main  # noqa: E402
 
 
@@ -28,4 +29,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_prepare(main))  # errors: one `error:` line, exit code 2
