@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
 import sample
-from helpers import REPO, subprocess_env
+from checkpoint import load_checkpoint
+from data.tokenizer import gpt2_meta, load_tokenizer, tokenizer_vocab_size
+from helpers import REPO, Child, subprocess_env
+from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -102,11 +109,16 @@ def test_same_seed_same_text(trained_out, capsys):
     [
         (["--out_dir={tmp}/empty"], "no checkpoint at"),
         (["--checkpoint={tmp}/nope.pt"], "no checkpoint at"),
-        (["--temperature=0"], "temperature must be > 0"),
-        (["--top_k=0"], "top_k"),
-        (["--num_samples=0"], "num_samples"),
-        (["--start=ROMEO€"], "vocabulary"),
+        (["--temperature=-0.1"], "temperature must be >= 0 (0 is greedy), got -0.1"),
+        (["--temperature=nan"], "temperature must be >= 0"),
+        (["--top_k=0"], "top_k must be >= 1 or None, got 0"),
+        (["--num_samples=0"], "num_samples must be >= 1, got 0"),
+        (["--max_new_tokens=-1"], "max_new_tokens must be >= 1, got -1"),
+        (["--start=ROMEO€ and ☃"], "--start: char '€' (U+20AC) at position 5 is not in this dataset's vocabulary"),
         (["--start=FILE:{tmp}/missing.txt"], "missing.txt"),
+        (["--start=FILE:{tmp}"], "cannot be read (Is a directory)"),
+        (["--start=FILE:{tmp}/latin1.txt"], "latin1.txt is not UTF-8 text (invalid continuation byte at byte 3)"),
+        (["--start=FILE:{tmp}/loop.txt"], "loop.txt cannot be read (Too many levels of symbolic links)"),
         (["--start="], "prompt is empty"),
         (["--device=cuda"], "CUDA is not available"),
         (["--dtype=float64"], "unknown dtype 'float64'"),
@@ -115,11 +127,16 @@ def test_same_seed_same_text(trained_out, capsys):
     ids=[
         "missing-checkpoint",
         "missing-checkpoint-file",
-        "temperature-0",
+        "temperature-negative",
+        "temperature-nan",
         "top_k-0",
         "num_samples-0",
+        "max_new_tokens-negative",
         "unknown-char",
         "missing-prompt-file",
+        "prompt-file-is-a-directory",
+        "prompt-file-not-utf8",
+        "prompt-file-unreadable",
         "empty-prompt",
         "cuda",
         "unknown-dtype",
@@ -127,6 +144,8 @@ def test_same_seed_same_text(trained_out, capsys):
     ],
 )
 def test_bad_input(trained_out, tmp_path, capsys, args, expect):
+    (tmp_path / "latin1.txt").write_bytes("café au lait".encode("latin-1"))
+    (tmp_path / "loop.txt").symlink_to("loop.txt")  # unreadable even for root, unlike a chmod 000 file
     argv = [f"--out_dir={trained_out}", "--max_new_tokens=3", "--device=cpu"]
     argv += [arg.format(tmp=tmp_path) for arg in args]
     code, out, err = run_sample(capsys, *argv)
@@ -134,3 +153,90 @@ def test_bad_input(trained_out, tmp_path, capsys, args, expect):
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], err
     assert SEPARATOR not in out
+
+
+def test_greedy_and_long_prompt(trained_out, capsys):
+    """temperature 0 is greedy: the seed does not matter. A prompt longer than block_size (16) is kept whole in
+    the output, with a note that the model reads only its last block_size tokens."""
+    prompt = "ROMEO:\nthe king and the queen speak of love"
+    argv = (f"--out_dir={trained_out}", f"--start={prompt}", "--num_samples=1", "--max_new_tokens=20", "--device=cpu")
+    first = run_sample(capsys, *argv, "--temperature=0", "--seed=1")
+    again = run_sample(capsys, *argv, "--temperature=0", "--seed=2")
+    assert first[0] == again[0] == 0, first[2]
+    [text] = samples(first[1])
+    assert samples(again[1]) == [text] and text.startswith(prompt) and len(text) == len(prompt) + 20
+    note = f"note: the prompt is {len(prompt)} tokens, longer than block_size 16; the model sees only its last 16"
+    assert note in first[2].splitlines()
+
+
+def padded_checkpoint(trained_out, tmp_path, tokenizer: str):
+    """A checkpoint whose model has 64 ids (char) or GPT-2's padded 50304, more than its tokenizer, with weights
+    that make every padding id far likelier than any real one: ln_f outputs the constant vector of ones and
+    the padding rows of lm_head point along it."""
+    state = load_checkpoint(trained_out / "ckpt.pt")
+    meta = state["meta"] if tokenizer == "char" else gpt2_meta()
+    real = tokenizer_vocab_size(meta)
+    config = {**state["model_config"], "vocab_size": 64 if tokenizer == "char" else 50304, "bias": True}
+    model = GPT(GPTConfig(**config))
+    with torch.no_grad():
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.fill_(1.0)
+        model.lm_head.weight[real:] = 1.0  # padding logits = n_embd = 32; real ones ~N(0, 0.02 * sqrt(32))
+    path = tmp_path / "padded.pt"
+    torch.save({**state, "model": model.state_dict(), "model_config": config, "meta": meta}, path)
+    return path, model, meta, real
+
+
+@pytest.mark.parametrize("tokenizer", ["char", "gpt2"])
+def test_padding_ids_are_never_sampled(trained_out, tmp_path, capsys, tokenizer):
+    path, model, meta, real = padded_checkpoint(trained_out, tmp_path, tokenizer)
+    encode, decode = load_tokenizer(meta)
+    idx = torch.tensor([encode("ROMEO:")])
+    model.eval()
+    assert model(idx)[0][0, -1].argmax() >= real  # the model really prefers its padding
+    for temperature, top_k in ((1.0, None), (1.0, 5), (0.0, None)):
+        torch.manual_seed(0)
+        *_, out = sample.generate(model, idx, 40, real, temperature, top_k)
+        assert out.shape == (1, idx.size(1) + 40) and int(out.max()) < real, (temperature, top_k)
+
+    code, stdout, err = run_sample(
+        capsys, f"--checkpoint={path}", "--start=ROMEO:", "--num_samples=2", "--max_new_tokens=40", "--device=cpu"
+    )
+    assert code == 0, err
+    texts = samples(stdout)
+    assert len(texts) == 2 and all(text.startswith("ROMEO:") for text in texts)
+    if tokenizer == "char":  # one char per id: all 40 new ids decoded
+        assert all(len(text) == len("ROMEO:") + 40 for text in texts)
+
+
+def test_ctrl_c_keeps_the_sample_so_far_and_a_closed_pipe_is_quiet(trained_out):
+    """SIGINT during the second sample: the first is printed whole, the second as far as it got, exit 130.
+    stdout closed before the first write (what `| head -1` does to the writes after its line): exit 0, quiet.
+    Both children run side by side: starting the interpreter is most of their time."""
+    max_new = 1500  # ~1.5 s a sample on one CPU thread: the second is still running when the signal arrives
+    common = [f"--out_dir={trained_out}", "--start=ROMEO:", "--device=cpu"]
+    piped = subprocess.Popen(
+        [sys.executable, "sample.py", *common, "--num_samples=3", "--max_new_tokens=50"],
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    piped.stdout.close()  # the reader is gone: every write to stdout fails with EPIPE
+    with Child("sample.py", [*common, "--num_samples=2", f"--max_new_tokens={max_new}"]) as child:
+        child.wait_for(lambda line: line == sample.SEPARATOR + "\n", timeout=60)
+        time.sleep(0.3)  # let the second sample draw some tokens
+        os.kill(child.pid, signal.SIGINT)
+        code, output = child.finish(timeout=60)
+    assert code == 130, output
+    assert "Traceback" not in output
+    stopped = re.search(rf"^interrupted: sample 2 of 2 stopped after (\d+) of {max_new} tokens$", output, re.M)
+    assert stopped, output
+    first, partial = output[output.index("ROMEO:") :].split(f"\n{sample.SEPARATOR}\n")[:2]  # log lines come first
+    assert len(first) == len("ROMEO:") + max_new  # the whole first sample
+    assert partial.startswith("ROMEO:") and len(partial) == len("ROMEO:") + int(stopped.group(1))
+
+    piped_err = piped.stderr.read()
+    assert piped.wait(timeout=60) == 0, piped_err
+    assert "Traceback" not in piped_err and "Exception ignored" not in piped_err, piped_err
