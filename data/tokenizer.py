@@ -100,10 +100,17 @@ def gpt2_meta() -> dict:
     return {"tokenizer": "gpt2", "vocab_size": gpt2_encoding().n_vocab, "eot_token": EOT_ID}
 
 
+def _itos(meta: dict) -> list[str]:
+    itos = meta.get("itos")
+    if not isinstance(itos, list) or not all(isinstance(char, str) and len(char) == 1 for char in itos):
+        raise DataError("a char tokenizer needs 'itos', a list of single chars, in its meta (meta.json or checkpoint)")
+    return itos
+
+
 def tokenizer_vocab_size(meta: dict) -> int:
     """How many ids the tokenizer can decode; a model's vocab_size may be larger (padded for fast matmuls)."""
     if meta.get("tokenizer") == "char":
-        return len(meta["itos"])
+        return len(_itos(meta))
     if meta.get("tokenizer") == "gpt2":
         return gpt2_encoding().n_vocab
     raise DataError(f"unknown tokenizer {meta.get('tokenizer')!r} in meta.json, expected 'char' or 'gpt2'")
@@ -112,7 +119,7 @@ def tokenizer_vocab_size(meta: dict) -> int:
 def load_tokenizer(meta: dict) -> tuple[Encode, Decode]:
     """(encode, decode) for a dataset's meta.json. gpt2's encode turns a literal <|endoftext|> into EOT."""
     if meta.get("tokenizer") == "char":
-        itos = meta["itos"]
+        itos = _itos(meta)
         stoi = {char: i for i, char in enumerate(itos)}
 
         def encode(text: str) -> list[int]:

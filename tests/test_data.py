@@ -265,6 +265,8 @@ def test_char_tokenizer_errors():
         encode("abXcZX")
     with pytest.raises(DataError, match="unknown tokenizer 'sentencepiece'"):
         load_tokenizer({"tokenizer": "sentencepiece"})
+    with pytest.raises(DataError, match="char tokenizer needs 'itos'"):
+        load_tokenizer({"tokenizer": "char"})
 
 
 # ----------------------------------------------------------------------------------------------------------------
