@@ -1,22 +1,32 @@
 """
-Checkpoints that survive a kill, and load without running code.
+Checkpoints that survive a kill, load without running code, and never overwrite another run's work.
 
-- Every file is written to a temporary name in the same folder, flushed, fsynced and renamed over the
-  old one: a kill at any moment leaves the previous checkpoint whole.
-- `out_dir/ckpt-0001000.pt` per save; `ckpt.pt` (latest) and `best.pt` (lowest val loss) are hard
-  links to them, so keeping the last `keep_last_k` costs no copies.
+- One run owns an out_dir: claim_out_dir() creates it, proves it writable with a real write, and holds an flock
+  on `out_dir/.lock` (which names the holder's pid) until the run ends. A second run on the same folder is
+  refused, and so is a fresh run into a folder that already holds checkpoints, unless it resumes them or is
+  told to overwrite them. The kernel drops the flock when its holder dies, so a stale lock file blocks nothing.
+- Every file is written to a temporary name in the same folder (`.<name>.tmp.<pid>`), flushed, fsynced and
+  renamed over the old one: a kill at any moment leaves the previous checkpoint whole.
+- `out_dir/ckpt-0001000.pt` per save; `ckpt.pt` (latest) and `best.pt` (lowest val loss) are copies of it,
+  files of their own, so `cp ckpt-0000500.pt ckpt.pt` (a rollback) changes nothing else. Rotation and the
+  clean-up of a killed writer's temporary files touch only these names, never a user's own files.
 - Loading uses `torch.load(weights_only=True)`: only tensors and plain containers are read back, so a
-  malicious file cannot run code. Everything saved (RNG states too) is stored in such types.
+  malicious file cannot run code. Everything saved (RNG states too) is stored in such types. A loaded
+  checkpoint is checked against the schema below; every problem is one CheckpointError line.
 
     python checkpoint.py export out/ckpt.pt out/model.safetensors   # weights only, for other tools
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import hashlib
 import json
 import os
 import pickle
 import random
+import re
 import shutil
 import sys
 import zipfile
@@ -25,48 +35,238 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.atomic import TMP_MARKER, atomic_path, fsync_dir
+from data.atomic import atomic_path, fsync_dir, tmp_path_for, tmp_target
 
 LATEST, BEST = "ckpt.pt", "best.pt"
+NUMBERED = re.compile(r"ckpt-\d{7,}\.pt")  # f"ckpt-{iter_num:07d}.pt"
+LOCK = ".lock"
+PROBE = "write-probe"  # written (as .write-probe.tmp.<pid>) and deleted at start-up: is out_dir writable?
+
+# What a checkpoint holds: key -> type. RESUME_KEYS are needed only to continue a run (--init_from=resume).
+REQUIRED_KEYS = {"model": dict, "model_config": dict, "meta": dict}
+RESUME_KEYS = {"optimizer": dict, "scaler": dict, "iter_num": int, "best_val_loss": (int, float), "rng": list}
 
 
 class CheckpointError(ValueError):
-    """A missing, unreadable or mismatched checkpoint; one line saying what and what to do."""
+    """A missing, unreadable or mismatched checkpoint, or an out_dir that cannot be used; one line saying what
+    and what to do."""
+
+
+def os_reason(error: OSError) -> str:
+    """'No space left on device [ENOSPC]': the cause of an OSError without its file name."""
+    code = errno.errorcode.get(error.errno or 0)
+    return f"{error.strerror or error}" + (f" [{code}]" if code else "")
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """ckpt.pt, best.pt, ckpt-<7+ digits>.pt: the only names saves write, rotate or clean up after."""
+    return name in (LATEST, BEST) or NUMBERED.fullmatch(name) is not None
+
+
+def checkpoint_names(out_dir) -> list[str]:
+    out_dir = Path(out_dir)
+    return sorted(p.name for p in out_dir.iterdir() if is_checkpoint_name(p.name)) if out_dir.is_dir() else []
+
+
+# ----------------------------------------------------------------------------------------------
+# The out_dir: one run at a time
+
+
+class OutDir:
+    """A run's hold on its out_dir: the flock on out_dir/.lock, released (and the lock file removed) by release()
+    or the end of a `with` block. Folders the claim created are removed again if the run left them empty."""
+
+    def __init__(self, path: Path, lock_fd: int, created: list[Path]):
+        self.path, self.lock_fd, self.created = path, lock_fd, created
+
+    def release(self) -> None:
+        if self.lock_fd is None:
+            return
+        (self.path / LOCK).unlink(missing_ok=True)  # while still holding it: see _lock for why this is safe
+        os.close(self.lock_fd)
+        self.lock_fd = None
+        _remove_if_empty(self.created)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def claim_out_dir(out_dir, *, continuing: bool, overwrite: bool) -> OutDir:
+    """Create out_dir, prove it writable, and lock it for this run. `continuing`: the run resumes the checkpoints
+    there; otherwise existing checkpoints are refused unless `overwrite`. CheckpointError (one line) on failure."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"out_dir {out_dir} exists and is not a folder")
+    blocking = next((folder for folder in out_dir.parents if folder.exists() and not folder.is_dir()), None)
+    if blocking is not None:
+        raise CheckpointError(f"out_dir {out_dir} cannot be created: {blocking} is a file, not a folder")
+    created = []
+    try:
+        for folder in reversed([out_dir, *out_dir.parents]):
+            if not folder.is_dir():
+                folder.mkdir()
+                created.append(folder)
+        _probe(out_dir)
+        hold = OutDir(out_dir, _lock(out_dir / LOCK), created)
+    except OSError as error:
+        _remove_if_empty(created)
+        where = f" ({error.filename})" if error.filename and Path(error.filename) != out_dir else ""
+        raise CheckpointError(f"out_dir {out_dir} cannot be used: {os_reason(error)}{where}") from None
+    except CheckpointError:
+        _remove_if_empty(created)
+        raise
+    found = checkpoint_names(out_dir)
+    if found and not continuing and not overwrite:
+        hold.release()
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise CheckpointError(
+            f"out_dir {out_dir} already holds checkpoints ({shown}); this run would replace them. "
+            f"Continue that run with --init_from=resume, or replace them with --overwrite_out_dir=true, "
+            f"or choose another --out_dir"
+        )
+    return hold
+
+
+def _probe(out_dir: Path) -> None:
+    """A real write, fsynced: a read-only or full filesystem fails here, before training, not at the first save."""
+    probe = tmp_path_for(out_dir / PROBE)
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"can this run write here?\n")
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def _lock(path: Path) -> int:
+    """flock `path` (created if missing) and write our pid in it; CheckpointError naming the holder if taken."""
+    import fcntl  # POSIX only; imported here so that loading checkpoints works everywhere
+
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise CheckpointError(
+                f"out_dir {path.parent} is in use by another run (pid {holder}, which holds {path}); "
+                f"wait for it to finish, stop it, or choose another --out_dir"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        # The holder before us removes the file before it lets go; if it did so after our open, we hold a lock
+        # on a file no one else can find: start again with the file that is there now.
+        try:
+            current = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _remove_if_empty(folders: list[Path]) -> None:
+    for folder in reversed(folders):  # deepest first
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+def free_bytes(out_dir) -> int | None:
+    """Free space for an unprivileged writer on out_dir's filesystem; None where it cannot be asked."""
+    try:
+        stats = os.statvfs(out_dir)
+    except (OSError, AttributeError):
+        return None
+    return stats.f_bavail * stats.f_frsize
+
+
+# ----------------------------------------------------------------------------------------------
+# Saving
 
 
 def atomic_save(obj, path: Path) -> None:
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        torch.save(obj, f)
-
-
-def _atomic_link(source: Path, target: Path) -> None:
-    """Point `target` at `source`'s data in one rename (a copy where hard links are not supported)."""
-    with atomic_path(target) as tmp:
         try:
-            os.link(source, tmp)
-        except OSError:
-            shutil.copyfile(source, tmp)
+            torch.save(obj, f)
+        except RuntimeError as error:
+            # A failed write inside torch's zip writer surfaces as "unexpected pos 256000 vs 255892"; the
+            # OSError that says why (a full disk, ...) is its context.
+            if isinstance(error.__context__, OSError):
+                raise error.__context__ from None
+            raise
+
+
+def _atomic_copy(source: Path, target: Path) -> None:
+    with atomic_path(target) as tmp:
+        shutil.copyfile(source, tmp)
 
 
 def save_checkpoint(state: dict, out_dir, iter_num: int, keep_last_k: int, is_best: bool) -> Path:
-    """Write `ckpt-<iter>.pt`, repoint ckpt.pt (and best.pt), drop numbered files beyond the last k."""
+    """Write `ckpt-<iter>.pt`, then copies of it as best.pt (when is_best) and ckpt.pt; drop the oldest numbered
+    files beyond the last k. An OSError (full disk, no permission, ...) is one CheckpointError line naming the
+    file and the cause; ckpt.pt is then as it was before this call. Returns out_dir/ckpt.pt."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for leftover in out_dir.glob(f".*{TMP_MARKER}*"):  # from a writer killed mid-save
-        leftover.unlink(missing_ok=True)
     numbered = out_dir / f"ckpt-{iter_num:07d}.pt"
-    atomic_save(state, numbered)
-    _atomic_link(numbered, out_dir / LATEST)
-    if is_best or not (out_dir / BEST).exists():
-        _atomic_link(numbered, out_dir / BEST)
-    by_age = sorted(out_dir.glob("ckpt-*.pt"), key=lambda p: (p.stat().st_mtime_ns, p.name))  # save order, not
-    for old in by_age[:-keep_last_k]:  # iteration order: a resumed run may save a lower iteration again
-        old.unlink()  # best.pt and ckpt.pt keep their data through their own links
-    fsync_dir(out_dir)
+    replaces_numbered = numbered.exists()
+    written, target = [], out_dir
+    try:
+        _remove_leftovers(out_dir)
+        target = numbered
+        atomic_save(state, numbered)
+        written.append(numbered.name)
+        for name in [BEST, LATEST] if is_best else [LATEST]:
+            target = out_dir / name
+            _atomic_copy(numbered, target)
+            written.append(name)
+        target = out_dir
+        _rotate(out_dir, keep_last_k)
+    except OSError as error:
+        if LATEST not in written and numbered.name in written and not replaces_numbered:
+            numbered.unlink(missing_ok=True)  # ckpt.pt stays the latest: no newer numbered file beside it
+            written.remove(numbered.name)
+        if LATEST in written:
+            outcome = f"{', '.join(written)} were written"
+        else:
+            outcome = f"{', '.join(written)} written, " if written else ""
+            outcome += f"{LATEST} is unchanged" if (out_dir / LATEST).exists() else f"no {LATEST} yet"
+        raise CheckpointError(f"could not save iter {iter_num}: {target}: {os_reason(error)}; {outcome}") from None
     return out_dir / LATEST
 
 
-def load_checkpoint(path, map_location="cpu") -> dict:
+def _remove_leftovers(out_dir: Path) -> None:
+    """Temporary files of a writer killed mid-save; only ours (.ckpt.pt.tmp.<pid>, ...), never a user's."""
+    for path in out_dir.iterdir():
+        target = tmp_target(path.name)
+        if target is not None and (is_checkpoint_name(target) or target == PROBE):
+            path.unlink(missing_ok=True)
+
+
+def _rotate(out_dir: Path, keep_last_k: int) -> None:
+    numbered = [p for p in out_dir.iterdir() if NUMBERED.fullmatch(p.name)]
+    by_age = sorted(numbered, key=lambda p: (p.stat().st_mtime_ns, p.name))  # save order, not iteration order:
+    for old in by_age[:-keep_last_k]:  # a resumed run may save a lower iteration again
+        old.unlink()
+    fsync_dir(out_dir)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_checkpoint(path, map_location="cpu", *, resume: bool = False) -> dict:
+    """The checkpoint at `path`, read without running code and checked against the schema (REQUIRED_KEYS, and
+    RESUME_KEYS when `resume`); CheckpointError (one line) for anything else."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}; train first (python train.py) or point at another out_dir")
@@ -84,11 +284,109 @@ def load_checkpoint(path, map_location="cpu") -> dict:
         TypeError,
         AttributeError,
     ) as error:  # what torch's loader raises on garbage
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CheckpointError(f"{path} is not a readable checkpoint ({first_line[:200]})") from None
+        raise CheckpointError(_load_failure(path, error)) from None
+    check_schema(state, path, resume=resume)
+    return state
+
+
+def _load_failure(path: Path, error: Exception) -> str:
+    """One line for a failed torch.load. Torch's own text suggests weights_only=False, which would run whatever
+    code the file holds: that advice is never passed on."""
+    text = str(error)
+    blocked = re.search(r"unsupported GLOBAL (\S+)|Unsupported global: GLOBAL (\S+)", text)
+    if blocked:
+        name = blocked.group(1) or blocked.group(2)
+        return (
+            f"{path} holds pickled Python objects ({name}), not only tensors and plain containers; refused: "
+            f"loading it could run arbitrary code"
+        )
+    if "legacy .tar format" in text:
+        return f"{path} is not a readable checkpoint (an old .tar format, or not a checkpoint)"
+    unsafe = ("weights_only", "trusted source", "arbitrary code", "Weights only load failed", "file an issue")
+    sentences = [s.strip() for s in re.split(r"(?<=\.)\s+|\n+", text) if s.strip()]
+    sentences = [s for s in sentences if not any(word in s for word in unsafe) and not s.startswith("Check the")]
+    reason = sentences[0].removeprefix("WeightsUnpickler error: ") if sentences else type(error).__name__
+    return f"{path} is not a readable checkpoint ({reason[:200]})"
+
+
+def check_schema(state, path, *, resume: bool = False) -> None:
+    """Keys and their types; model_config known to this version's GPTConfig; meta naming a tokenizer."""
     if not isinstance(state, dict) or "model" not in state or "model_config" not in state:
         raise CheckpointError(f"{path} is not a checkpoint of this repo (no model or model_config)")
-    return state
+    schema = {**REQUIRED_KEYS, **(RESUME_KEYS if resume else {})}
+    missing = [key for key in schema if key not in state]
+    if missing:
+        why = " (needed to resume a run; --init_from=PATH fine-tunes from its weights alone)" if resume else ""
+        raise CheckpointError(f"{path} lacks {', '.join(missing)}{why}")
+    for key, kind in schema.items():
+        value = state[key]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+            raise CheckpointError(f"{path}: {key} is a {type(value).__name__}, expected {names}")
+    bad = [str(k) for k, v in state["model"].items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        raise CheckpointError(f"{path}: model holds entries that are not named tensors: {', '.join(bad[:3])}")
+    saved_model_config(state, path)
+    meta = state["meta"]
+    if not isinstance(meta.get("tokenizer"), str) or not isinstance(meta.get("vocab_size"), int):
+        raise CheckpointError(f"{path}: meta lacks tokenizer or vocab_size; this checkpoint's tokenizer is unknown")
+    if resume:
+        if not all(isinstance(r, dict) and isinstance(r.get("rng"), dict) and "data" in r for r in state["rng"]):
+            raise CheckpointError(f"{path}: rng is not a list of each rank's rng and data state")
+
+
+def saved_model_config(state: dict, path):
+    """The checkpoint's GPTConfig; one line for settings this version does not know (a newer version's)."""
+    from model import GPTConfig
+
+    known = {f.name for f in dataclasses.fields(GPTConfig)}
+    unknown = sorted(str(k) for k in state["model_config"] if k not in known)
+    if unknown:
+        raise CheckpointError(
+            f"{path}: model_config has settings this version does not know ({', '.join(unknown)}); "
+            f"it was probably saved by a newer version of this code"
+        )
+    try:
+        return GPTConfig(**state["model_config"])
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{path}: invalid model_config ({error})") from None
+
+
+def check_model_weights(expected: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], path) -> None:
+    """The saved model's tensor names and shapes against a model built from its model_config."""
+    missing = sorted(set(expected) - set(saved))
+    extra = sorted(set(saved) - set(expected))
+    shapes = [
+        f"{k} {tuple(saved[k].shape)} (model_config needs {tuple(expected[k].shape)})"
+        for k in expected
+        if k in saved and saved[k].shape != expected[k].shape
+    ]
+    problems = [f"missing {', '.join(missing[:3])}"] if missing else []
+    problems += [f"unexpected {', '.join(extra[:3])}"] if extra else []
+    problems += [f"shape of {', '.join(shapes[:3])}"] if shapes else []
+    if problems:
+        raise CheckpointError(f"{path}: the model weights do not fit its model_config: {'; '.join(problems)}")
+
+
+def tokenizer_id(meta: dict) -> str:
+    """sha256 of what turns ids into text: the tokenizer's name, the vocabulary size and, for char level, every
+    char in order. Two datasets with the same vocab_size but another vocabulary get different ids."""
+    identity = {"tokenizer": meta.get("tokenizer"), "vocab_size": meta.get("vocab_size"), "itos": meta.get("itos")}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+def check_same_tokenizer(saved_meta: dict, meta: dict, path, data_dir) -> None:
+    """A checkpoint's ids mean the same text in the dataset it will now train on; CheckpointError otherwise."""
+    saved, here = tokenizer_id(saved_meta), tokenizer_id(meta)
+    if saved != here:
+
+        def describe(m, digest):
+            return f"{m.get('tokenizer')}, vocab {m.get('vocab_size')}, sha256 {digest[:12]}"
+
+        raise CheckpointError(
+            f"{path} was trained with another tokenizer than {data_dir} uses: checkpoint {describe(saved_meta, saved)} "
+            f"vs dataset {describe(meta, here)}; train it on a dataset made with its tokenizer"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -145,15 +443,20 @@ def export_safetensors(checkpoint_path, out_path) -> Path:
     """Model weights only (no optimizer, no pickle), with the model config in the file's metadata."""
     from safetensors.torch import save_file
 
+    checkpoint_path, out_path = Path(checkpoint_path), Path(out_path)
+    if out_path.resolve() == checkpoint_path.resolve() or is_checkpoint_name(out_path.name):
+        raise CheckpointError(f"refusing to write the export over the checkpoint {out_path}; name another file")
+    if not out_path.parent.is_dir():
+        raise CheckpointError(f"cannot write {out_path}: folder {out_path.parent} does not exist")
     state = load_checkpoint(checkpoint_path)
     # lm_head.weight is tied to transformer.wte.weight; safetensors stores shared tensors only once
     weights = {k: v.contiguous() for k, v in state["model"].items() if k != "lm_head.weight"}
-    out_path = Path(out_path)
-    save_file(
-        weights,
-        str(out_path),
-        metadata={"model_config": json.dumps(state["model_config"]), "tied": "lm_head.weight=transformer.wte.weight"},
-    )
+    metadata = {"model_config": json.dumps(state["model_config"]), "tied": "lm_head.weight=transformer.wte.weight"}
+    try:
+        with atomic_path(out_path) as tmp:
+            save_file(weights, str(tmp), metadata=metadata)
+    except OSError as error:
+        raise CheckpointError(f"cannot write {out_path}: {os_reason(error)}") from None
     return out_path
 
 

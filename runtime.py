@@ -7,6 +7,7 @@ import contextlib
 import os
 import resource
 import signal
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,10 @@ DIST_BACKENDS = ("nccl", "gloo")
 
 class UsageError(ValueError):
     """Bad input found after the config was read (device, data, checkpoint); one line, exit code 2."""
+
+
+class PeerFailed(UsageError):
+    """Another rank failed and says why itself; this rank stops as well, without repeating the message."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -89,8 +94,10 @@ def setup_runtime(
     device: str = "auto", dtype: str = "auto", dist_backend: str = "nccl", gradient_accumulation_steps: int = 1
 ) -> Runtime:
     """This process's device and dtype; under torchrun (WORLD_SIZE > 1) also joins the process group."""
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = env_int("WORLD_SIZE", 1, low=1)
+    rank, local_rank = env_int("RANK", 0, low=0), env_int("LOCAL_RANK", 0, low=0)
+    if rank >= world_size:
+        raise UsageError(f"environment variable RANK={rank} must be below WORLD_SIZE={world_size}")
     picked = pick_device(device, local_rank)
     if world_size > 1:
         if dist_backend == "nccl" and picked.type != "cuda":
@@ -102,19 +109,96 @@ def setup_runtime(
             )
         if picked.type == "cuda":
             torch.cuda.set_device(picked)
-        dist.init_process_group(backend=dist_backend)
+        try:
+            dist.init_process_group(backend=dist_backend)
+        except (ValueError, RuntimeError) as error:  # no MASTER_ADDR, an unreachable or timed-out rendezvous
+            reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+            raise UsageError(
+                f"cannot join the process group of {world_size} ranks ({reason}); start with torchrun"
+            ) from None
     if picked.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for any float32 matmul left outside autocast
         torch.backends.cudnn.allow_tf32 = True
     return Runtime(picked, pick_dtype(dtype, picked), rank, local_rank, world_size)
 
 
+def env_int(name: str, default: int, *, low: int) -> int:
+    """An integer environment variable that torchrun sets (RANK, WORLD_SIZE, ...); UsageError if it is garbage."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low:
+        raise UsageError(
+            f"environment variable {name}={text!r} must be an integer >= {low}; torchrun sets it, "
+            f"so unset it to run one process, or start with torchrun"
+        )
+    return value
+
+
+def agree(runtime: Runtime, error: Exception | None) -> None:
+    """Raise on every rank when any rank failed, so that no rank waits forever in a collective for a peer that
+    has given up. The failing rank raises its own error (rank 0's wins, so the message is printed once); the
+    others raise PeerFailed, which main() does not print."""
+    if runtime.ddp:
+        reports = [None] * runtime.world_size
+        dist.all_gather_object(reports, None if error is None else str(error))
+        first = next((report for report in reports if report is not None), None)
+        if first is not None and (error is None or (not runtime.master and reports[0] is not None)):
+            raise PeerFailed(first)
+    if error is not None:
+        raise error
+
+
+def available_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes a run on `device` can use at most, what they are), or (0, '') where that is not known."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return free, f"{device} has {format_bytes(free)} free of {format_bytes(total)}"
+    if device.type == "cpu":
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):  # not on every platform
+            return 0, ""
+        return total, f"this machine has {format_bytes(total)} of RAM"
+    return 0, ""
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def emit(*values, **kwargs) -> None:
+    """print(), flushed, for the run's output lines. A closed stdout (`python train.py | head -1`) must not stop
+    a run: after the first EPIPE stdout goes to /dev/null and the run carries on silently (it still saves)."""
+    try:
+        print(*values, **kwargs, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())  # the unflushed rest of the line then goes there too
+        except (OSError, ValueError, AttributeError):  # stdout is not a file descriptor
+            sys.stdout = open(os.devnull, "w")  # kept open for the rest of the process
+        finally:
+            os.close(devnull)
+
+
 # ----------------------------------------------------------------------------------------------
 # Stop requests: signals, and non-finite steps, agreed on by all ranks without a sync per step
 
 
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
+
+
 class StopFlags:
-    """SIGTERM/SIGINT set a flag; the step that is running finishes, then the loop saves and exits.
+    """SIGTERM/SIGINT/SIGHUP set a flag; the step that is running finishes, then the loop saves and exits.
 
     Each step puts [signal seen, consecutive non-finite steps] in a device tensor (max over ranks)
     and copies it to pinned host memory without waiting; the host reads it one step later, when that
@@ -130,7 +214,7 @@ class StopFlags:
 
     @contextlib.contextmanager
     def handling_signals(self):
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
         try:
             yield
         finally:
@@ -156,6 +240,13 @@ class StopFlags:
         if self.pending is not None:
             self.pending.record()
         return previous
+
+    def bad_streak_now(self) -> int:
+        """Consecutive non-finite steps up to the last one, the maximum over ranks; waits for the device."""
+        streak = self.bad_streak.clone()
+        if self.runtime.ddp:
+            dist.all_reduce(streak, op=dist.ReduceOp.MAX)
+        return int(streak.item())
 
     def _read(self) -> tuple[bool, int]:
         if self.pending is not None:

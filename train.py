@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import sys
 import textwrap
 import time
@@ -26,7 +27,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checkpoint import CheckpointError, capture_rng, load_checkpoint, restore_rng, save_checkpoint
+from checkpoint import (
+    BEST,
+    LATEST,
+    CheckpointError,
+    capture_rng,
+    check_model_weights,
+    check_same_tokenizer,
+    claim_out_dir,
+    free_bytes,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
 from configurator import ConfigError, load_config, parse_bool
 from data.common import DataError, read_meta
 from data.loader import Batches, ensure_dataset
@@ -34,9 +47,14 @@ from model import GPT, GPTConfig
 from runtime import (
     DIST_BACKENDS,
     DTYPES,
+    PeerFailed,
     Runtime,
     StopFlags,
     UsageError,
+    agree,
+    available_memory,
+    emit,
+    format_bytes,
     model_flops_utilization,
     peak_flops_for,
     peak_memory_gib,
@@ -51,6 +69,7 @@ class TrainConfig:
     # ---- I/O ----
     out_dir: str = "out-shakespeare-char"  # checkpoints go here
     init_from: str = "scratch"  # scratch | resume (out_dir/ckpt.pt) | path to a .pt checkpoint to fine-tune from
+    overwrite_out_dir: bool = False  # let a scratch or fine-tune run replace the checkpoints already in out_dir
     eval_interval: int = 250  # evaluate, and maybe checkpoint, every this many iterations
     eval_iters: int = 20  # batches per split in each evaluation
     eval_on_start: bool = True  # also evaluate before the first step
@@ -146,6 +165,11 @@ class TrainConfig:
             raise ValueError(f"peak_flops must be > 0, got {self.peak_flops}")
         if not self.out_dir:
             raise ValueError("out_dir must not be empty")
+        too_long = [part for part in Path(self.out_dir).parts if len(os.fsencode(part)) > 255]
+        if too_long:
+            raise ValueError(f"out_dir has a folder name of {len(os.fsencode(too_long[0]))} bytes; 255 is the most")
+        if not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         self.model_config()  # the model's own checks (head dim, backend names, ...)
 
     def model_config(self, **override) -> GPTConfig:
@@ -197,19 +221,59 @@ def build_model(cfg: TrainConfig, vocab_size: int, checkpoint: dict | None) -> G
     if cfg.block_size > saved["block_size"]:
         raise UsageError(f"block_size {cfg.block_size} is larger than the checkpoint's {saved['block_size']}")
     model = GPT(dataclasses.replace(model_config, block_size=saved["block_size"]))
+    check_model_weights(model.state_dict(), checkpoint["model"], checkpoint_path(cfg))
     model.load_state_dict(checkpoint["model"])
     if cfg.block_size < saved["block_size"]:
         model.crop_block_size(cfg.block_size)
     return model
 
 
+def checkpoint_path(cfg: TrainConfig) -> Path:
+    return Path(cfg.out_dir) / LATEST if cfg.init_from == "resume" else Path(cfg.init_from)
+
+
 def read_checkpoint(cfg: TrainConfig) -> dict | None:
     if cfg.init_from == "scratch":
         return None
-    path = Path(cfg.out_dir) / "ckpt.pt" if cfg.init_from == "resume" else Path(cfg.init_from)
+    path = checkpoint_path(cfg)
     if cfg.init_from != "resume" and not path.is_file():
         raise UsageError(f"init_from={cfg.init_from!r}: allowed are scratch, resume, or the path of a .pt checkpoint")
-    return load_checkpoint(path)
+    return load_checkpoint(path, resume=cfg.init_from == "resume")
+
+
+def parameter_count(config: GPTConfig) -> int:
+    """GPT's parameter count from its config alone, so that sizes are checked before anything is allocated."""
+    width, bias = config.n_embd, int(config.bias)
+    per_block = 12 * width * width + 2 * width + 11 * width * bias  # attention 4E², MLP 8E², 2 LayerNorms, biases
+    return (config.vocab_size + config.block_size) * width + config.n_layer * per_block + width * (1 + bias)
+
+
+def check_memory(cfg: TrainConfig, vocab_size: int, runtime: Runtime) -> None:
+    """Refuse, before allocating anything, a run whose weights, optimizer state and activations cannot fit in
+    the device's memory (a lower bound of what it needs)."""
+    params = parameter_count(cfg.model_config(vocab_size=vocab_size))
+    state_bytes = params * (4 if cfg.eval_only else 16)  # float32 weights (+ gradients, AdamW's two moments)
+    # per token: the logits and their gradient, and a floor of 8 floats per layer and width kept for backward
+    activation_bytes = cfg.batch_size * cfg.block_size * 4 * (2 * vocab_size + 8 * cfg.n_layer * cfg.n_embd)
+    available, where = available_memory(runtime.device)
+    if available and state_bytes + activation_bytes > available:
+        raise UsageError(
+            f"this run needs at least {format_bytes(state_bytes + activation_bytes)} of memory "
+            f"({params:,} parameters x {state_bytes // params} bytes, and {format_bytes(activation_bytes)} of "
+            f"activations for batch_size={cfg.batch_size} x block_size={cfg.block_size}) but {where}; "
+            f"use a smaller model (n_layer, n_embd, vocab_size) or batch_size"
+        )
+
+
+def check_disk_space(cfg: TrainConfig, model: GPT) -> None:
+    """Refuse a run whose first save cannot fit on out_dir's disk, rather than find out after training."""
+    first_save = 3 * 12 * sum(p.numel() for p in model.parameters())  # 3 files of weights and AdamW moments
+    free = free_bytes(cfg.out_dir)
+    if free is not None and first_save > free:
+        raise UsageError(
+            f"out_dir {cfg.out_dir} has {format_bytes(free)} free; the first save needs about "
+            f"{format_bytes(first_save)} (ckpt-N.pt, ckpt.pt and best.pt); free some space or choose another --out_dir"
+        )
 
 
 def learning_rate_at(it: int, cfg: TrainConfig) -> float:
@@ -231,7 +295,7 @@ def evaluate(model, batches: Batches, cfg: TrainConfig, runtime: Runtime) -> dic
     model.eval()
     result = {}
     for offset, split in enumerate(("train", "val")):
-        generator = torch.Generator().manual_seed(cfg.seed + 7919 * (runtime.rank + 1) + offset)
+        generator = torch.Generator().manual_seed((cfg.seed + 7919 * (runtime.rank + 1) + offset) % 2**64)
         total = torch.zeros((), device=runtime.device)
         for _ in range(cfg.eval_iters):
             x, y = batches.get(split, generator)
@@ -265,6 +329,8 @@ class TrainState:
     attention: object  # what model.setup_attention resolved: .used (the backend that runs) and .reason
     iter_num: int = 0  # optimizer steps done
     best_val_loss: float = math.inf
+    ckpt_iter: int | None = None  # the iteration out_dir/ckpt.pt holds, saved or resumed from by this run
+    resumed_iter: int | None = None
     batch: tuple[torch.Tensor, torch.Tensor] | None = None  # the next step's first micro-batch, prefetched
 
     @property
@@ -350,18 +416,31 @@ def train_step(state: TrainState) -> Step:
 # The run around the steps: setup or resume, evaluation and checkpoints, log lines, stops
 
 
-def setup_or_resume(cfg: TrainConfig, runtime: Runtime) -> tuple[TrainState, Batches, dict]:
+def setup_or_resume(cfg: TrainConfig, runtime: Runtime, hold: contextlib.ExitStack) -> tuple[TrainState, Batches, dict]:
     """Data, model and optimizer state, from scratch or from a checkpoint; prints the run's header.
-    Returns (state, batches, the dataset's meta)."""
-    checkpoint = read_checkpoint(cfg)
-    data_dir = ensure_dataset(cfg.dataset, cfg.data_dir, master=runtime.master, distributed=runtime.ddp)
-    meta = read_meta(data_dir)
-    vocab_size = model_vocab_size(cfg, meta)
-    batches = Batches(
-        data_dir, cfg.batch_size, cfg.block_size, runtime.device, seed=cfg.seed + runtime.rank, vocab_size=vocab_size
-    )
-    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    model = build_model(cfg, vocab_size, checkpoint)
+    Everything a user can get wrong is checked first, on every rank, and the ranks stop together if one
+    fails; then rank 0 claims out_dir (held until `hold` closes). Returns (state, batches, the dataset's meta)."""
+    error = None
+    try:
+        check_wandb(cfg)
+        checkpoint = read_checkpoint(cfg)
+        data_dir = ensure_dataset(cfg.dataset, cfg.data_dir, master=runtime.master, distributed=runtime.ddp)
+        meta = read_meta(data_dir)
+        if checkpoint is not None:
+            check_same_tokenizer(checkpoint["meta"], meta, checkpoint_path(cfg), data_dir)
+        vocab_size = model_vocab_size(cfg, meta)
+        check_memory(cfg, vocab_size, runtime)
+        seed = (cfg.seed + runtime.rank) % 2**64
+        batches = Batches(data_dir, cfg.batch_size, cfg.block_size, runtime.device, seed=seed, vocab_size=vocab_size)
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+        model = build_model(cfg, vocab_size, checkpoint)
+        if runtime.master and not cfg.eval_only:
+            continuing = cfg.init_from == "resume"
+            hold.enter_context(claim_out_dir(cfg.out_dir, continuing=continuing, overwrite=cfg.overwrite_out_dir))
+            check_disk_space(cfg, model)
+    except (CheckpointError, DataError, UsageError) as failure:
+        error = failure
+    agree(runtime, error)
     resuming = checkpoint is not None and cfg.init_from == "resume"
     if runtime.master:
         print_header(cfg, runtime, model, checkpoint["iter_num"] if resuming else None)
@@ -374,14 +453,20 @@ def setup_or_resume(cfg: TrainConfig, runtime: Runtime) -> tuple[TrainState, Bat
 def restore_progress(state: TrainState, batches: Batches, checkpoint: dict) -> None:
     """Optimizer, scaler, counters, and (with the same number of ranks) each rank's RNG and data position."""
     runtime = state.runtime
-    state.optimizer.load_state_dict(checkpoint["optimizer"])
-    state.scaler.load_state_dict(checkpoint["scaler"])
-    state.iter_num, state.best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
     ranks = checkpoint["rng"]
-    if len(ranks) == runtime.world_size:
-        restore_rng(ranks[runtime.rank]["rng"])
-        batches.generator.set_state(ranks[runtime.rank]["data"])
-    elif runtime.master:
+    try:
+        state.optimizer.load_state_dict(checkpoint["optimizer"])
+        state.scaler.load_state_dict(checkpoint["scaler"])
+        if len(ranks) == runtime.world_size:
+            restore_rng(ranks[runtime.rank]["rng"])
+            batches.generator.set_state(ranks[runtime.rank]["data"])
+    except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as error:
+        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        path = checkpoint_path(state.cfg)
+        raise CheckpointError(f"{path}: its optimizer or RNG state cannot be restored ({reason})") from None
+    state.iter_num, state.best_val_loss = checkpoint["iter_num"], float(checkpoint["best_val_loss"])
+    state.ckpt_iter = state.resumed_iter = state.iter_num
+    if len(ranks) != runtime.world_size and runtime.master:
         log.warning(
             f"checkpoint was saved by {len(ranks)} ranks, this run has {runtime.world_size}: "
             f"data order and RNG streams start fresh"
@@ -394,19 +479,19 @@ def tokens_per_iter(cfg: TrainConfig) -> int:
 
 def print_header(cfg: TrainConfig, runtime: Runtime, model: GPT, resume_iter: int | None) -> None:
     settings = " ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items())
-    print("config: " + textwrap.fill(settings, 110, subsequent_indent="  "))
+    emit("config: " + textwrap.fill(settings, 110, subsequent_indent="  "))
     accum = cfg.gradient_accumulation_steps // runtime.world_size
-    print(
+    emit(
         f"parameters: {model.num_params() / 1e6:.2f}M | tokens per iteration: {tokens_per_iter(cfg):,} "
         f"({runtime.world_size} ranks x {accum} micro-steps x {cfg.batch_size} x {cfg.block_size}) | "
         f"device {runtime.device} {str(runtime.dtype).removeprefix('torch.')}"
         + (f" | resuming at iter {resume_iter}" if resume_iter is not None else "")
     )
     if cfg.compile is None and runtime.device.type != "cuda":
-        print(f"compile off on {runtime.device.type} (slow to compile for little gain there); --compile=true forces it")
+        emit(f"compile off on {runtime.device.type} (slow to compile for little gain there); --compile=true forces it")
     _, no_mfu_reason = peak_flops_for(runtime.device, runtime.dtype, cfg.peak_flops)
     if no_mfu_reason:
-        print(f"MFU n/a: {no_mfu_reason}")
+        emit(f"MFU n/a: {no_mfu_reason}")
 
 
 def evaluation_due(state: TrainState) -> bool:
@@ -414,34 +499,90 @@ def evaluation_due(state: TrainState) -> bool:
     return (it % cfg.eval_interval == 0 and (it > 0 or cfg.eval_on_start)) or it >= cfg.max_iters or cfg.eval_only
 
 
-def evaluate_and_maybe_save(state: TrainState, batches: Batches, meta: dict, wandb) -> None:
-    """Eval line; a checkpoint when val loss improved (or always_save_checkpoint), never at iter 0."""
+def evaluate_and_maybe_save(state: TrainState, batches: Batches, meta: dict, wandb) -> bool:
+    """Eval line, then a checkpoint when val loss improved, at every evaluation with always_save_checkpoint, and
+    at max_iters, so that a run always leaves its last state. Never at iter 0, in eval_only, twice for one
+    iteration, or from a non-finite state. Returns False when the run's last state could not be saved."""
     cfg, runtime, it = state.cfg, state.runtime, state.iter_num
     losses = evaluate(state.eval_model, batches, cfg, runtime)
     if runtime.master:
-        print(f"eval {it} | train {losses['train']:.4f} | val {losses['val']:.4f}", flush=True)
+        emit(f"eval {it} | train {losses['train']:.4f} | val {losses['val']:.4f}")
         if wandb:
             lr = learning_rate_at(it, cfg)
             wandb.log({"iter": it, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr})
-    improved = losses["val"] < state.best_val_loss
-    state.best_val_loss = min(state.best_val_loss, losses["val"])
-    if it > 0 and (improved or cfg.always_save_checkpoint):
-        path = write_checkpoint(state, batches, meta, improved)
+    previous_best = state.best_val_loss
+    improved = losses["val"] < previous_best
+    state.best_val_loss = min(previous_best, losses["val"])
+    final = it >= cfg.max_iters
+    if cfg.eval_only or it == 0 or it == state.ckpt_iter or not (improved or cfg.always_save_checkpoint or final):
+        return True
+    why_not = unsafe_to_save(state, losses)
+    if why_not:
         if runtime.master:
-            print(f"saved {path} (iter {it}, val {losses['val']:.4f})", flush=True)
+            message = f"not saving iter {it}: {why_not}; {on_disk(state)}"
+            emit(message, file=sys.stderr) if final else log.warning(message)
+        return not final
+    path = write_checkpoint(state, batches, meta, improved)
+    if runtime.master:
+        note = ""
+        if not improved:  # the last iteration's state, saved although it is not the best
+            best = Path(cfg.out_dir) / BEST
+            note = (
+                f"; not below the best val {previous_best:.4f}, which {best} keeps"
+                if best.exists()
+                else f"; val never went below {previous_best:.4f}, the starting loss, so there is no {best}"
+            )
+        emit(f"saved {path} (iter {it}, val {losses['val']:.4f}{note})")
+    return True
+
+
+def unsafe_to_save(state: TrainState, losses: dict[str, float]) -> str:
+    """Why the current state must not become a checkpoint ('' when it may): a non-finite eval loss, or skipped
+    non-finite steps just before (the same answer on every rank)."""
+    if not (math.isfinite(losses["train"]) and math.isfinite(losses["val"])):
+        return f"the eval loss is not finite (train {losses['train']:.4f}, val {losses['val']:.4f})"
+    bad_streak = state.stop.bad_streak_now()
+    if bad_streak:
+        return f"the last {bad_streak} step(s) had non-finite loss or gradients"
+    return ""
+
+
+def on_disk(state: TrainState) -> str:
+    """What out_dir holds of this run, for the last words of a run that could not save its last state."""
+    latest = Path(state.cfg.out_dir) / LATEST
+    if state.ckpt_iter is None:
+        return "this run saved no checkpoint" + (
+            f" ({latest} is an earlier run's, unchanged)" if latest.exists() else ""
+        )
+    if state.ckpt_iter == state.resumed_iter:
+        return f"{latest} still holds iter {state.ckpt_iter}, the checkpoint this run resumed from"
+    return f"{latest} holds iter {state.ckpt_iter}, the last state this run saved"
 
 
 def write_checkpoint(state: TrainState, batches: Batches, meta: dict, is_best: bool) -> Path:
-    """Write a checkpoint from rank 0, with every rank's RNG and data position; returns out_dir/ckpt.pt."""
+    """Write a checkpoint from rank 0, with every rank's RNG and data position; returns out_dir/ckpt.pt. A failed
+    save (a full disk, ...) is a CheckpointError on every rank."""
     cfg, runtime = state.cfg, state.runtime
     ranks = [{"rng": capture_rng(), "data": batches.state_before_last}]  # draws the next step's batch
     if runtime.ddp:
         gathered = [None] * runtime.world_size
         dist.all_gather_object(gathered, ranks[0])
         ranks = gathered
-    if not runtime.master:
-        return Path(cfg.out_dir) / "ckpt.pt"
-    checkpoint = {
+    error = None
+    if runtime.master:
+        try:
+            save_checkpoint(state_dict(state, meta, ranks), cfg.out_dir, state.iter_num, cfg.keep_last_k, is_best)
+        except CheckpointError as failure:
+            error = failure
+    agree(runtime, error)
+    state.ckpt_iter = state.iter_num
+    return Path(cfg.out_dir) / LATEST
+
+
+def state_dict(state: TrainState, meta: dict, ranks: list[dict]) -> dict:
+    """What a checkpoint holds (checkpoint.py's REQUIRED_KEYS and RESUME_KEYS, and the run's config)."""
+    cfg = state.cfg
+    return {
         "model": state.model.state_dict(),
         "model_config": dataclasses.asdict(state.model.config),
         "optimizer": state.optimizer.state_dict(),
@@ -452,7 +593,6 @@ def write_checkpoint(state: TrainState, batches: Batches, meta: dict, is_best: b
         "meta": meta,
         "rng": ranks,
     }
-    return save_checkpoint(checkpoint, cfg.out_dir, state.iter_num, cfg.keep_last_k, is_best)
 
 
 def too_many_bad_steps(state: TrainState, bad_streak: int) -> bool:
@@ -466,12 +606,10 @@ def too_many_bad_steps(state: TrainState, bad_streak: int) -> bool:
     if bad_streak < cfg.max_bad_steps:
         return False
     if master:
-        print(
+        emit(
             f"stopping at iter {state.iter_num}: {bad_streak} consecutive steps with non-finite loss or "
-            f"gradients (max_bad_steps={cfg.max_bad_steps}); the last good checkpoint in "
-            f"{cfg.out_dir} is untouched",
+            f"gradients (max_bad_steps={cfg.max_bad_steps}); {on_disk(state)}",
             file=sys.stderr,
-            flush=True,
         )
     return True
 
@@ -520,19 +658,28 @@ def log_step(state: TrainState, step: Step, throughput: Throughput, wandb) -> No
     dt, tokens_per_sec, mfu = throughput.lap(it)
     if not runtime.master:
         return
-    print(
-        format_log_line(it, loss_value, step.lr, dt, tokens_per_sec, mfu, peak_memory_gib(runtime.device)), flush=True
-    )
+    emit(format_log_line(it, loss_value, step.lr, dt, tokens_per_sec, mfu, peak_memory_gib(runtime.device)))
     if wandb:
         metrics = {"iter": it, "train/step_loss": loss_value, "lr": step.lr, "tokens_per_sec": tokens_per_sec}
         wandb.log({**metrics, **({"mfu": mfu} if mfu else {})})
 
 
-def save_and_exit_on_signal(state: TrainState, batches: Batches, meta: dict) -> None:
+def save_and_exit_on_signal(state: TrainState, batches: Batches, meta: dict) -> int:
+    """Save (unless the last steps were non-finite: then say what is on disk) and return the exit code."""
+    signal_name = state.stop.signal_name or "a stop signal"  # another rank may have got it
+    bad_streak = state.stop.bad_streak_now()
+    if bad_streak:
+        if state.runtime.master:
+            emit(
+                f"received {signal_name}; not saving iter {state.iter_num}: the last {bad_streak} step(s) had "
+                f"non-finite loss or gradients; {on_disk(state)}; exiting",
+                file=sys.stderr,
+            )
+        return 1
     path = write_checkpoint(state, batches, meta, is_best=False)
     if state.runtime.master:
-        signal_name = state.stop.signal_name or "a stop signal"  # another rank may have got it
-        print(f"received {signal_name}; saved {path} at iter {state.iter_num}; exiting", flush=True)
+        emit(f"received {signal_name}; saved {path} at iter {state.iter_num}; exiting")
+    return 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -540,36 +687,42 @@ def save_and_exit_on_signal(state: TrainState, batches: Batches, meta: dict) -> 
 
 
 def train(cfg: TrainConfig) -> int:
-    """Train until max_iters (exit code 0), a signal (saves, then 0) or max_bad_steps non-finite steps (1)."""
+    """Train until max_iters (exit code 0; 1 if the last state is not finite), a signal (saves, then 0) or
+    max_bad_steps non-finite steps in a row (1). out_dir is this run's alone until it returns."""
     runtime = setup_runtime(cfg.device, cfg.dtype, cfg.dist_backend, cfg.gradient_accumulation_steps)
     if runtime.master:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", force=True)
-    if Path(cfg.out_dir).exists() and not Path(cfg.out_dir).is_dir():
-        raise UsageError(f"out_dir {cfg.out_dir!r} exists and is not a folder")
-    wandb = start_wandb(cfg) if cfg.wandb_log and runtime.master else None
-    state, batches, meta = setup_or_resume(cfg, runtime)
-    throughput = Throughput(state)
-    with state.stop.handling_signals():
-        while True:
-            if evaluation_due(state):
-                evaluate_and_maybe_save(state, batches, meta, wandb)
-            if state.iter_num >= cfg.max_iters or cfg.eval_only:
-                return 0
-            step = train_step(state)
-            if step.bad_streak and too_many_bad_steps(state, step.bad_streak):
-                return 1
-            if state.iter_num % cfg.log_interval == 0 or step.stop_requested:
-                log_step(state, step, throughput, wandb)
-            if step.stop_requested:
-                save_and_exit_on_signal(state, batches, meta)
-                return 0
+    with contextlib.ExitStack() as hold:
+        state, batches, meta = setup_or_resume(cfg, runtime, hold)
+        wandb = start_wandb(cfg) if cfg.wandb_log and runtime.master else None
+        throughput = Throughput(state)
+        with state.stop.handling_signals():
+            while True:
+                if evaluation_due(state) and not evaluate_and_maybe_save(state, batches, meta, wandb):
+                    return 1
+                if state.iter_num >= cfg.max_iters or cfg.eval_only:
+                    return 0
+                step = train_step(state)
+                if step.bad_streak and too_many_bad_steps(state, step.bad_streak):
+                    return 1
+                if state.iter_num % cfg.log_interval == 0 or step.stop_requested:
+                    log_step(state, step, throughput, wandb)
+                if step.stop_requested:
+                    return save_and_exit_on_signal(state, batches, meta)
+
+
+def check_wandb(cfg: TrainConfig) -> None:
+    if not cfg.wandb_log:
+        return
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise UsageError("wandb_log=True but the wandb package is not installed; pip install wandb") from None
 
 
 def start_wandb(cfg: TrainConfig):
-    try:
-        import wandb
-    except ImportError:
-        raise UsageError("wandb_log=True but the wandb package is not installed; pip install wandb") from None
+    import wandb
+
     wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=dataclasses.asdict(cfg))
     return wandb
 
@@ -580,6 +733,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(TrainConfig(), argv, deprecated=DEPRECATED)
         return train(cfg)
+    except PeerFailed:  # another rank failed and printed why
+        return 2
     except (ConfigError, DataError, CheckpointError, UsageError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -7,13 +7,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from pathlib import Path
 
 TMP_MARKER = ".tmp."  # temporary names are .<name>.tmp.<pid>: hidden, and one per writing process
+TMP_NAME = re.compile(r"\.(?P<target>.+)\.tmp\.(?P<pid>\d+)")
 
 
 def tmp_path_for(path: Path) -> Path:
     return path.with_name(f".{path.name}{TMP_MARKER}{os.getpid()}")
+
+
+def tmp_target(name: str) -> str | None:
+    """The file name a temporary file of ours was going to replace (`.ckpt.pt.tmp.123` -> `ckpt.pt`); None for
+    any other name, such as a user's `.notes.tmp.txt`."""
+    match = TMP_NAME.fullmatch(name)
+    return match.group("target") if match else None
 
 
 @contextlib.contextmanager

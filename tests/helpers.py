@@ -9,6 +9,7 @@ import hashlib
 import logging
 import os
 import random
+import resource
 import select
 import signal
 import subprocess
@@ -157,9 +158,9 @@ def tree_digest(*roots: Path) -> dict[str, tuple[str, int]]:
 
 @contextlib.contextmanager
 def process_state_restored():
-    """train.train() installs SIGTERM/SIGINT handlers and reconfigures the root logger; undo both, so an
+    """train.train() installs SIGTERM/SIGINT/SIGHUP handlers and reconfigures the root logger; undo both, so an
     in-process run does not change how this pytest process reacts to Ctrl-C or where later logs go."""
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     root = logging.getLogger()
     root_handlers, root_level = root.handlers[:], root.level
     try:
@@ -169,6 +170,20 @@ def process_state_restored():
             signal.signal(sig, handler)
         root.handlers[:] = root_handlers
         root.setLevel(root_level)
+
+
+@contextlib.contextmanager
+def file_size_limit(max_bytes: int):
+    """Writes that would make a file larger than max_bytes fail with EFBIG, as a full disk fails them with ENOSPC:
+    through the real write path, in this process, with no small filesystem to mount (RLIMIT_FSIZE)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an error from write(), not a killed process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
 
 
 @contextlib.contextmanager

@@ -1,12 +1,18 @@
-"""checkpoint.py: atomic saves (an exception or a kill -9 mid-write leaves the previous checkpoint whole),
-rotation with hard links, weights_only loading, RNG capture, safetensors export, one-line errors."""
+"""checkpoint.py: atomic saves (a failed write or a kill -9 at any moment leaves the previous checkpoint whole),
+rotation of the run's own files only, one run per out_dir, weights_only loading and the checkpoint schema, RNG
+capture, safetensors export, one-line errors."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import errno
+import functools
 import io
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,105 +24,243 @@ import pytest
 import torch
 
 import checkpoint
-from checkpoint import CheckpointError, capture_rng, export_safetensors, load_checkpoint, restore_rng, save_checkpoint
-from helpers import REPO, run_script, subprocess_env
+from checkpoint import (
+    CheckpointError,
+    capture_rng,
+    claim_out_dir,
+    export_safetensors,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
+from helpers import REPO, file_size_limit, run_script, subprocess_env, tiny_config, tree_digest
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@functools.cache
+def tiny_weights() -> dict[str, torch.Tensor]:
+    from model import GPT
+
+    return GPT(tiny_config()).state_dict()
+
+
 def small_state(iter_num: int) -> dict:
-    return {"model": {"w": torch.full((4,), float(iter_num))}, "model_config": {"n_layer": 1}, "iter_num": iter_num}
+    """A checkpoint that passes load_checkpoint's schema; every weight is iter_num, so copies can be told apart."""
+    return {
+        "model": {name: torch.full_like(w, float(iter_num)) for name, w in tiny_weights().items()},
+        "model_config": dataclasses.asdict(tiny_config()),
+        "meta": {"tokenizer": "char", "vocab_size": 64, "itos": [chr(32 + i) for i in range(64)]},
+        "iter_num": iter_num,
+    }
 
 
 def leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if ".tmp" in p.name)
 
 
+def iter_of(path: Path) -> int:
+    return load_checkpoint(path)["iter_num"]
+
+
 # ---- atomic save ----
 
 
-def test_failed_save_leaves_previous_checkpoint(monkeypatch, tmp_path):
+def fail_copies(monkeypatch):
+    def copyfile(source, target, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.shutil, "copyfile", copyfile)
+
+
+@pytest.mark.parametrize("failing", ["numbered-file", "copy-to-ckpt.pt"])
+def test_failed_save_is_one_line_and_leaves_previous_checkpoint(monkeypatch, tmp_path, failing):
+    """A write that fails (here: the file size limit, the way a full disk fails it, inside torch's zip writer;
+    or the copy to ckpt.pt) is one line naming the file and the cause; the previous checkpoint is whole."""
     save_checkpoint(small_state(1), tmp_path, 1, keep_last_k=2, is_best=True)
+    before = tree_digest(tmp_path)
+    with contextlib.ExitStack() as stack:
+        if failing == "numbered-file":
+            stack.enter_context(file_size_limit(4096))
+        else:
+            fail_copies(monkeypatch)
+        with pytest.raises(CheckpointError) as error:
+            save_checkpoint(small_state(2), tmp_path, 2, keep_last_k=2, is_best=True)
+    message = str(error.value)
+    assert "\n" not in message and "unexpected pos" not in message
+    if failing == "numbered-file":
+        assert str(tmp_path / "ckpt-0000002.pt") in message and "File too large [EFBIG]" in message, message
+    else:
+        assert str(tmp_path / "best.pt") in message and "No space left on device [ENOSPC]" in message, message
+    assert message.endswith("ckpt.pt is unchanged"), message
+    assert tree_digest(tmp_path) == before  # no temporary file, no new numbered file, ckpt.pt and best.pt as they were
+    assert iter_of(tmp_path / "ckpt.pt") == 1 and iter_of(tmp_path / "best.pt") == 1
 
-    def broken_save(obj, f, *args, **kwargs):
-        f.write(b"PK\x03\x04 half a checkpoint")
-        raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint.torch, "save", broken_save)
-    with pytest.raises(OSError):
-        save_checkpoint(small_state(2), tmp_path, 2, keep_last_k=2, is_best=True)
-    monkeypatch.undo()
-    assert load_checkpoint(tmp_path / "ckpt.pt")["iter_num"] == 1
-    assert load_checkpoint(tmp_path / "best.pt")["iter_num"] == 1
-    assert not (tmp_path / "ckpt-0000002.pt").exists()
-    assert leftovers(tmp_path) == []
-
-
-KILLED_WRITER = """
-import sys, torch
+KILL_HARNESS = """
+import os, sys, torch
 from checkpoint import save_checkpoint
-state = {"model": {"w": torch.ones(50_000_000)}, "model_config": {}, "iter_num": 2}  # 200 MB
-print("saving", flush=True)
-save_checkpoint(state, sys.argv[1], 2, 2, True)
-print("saved", flush=True)
+state = torch.load(sys.argv[2], weights_only=True)
+state["padding"] = torch.ones(10_000_000)  # 40 MB: every step of a save lasts long enough to be caught
+print("ready", flush=True)
+for line in sys.stdin:  # each line: fork a writer that saves iterations from there on, until it is killed
+    first = int(line)
+    pid = os.fork()
+    if pid == 0:
+        for it in range(first, first + 1000):
+            save_checkpoint({**state, "iter_num": it}, sys.argv[1], it, 2, it % 2 == 0)
+        os._exit(0)
+    print(pid, flush=True)
+    os.waitpid(pid, 0)
+    print("reaped", flush=True)
 """
 
+# Kill moments: while writing the numbered file, while copying it to best.pt, to ckpt.pt, and at a random time
+KILL_AT = (".ckpt-*.pt.tmp.", ".best.pt.tmp.", ".ckpt.pt.tmp.", None)  # + the writer's pid
 
-def test_kill_9_mid_save_leaves_previous_checkpoint(tmp_path):
-    save_checkpoint(small_state(1), tmp_path, 1, keep_last_k=2, is_best=True)
-    writer = subprocess.Popen(
-        [sys.executable, "-c", KILLED_WRITER, str(tmp_path)],
+
+def test_kill_9_at_any_moment_of_a_save_leaves_loadable_checkpoints(tmp_path):
+    """kill -9 a saving process at each step of a save, and once at random: ckpt.pt and best.pt always load,
+    and the next save removes what the killed writer left. One interpreter forks every writer (cheap)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    save_checkpoint(small_state(1), out, 1, keep_last_k=2, is_best=True)
+    shutil.copyfile(out / "ckpt.pt", tmp_path / "source.pt")
+    harness = subprocess.Popen(
+        [sys.executable, "-c", KILL_HARNESS, str(out), str(tmp_path / "source.pt")],
         cwd=REPO,
         env=subprocess_env(),
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
         text=True,
     )
+    rng, caught = random.Random(0), []
     try:
-        deadline = time.monotonic() + 60
-        while not [p for p in tmp_path.glob(".ckpt-0000002.pt.tmp.*") if p.stat().st_size > 0]:
-            assert writer.poll() is None, writer.communicate()
-            assert time.monotonic() < deadline, "the writer never started its temporary file"
-            time.sleep(0.001)
-        os.kill(writer.pid, signal.SIGKILL)
-        stdout, _ = writer.communicate(timeout=30)
+        assert harness.stdout.readline() == "ready\n"
+        for round_, pattern in enumerate(KILL_AT):
+            harness.stdin.write(f"{100 * (round_ + 1)}\n")
+            harness.stdin.flush()
+            writer = int(harness.stdout.readline())
+            deadline = time.monotonic() + 60
+            if pattern is None:
+                time.sleep(rng.uniform(0.05, 0.5))
+            else:
+                while not [p for p in out.glob(f"{pattern}{writer}") if p.stat().st_size > 0]:
+                    assert time.monotonic() < deadline, f"the writer never wrote {pattern}"
+                    time.sleep(0.001)
+            os.kill(writer, signal.SIGKILL)
+            assert harness.stdout.readline() == "reaped\n"
+            caught.append(leftovers(out))
+            for name in ("ckpt.pt", "best.pt", *(p.name for p in out.glob("ckpt-*.pt"))):
+                load_checkpoint(out / name)  # raises if any file is torn
     finally:
-        if writer.poll() is None:
-            writer.kill()
-    assert writer.returncode == -signal.SIGKILL
-    assert "saved" not in stdout.split(), "the save finished before the kill: the test proved nothing"
-    assert leftovers(tmp_path), "a kill mid-save leaves its temporary file"
-    assert not (tmp_path / "ckpt-0000002.pt").exists()
-    assert load_checkpoint(tmp_path / "ckpt.pt")["iter_num"] == 1
-    assert load_checkpoint(tmp_path / "best.pt")["iter_num"] == 1
-
-    save_checkpoint(small_state(3), tmp_path, 3, keep_last_k=2, is_best=False)
-    assert leftovers(tmp_path) == []  # the next save cleans up after the killed writer
-    assert load_checkpoint(tmp_path / "ckpt.pt")["iter_num"] == 3
+        harness.kill()
+        harness.wait()
+    assert any(caught), "no kill landed mid-save: the test proved nothing"
+    save_checkpoint(small_state(2), out, 2, keep_last_k=2, is_best=False)
+    assert leftovers(out) == []  # the next save cleans up after the killed writers
+    assert iter_of(out / "ckpt.pt") == 2
 
 
-# ---- rotation ----
+# ---- rotation, and files that are not the run's ----
 
 
 @pytest.mark.parametrize("keep", [1, 2, 3])
-def test_keep_last_k_rotation_keeps_links_and_best(tmp_path, keep):
+def test_keep_last_k_rotation_keeps_best(tmp_path, keep):
     for it in range(1, 7):
         save_checkpoint(small_state(it), tmp_path, it, keep_last_k=keep, is_best=it == 2)
     numbered = sorted(p.name for p in tmp_path.glob("ckpt-*.pt"))
     assert numbered == [f"ckpt-{it:07d}.pt" for it in range(7 - keep, 7)]
-    assert (tmp_path / "ckpt.pt").samefile(tmp_path / "ckpt-0000006.pt")
-    assert load_checkpoint(tmp_path / "ckpt.pt")["iter_num"] == 6
-    best = load_checkpoint(tmp_path / "best.pt")  # its numbered file is long gone; the link keeps the data
-    assert best["iter_num"] == 2 and torch.equal(best["model"]["w"], torch.full((4,), 2.0))
+    assert iter_of(tmp_path / "ckpt.pt") == 6
+    best = load_checkpoint(tmp_path / "best.pt")  # its numbered file is long gone; best.pt is a file of its own
+    assert best["iter_num"] == 2 and all(torch.equal(w, torch.full_like(w, 2.0)) for w in best["model"].values())
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(numbered + ["best.pt", "ckpt.pt"])
 
 
-def test_rotation_keeps_the_newest_saves_in_a_reused_out_dir(tmp_path):
-    for it in (1000, 2000):  # an earlier run's files
+def test_rollback_by_copy_changes_no_other_checkpoint(tmp_path):
+    """`cp ckpt-0000001.pt ckpt.pt` writes into ckpt.pt's own file: best.pt and the numbered files must not
+    share it (hard links would turn the rollback into a rewrite of all three)."""
+    for it in (1, 2):
+        save_checkpoint(small_state(it), tmp_path, it, keep_last_k=2, is_best=it == 2)
+    others = tree_digest(tmp_path / "best.pt", tmp_path / "ckpt-0000002.pt", tmp_path / "ckpt-0000001.pt")
+    shutil.copyfile(tmp_path / "ckpt-0000001.pt", tmp_path / "ckpt.pt")  # opens ckpt.pt in place, as cp does
+    assert iter_of(tmp_path / "ckpt.pt") == 1
+    assert tree_digest(tmp_path / "best.pt", tmp_path / "ckpt-0000002.pt", tmp_path / "ckpt-0000001.pt") == others
+    assert iter_of(tmp_path / "best.pt") == 2
+
+
+def test_rotation_and_cleanup_touch_only_the_runs_own_files(tmp_path):
+    users = {
+        "ckpt-backup-before-lr-change.pt": b"a user's backup",
+        ".notes.tmp.txt": b"a user's notes",
+        "ckpt-12.pt": b"not a name saves write",
+        ".ckpt.pt.tmp.txt": b"not a temporary name of ours",
+        "model.safetensors": b"an export",
+    }
+    for name, data in users.items():
+        (tmp_path / name).write_bytes(data)
+    (tmp_path / ".ckpt-0000009.pt.tmp.999999").write_bytes(b"half a checkpoint of a killed writer")
+    for it in range(1, 5):
+        save_checkpoint(small_state(it), tmp_path, it, keep_last_k=1, is_best=False)
+    assert {name: (tmp_path / name).read_bytes() for name in users} == users
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*users, "ckpt-0000004.pt", "ckpt.pt"])
+
+
+def test_rotation_keeps_the_newest_saves_in_a_resumed_out_dir(tmp_path):
+    """A run resumed from a rolled-back ckpt.pt saves lower iterations than the files beside it: rotation goes
+    by save order. (A fresh run never gets here: train.py refuses an out_dir that holds checkpoints.)"""
+    for it in (1000, 2000):
         save_checkpoint(small_state(it), tmp_path, it, keep_last_k=2, is_best=False)
     save_checkpoint(small_state(250), tmp_path, 250, keep_last_k=2, is_best=False)
-    assert (tmp_path / "ckpt-0000250.pt").exists()
-    assert load_checkpoint(tmp_path / "ckpt.pt")["iter_num"] == 250
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*.pt")) == ["ckpt-0000250.pt", "ckpt-0002000.pt"]
+    assert iter_of(tmp_path / "ckpt.pt") == 250
+
+
+# ---- one run per out_dir ----
+
+
+def test_out_dir_lock_names_its_holder_and_a_stale_lock_blocks_nothing(tmp_path):
+    out = tmp_path / "a" / "out"
+    with claim_out_dir(out, continuing=False, overwrite=False):
+        assert (out / ".lock").read_text() == f"{os.getpid()}\n"
+        with pytest.raises(CheckpointError) as error:
+            claim_out_dir(out, continuing=True, overwrite=True)  # flock: a second open file, even in this process
+        assert f"in use by another run (pid {os.getpid()}" in str(error.value)
+    assert not (tmp_path / "a").exists()  # released: the lock file and the folders the claim made are gone
+
+    out.mkdir(parents=True)
+    (out / ".lock").write_text("999999999\n")  # left by a killed run: no process holds a flock on it
+    with claim_out_dir(out, continuing=False, overwrite=False):
+        assert (out / ".lock").read_text() == f"{os.getpid()}\n"
+
+
+def test_out_dir_with_checkpoints_is_refused_unless_resumed_or_overwritten(tmp_path):
+    save_checkpoint(small_state(1), tmp_path, 1, keep_last_k=2, is_best=True)
+    before = tree_digest(tmp_path)
+    with pytest.raises(CheckpointError) as error:
+        claim_out_dir(tmp_path, continuing=False, overwrite=False)
+    message = str(error.value)
+    assert "already holds checkpoints (best.pt, ckpt-0000001.pt, ckpt.pt)" in message
+    assert "--init_from=resume" in message and "--overwrite_out_dir=true" in message
+    assert tree_digest(tmp_path) == before
+    for continuing, overwrite in ((True, False), (False, True)):
+        with claim_out_dir(tmp_path, continuing=continuing, overwrite=overwrite):
+            pass
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "is-a-file", "disk-full"])
+def test_out_dir_that_cannot_be_written_is_one_line(tmp_path, where):
+    (tmp_path / "afile").write_text("a regular file\n")
+    out = {"under-a-file": tmp_path / "afile" / "out", "is-a-file": tmp_path / "afile"}.get(where, tmp_path / "out")
+    before = tree_digest(tmp_path)
+    with contextlib.ExitStack() as stack:
+        if where == "disk-full":
+            stack.enter_context(file_size_limit(1))  # the probe's real write fails
+        with pytest.raises(CheckpointError) as error:
+            claim_out_dir(out, continuing=False, overwrite=False)
+    expect = {"under-a-file": "afile is a file", "is-a-file": "is not a folder", "disk-full": "File too large [EFBIG]"}
+    assert expect[where] in str(error.value) and str(out) in str(error.value)
+    assert tree_digest(tmp_path) == before  # nothing left behind: no folder, no probe file, no lock
 
 
 # ---- loading: weights_only, errors ----
@@ -144,7 +288,10 @@ def test_load_refuses_pickled_code(tmp_path):
     with pytest.raises(CheckpointError) as error:  # ... and load_checkpoint does not let it
         load_checkpoint(evil)
     assert not marker.exists()
-    assert "\n" not in str(error.value) and str(evil) in str(error.value)
+    message = str(error.value)
+    assert "\n" not in message and str(evil) in message
+    assert "holds pickled Python objects (posix.mkdir" in message and "refused" in message, message
+    assert "weights_only" not in message  # torch's advice to load it unsafely is not passed on
 
 
 def draws() -> tuple:
@@ -206,6 +353,58 @@ def test_unreadable_checkpoint_is_one_line_error(trained_out, tmp_path, damage):
         load_checkpoint(path)
     message = str(error.value)
     assert "\n" not in message and str(path) in message
+    assert "weights_only" not in message and "trusted source" not in message, message
+
+
+def drop(key):
+    return lambda state: state.pop(key)
+
+
+def put(key, value):
+    return lambda state: state.__setitem__(key, value)
+
+
+def put_in(key, field, value):
+    return lambda state: state[key].__setitem__(field, value)
+
+
+SCHEMA = [  # (change to a good checkpoint, load for resume?, words in the message)
+    pytest.param(drop("meta"), False, ("lacks meta",), id="no-meta"),
+    pytest.param(
+        put("model_config", [1, 2]), False, ("model_config is a list, expected dict",), id="model_config-list"
+    ),
+    pytest.param(put_in("model_config", "rope_theta", 1e4), False, ("rope_theta", "newer version"), id="newer-config"),
+    pytest.param(put_in("model_config", "n_head", 3), False, ("invalid model_config", "n_head"), id="bad-config"),
+    pytest.param(put_in("model", "lm_head.weight", [0.0]), False, ("not named tensors", "lm_head"), id="weight-list"),
+    pytest.param(drop("model"), False, ("not a checkpoint of this repo",), id="no-model"),
+    pytest.param(put_in("meta", "tokenizer", None), False, ("tokenizer is unknown",), id="meta-no-tokenizer"),
+    pytest.param(drop("optimizer"), True, ("lacks optimizer", "needed to resume"), id="resume-no-optimizer"),
+    pytest.param(put("iter_num", "12"), True, ("iter_num is a str, expected int",), id="resume-iter_num-str"),
+    pytest.param(put("iter_num", True), True, ("iter_num is a bool",), id="resume-iter_num-bool"),
+    pytest.param(put("rng", [{"data": 1}]), True, ("rng is not a list of each rank",), id="resume-bad-rng"),
+]
+
+
+@pytest.mark.parametrize("change, resume, expect", SCHEMA)
+def test_checkpoint_schema_is_checked_at_load(trained_out, tmp_path, change, resume, expect):
+    state = load_checkpoint(trained_out / "ckpt.pt", resume=True)
+    change(state)
+    path = tmp_path / "ckpt.pt"
+    torch.save(state, path)
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(path, resume=resume)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(str(path)), message
+    for text in expect:
+        assert text in message, message
+
+
+def test_fine_tune_needs_no_optimizer_state(trained_out, tmp_path):
+    state = load_checkpoint(trained_out / "ckpt.pt", resume=True)
+    for key in ("optimizer", "scaler", "rng"):
+        del state[key]
+    torch.save(state, tmp_path / "weights.pt")
+    assert load_checkpoint(tmp_path / "weights.pt")["iter_num"] == state["iter_num"]
 
 
 # ---- export ----
@@ -240,11 +439,34 @@ def test_export_cli(trained_out, tmp_path):
 
 @pytest.mark.parametrize(
     "argv",
-    [[], ["export"], ["import", "a.pt", "b.safetensors"], ["export", "NO.pt", "x"]],
-    ids=["no-args", "missing-paths", "unknown-command", "missing-checkpoint"],
+    [
+        [],
+        ["export"],
+        ["import", "a.pt", "b.safetensors"],
+        ["export", "NO.pt", "x"],
+        ["export", "{ckpt}", "{ckpt}"],
+        ["export", "{ckpt}", "{folder}/../out/ckpt.pt"],
+        ["export", "{ckpt}", "{folder}/best.pt"],
+        ["export", "{ckpt}", "{folder}/no/such/folder/model.safetensors"],
+    ],
+    ids=[
+        "no-args",
+        "missing-paths",
+        "unknown-command",
+        "missing-checkpoint",
+        "onto-its-input",
+        "onto-its-input-by-another-path",
+        "onto-a-checkpoint",
+        "missing-folder",
+    ],
 )
-def test_export_cli_bad_input(tmp_path, capsys, argv):
-    argv = [str(tmp_path / a) if a.endswith(("pt", "x")) and a != "export" else a for a in argv]
+def test_export_cli_bad_input(trained_out, tmp_path, capsys, argv):
+    out = tmp_path / "out"
+    shutil.copytree(trained_out, out)
+    values = {"ckpt": out / "ckpt.pt", "folder": out}
+    argv = [a.format(**values) if "{" in a else str(tmp_path / a) if a.endswith(("pt", "x")) else a for a in argv]
+    before = tree_digest(tmp_path)
     assert checkpoint.main(argv) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and err.startswith(("usage: ", "error: ")), err
+    assert tree_digest(tmp_path) == before  # the checkpoint is intact, and nothing was written

@@ -285,6 +285,7 @@ def test_missing_bins_run_the_dataset_prepare(monkeypatch, tmp_path, capsys):
     assert calls == [[]]
     assert "iter 2 |" in out
 
+    argv[1] = f"--out_dir={tmp_path / 'out2'}"  # a second run of its own: out has the first run's checkpoints
     assert train.main(argv) == 0  # the bins exist now: no second prepare
     assert calls == [[]]
 
