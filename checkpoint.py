@@ -138,6 +138,9 @@ def _probe(out_dir: Path) -> None:
             f.write(b"can this run write here?\n")
             f.flush()
             os.fsync(f.fileno())
+    except OSError as error:
+        error.filename = error.filename or str(probe)  # a failed write names no file by itself
+        raise
     finally:
         probe.unlink(missing_ok=True)
 

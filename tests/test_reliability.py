@@ -6,6 +6,7 @@ one run owns an out_dir, a failed write is one line before or during training, a
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
 import os
@@ -13,6 +14,8 @@ import random
 import re
 import shutil
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -21,7 +24,7 @@ import torch
 import model
 import train
 from checkpoint import load_checkpoint
-from helpers import Child, tiny_args, tree_digest
+from helpers import REPO, Child, subprocess_env, tiny_args, tree_digest
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -64,8 +67,32 @@ def test_stop_signals_save_and_exit_then_resume(char_data, tmp_path, capsys):
         assert re.findall(r"^iter (\d+) \|", resumed, re.M) == [str(stopped_at + 1), str(stopped_at + 2)]
 
 
+def test_a_closed_stdout_does_not_stop_the_run(char_data, tmp_path):
+    """`python train.py | head -1`: the log lines stop, the run trains on, saves and exits 0. The pipe holds
+    4 KB and the run prints far more after its first line, so its writes do meet the closed pipe."""
+    out = tmp_path / "out"
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
+    args = tiny_args(char_data, out, "--max_iters=100", "--eval_interval=50")
+    with os.fdopen(read_end, "rb") as reader:
+        run = subprocess.Popen(
+            [sys.executable, "train.py", *args],
+            cwd=REPO,
+            env=subprocess_env(),
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+        )
+        os.close(write_end)
+        first_line = reader.readline()  # what head -1 reads before it exits
+    _, err = run.communicate(timeout=120)
+    assert first_line.startswith(b"config: ")
+    assert run.returncode == 0, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+    assert load_checkpoint(out / "ckpt.pt")["iter_num"] == 100
+
+
 def test_in_process_run_restores_signal_handlers(char_data, tmp_path, capsys):
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     assert train.main(tiny_args(char_data, tmp_path / "out", "--max_iters=1", "--eval_interval=1")) == 0
     assert {sig: signal.getsignal(sig) for sig in before} == before
 
@@ -156,6 +183,48 @@ def test_transient_nan_is_skipped_with_a_warning(monkeypatch, char_data, tmp_pat
     assert seen["steps"] == 8
 
 
+def test_no_checkpoint_from_non_finite_steps_and_the_last_words_say_what_is_on_disk(
+    monkeypatch, char_data, tmp_path, capsys
+):
+    """always_save_checkpoint, and the last two steps non-finite (skipped): the evaluation at max_iters saves
+    nothing and rotates nothing away; the run ends with exit 1 and names the checkpoint it left."""
+    out = tmp_path / "out"
+    inject_nan(monkeypatch, {6, 7})  # step indices 6 and 7 make iterations 7 and 8
+    args = ("--max_iters=8", "--eval_interval=2", "--always_save_checkpoint=true", "--keep_last_k=2")
+    assert train.main(tiny_args(char_data, out, *args)) == 1
+    err = capsys.readouterr().err
+    expect = (
+        f"not saving iter 8: the last 2 step(s) had non-finite loss or gradients; "
+        f"{out / 'ckpt.pt'} holds iter 6, the last state this run saved"
+    )
+    assert expect in err.splitlines(), err
+    assert sorted(p.name for p in out.glob("ckpt-*.pt")) == ["ckpt-0000004.pt", "ckpt-0000006.pt"]
+    assert load_checkpoint(out / "ckpt.pt")["iter_num"] == 6
+
+
+def test_no_checkpoint_from_a_non_finite_eval_loss(monkeypatch, char_data, tmp_path, capsys):
+    """A NaN val loss at iters 4 and 6 (max_iters): a warning at 4, the run goes on; at the end no NaN
+    checkpoint, exit 1, and the last words name the checkpoint of iter 2."""
+    out = tmp_path / "out"
+    real_evaluate, calls = train.evaluate, []
+
+    def evaluate(*args):
+        losses = real_evaluate(*args)
+        calls.append(losses)
+        return {**losses, "val": math.nan} if len(calls) >= 3 else losses  # evals at iters 0, 2, 4, 6
+
+    monkeypatch.setattr(train, "evaluate", evaluate)
+    args = ("--max_iters=6", "--eval_interval=2", "--always_save_checkpoint=true")
+    assert train.main(tiny_args(char_data, out, *args)) == 1
+    err = capsys.readouterr().err.splitlines()
+    not_saved = [line for line in err if "not saving" in line]
+    on_disk = f"{out / 'ckpt.pt'} holds iter 2, the last state this run saved"
+    assert len(not_saved) == 2 and not_saved[0].startswith("WARNING: not saving iter 4: the eval loss is not finite")
+    assert not_saved[1].startswith("not saving iter 6: the eval loss is not finite (train ")
+    assert all(line.endswith(on_disk) for line in not_saved), not_saved
+    assert sorted(p.name for p in out.glob("ckpt-*.pt")) == ["ckpt-0000002.pt"]
+
+
 # ---- bad input: exit 2, one line, nothing on disk changed ----
 
 
@@ -215,6 +284,47 @@ def data_file(name, how):
 
 def save_foreign_pt(case):
     torch.save({"weights": torch.zeros(2)}, case["tmp"] / "foreign.pt")
+
+
+def change_checkpoint(change):
+    def setup(case):
+        copy_checkpoint(case)
+        path = case["out"] / "ckpt.pt"
+        state = torch.load(path, weights_only=True)
+        change(state)
+        torch.save(state, path)
+
+    return setup
+
+
+def shrink_position_table(state):
+    state["model"]["transformer.wpe.weight"] = state["model"]["transformer.wpe.weight"][:8].clone()
+
+
+def copy_source(case):
+    shutil.copyfile(case["trained"] / "ckpt.pt", case["tmp"] / "source.pt")
+
+
+def other_tokenizer(case):
+    """The same vocab_size, another vocabulary: the data's chars in reverse order."""
+    path = case["data"] / "meta.json"
+    meta = json.loads(path.read_text())
+    meta["itos"] = meta["itos"][::-1]
+    path.write_text(json.dumps(meta))
+
+
+class RunsCode:
+    """Unpickling this calls os.mkdir(marker): stands in for any code a malicious checkpoint would run."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def save_pickled_code(case):
+    torch.save({"model": RunsCode(case["tmp"] / "marker"), "model_config": {}}, case["tmp"] / "evil.pt")
 
 
 def chain(*setups):
@@ -378,7 +488,79 @@ BAD_INPUTS = [
         setup=save_foreign_pt,
         expect=("not a checkpoint of this repo",),
     ),
+    # checkpoints: the schema, the weights, the tokenizer
+    case(
+        "resume-no-optimizer",
+        "--init_from=resume",
+        setup=change_checkpoint(lambda state: state.pop("optimizer")),
+        expect=("lacks optimizer", "needed to resume"),
+    ),
+    case(
+        "resume-no-meta",
+        "--init_from=resume",
+        setup=change_checkpoint(lambda state: state.pop("meta")),
+        expect=("lacks meta",),
+    ),
+    case(
+        "resume-newer-model_config",
+        "--init_from=resume",
+        setup=change_checkpoint(lambda state: state["model_config"].update(rope_theta=1e4)),
+        expect=("rope_theta", "newer version"),
+    ),
+    case(
+        "resume-weights-disagree-with-model_config",
+        "--init_from=resume",
+        setup=change_checkpoint(shrink_position_table),
+        expect=("transformer.wpe.weight (8, 32) (model_config needs (16, 32))",),
+    ),
+    case(
+        "resume-other-tokenizer-same-size",
+        "--init_from=resume",
+        setup=chain(copy_checkpoint, other_tokenizer),
+        expect=("another tokenizer", "checkpoint char, vocab 41, sha256", "dataset char, vocab 41, sha256"),
+    ),
+    case(
+        "finetune-other-tokenizer-same-size",
+        "--init_from={tmp}/source.pt",
+        setup=chain(copy_source, other_tokenizer),
+        expect=("source.pt was trained with another tokenizer",),
+    ),
+    case(
+        "finetune-pickled-code",
+        "--init_from={tmp}/evil.pt",
+        setup=save_pickled_code,
+        expect=("holds pickled Python objects (posix.mkdir)", "refused"),
+    ),
+    # one run per out_dir: a fresh run does not replace another run's checkpoints
+    case(
+        "scratch-into-out_dir-with-checkpoints",
+        setup=copy_checkpoint,
+        expect=("already holds checkpoints (ckpt.pt)", "--init_from=resume", "--overwrite_out_dir=true"),
+    ),
+    case(
+        "finetune-into-out_dir-with-checkpoints",
+        "--init_from={tmp}/source.pt",
+        setup=chain(copy_checkpoint, copy_source),
+        expect=("already holds checkpoints (ckpt.pt)", "--init_from=resume", "--overwrite_out_dir=true"),
+    ),
+    # sizes, refused before anything is allocated
+    case(
+        "vocab_size-10**12",
+        "--vocab_size=1000000000000",
+        expect=("needs at least", "32,000,000,025,248 parameters x 16 bytes", "of RAM"),
+    ),
+    case("n_embd-1048576", "--n_embd=1048576", expect=("needs at least", "parameters x 16 bytes", "of RAM")),
+    case("batch_size-10**8", "--batch_size=100000000", expect=("activations for batch_size=100000000", "of RAM")),
+    case("seed-2**64", "--seed=18446744073709551616", expect=("seed must be in [0, 2**64)",)),
+    case("seed-negative", "--seed=-1", expect=("seed must be in [0, 2**64)",)),
     # the out_dir itself
+    case("out_dir-name-over-255-bytes", "--out_dir={tmp}/" + "é" * 128, expect=("256 bytes", "255 is the most")),
+    case(
+        "out_dir-under-a-file",
+        "--out_dir={tmp}/afile/out",
+        setup=write("afile", "not a folder\n"),
+        expect=("afile is a file, not a folder",),
+    ),
     case(
         "out_dir-is-a-file",
         "--out_dir={tmp}/afile",
@@ -417,7 +599,32 @@ def test_bad_input(args, setup, expect, char_data, trained_out, tmp_path, capsys
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     for text in expect:
         assert text in lines[0], f"{text!r} not in {lines[0]!r}"
+    assert "weights_only" not in lines[0]  # never torch's advice to load a file unsafely
     assert tree_digest(tmp_path, trained_out) == before
+
+
+@pytest.mark.parametrize(
+    "env, expect",
+    [
+        ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' must be an integer >= 1"),
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0' must be an integer >= 1"),
+        ({"RANK": "-1"}, "RANK='-1' must be an integer >= 0"),
+        ({"LOCAL_RANK": "0x1"}, "LOCAL_RANK='0x1' must be an integer >= 0"),
+        ({"RANK": "3", "WORLD_SIZE": "2"}, "RANK=3 must be below WORLD_SIZE=2"),
+        ({"RANK": "0", "WORLD_SIZE": "2"}, "cannot join the process group of 2 ranks"),  # no MASTER_ADDR
+    ],
+    ids=["world-size-word", "world-size-0", "rank-negative", "local-rank-hex", "rank-beyond", "no-rendezvous"],
+)
+def test_garbage_torchrun_environment_is_one_line(monkeypatch, char_data, tmp_path, capsys, env, expect):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = tiny_args(char_data, tmp_path / "out", "--dist_backend=gloo", "--gradient_accumulation_steps=2")
+    assert train.main(args) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and expect in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_cuda_out_of_memory_suggests_smaller_batches(monkeypatch, char_data, tmp_path, capsys):

@@ -1,5 +1,6 @@
-"""train.py: the log a person reads, the config surface, the LR schedule, MFU peaks, exact resume after a
-kill -9, dataset auto-prepare, and wandb. CPU only; subprocesses only where a real process is the point."""
+"""train.py: the log a person reads, what a run leaves in its out_dir (and whose out_dir it is), the config
+surface, the LR schedule, MFU peaks, exact resume after a kill -9, dataset auto-prepare, and wandb. CPU only;
+subprocesses only where a real process is the point."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import dataclasses
 import os
 import re
 import runpy
+import shutil
 import signal
 import sys
 import types
@@ -16,11 +18,11 @@ import torch
 import torch._dynamo
 
 import train
-from checkpoint import load_checkpoint
+from checkpoint import claim_out_dir, load_checkpoint
 from configurator import load_config
 from data import common, loader
 from data.common import DataError, prepare_text
-from helpers import REPO, TINY_MODEL, Child, run_script, tiny_args
+from helpers import REPO, TINY_MODEL, Child, file_size_limit, run_script, tiny_args, tree_digest
 from model import GPT, GPTConfig
 from runtime import model_flops_utilization, peak_flops_for
 from train import DEPRECATED, TrainConfig, learning_rate_at
@@ -94,6 +96,92 @@ def test_compiled_run_saves_unwrapped_state_dict(monkeypatch, char_data, tmp_pat
     state = load_checkpoint(out / "ckpt.pt")
     assert not [k for k in state["model"] if "_orig_mod." in k]
     GPT(GPTConfig(**state["model_config"])).load_state_dict(state["model"])
+
+
+# ---- what a run leaves in its out_dir, and whose out_dir it is ----
+
+
+def error_line(capsys) -> str:
+    """The one line on stderr besides the run's INFO lines; it must be an error line."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if not line.startswith("INFO: ")]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_an_out_dir_in_use_is_refused_naming_the_holder(char_data, tmp_path, capsys):
+    out = tmp_path / "out"
+    with claim_out_dir(out, continuing=False, overwrite=False):  # another run's hold (flock: even in this process)
+        assert train.main(tiny_args(char_data, out, "--max_iters=2", "--overwrite_out_dir=true")) == 2
+        assert f"out_dir {out} is in use by another run (pid {os.getpid()}," in error_line(capsys)
+        assert [p.name for p in out.iterdir()] == [".lock"]  # the holder's; this run wrote nothing
+    assert train.main(tiny_args(char_data, out, "--max_iters=2", "--eval_interval=2")) == 0  # released
+    assert sorted(p.name for p in out.iterdir()) == ["best.pt", "ckpt-0000002.pt", "ckpt.pt"]  # no .lock left
+
+
+def test_overwrite_out_dir_lets_a_fresh_run_replace_an_earlier_runs_checkpoints(trained_out, char_data, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(trained_out, out)
+    assert train.main(tiny_args(char_data, out, "--max_iters=2", "--eval_interval=2", "--overwrite_out_dir=true")) == 0
+    assert load_checkpoint(out / "ckpt.pt")["iter_num"] == 2
+    assert load_checkpoint(out / "best.pt")["iter_num"] == 2
+
+
+def test_a_fine_tune_that_never_improves_still_leaves_its_last_state(monkeypatch, trained_out, tmp_path, capsys):
+    """The val loss only rises after eval 0: no best.pt, but the last iteration is saved as ckpt.pt (exit 0),
+    and the line says why there is no best.pt."""
+    real_evaluate, rising = train.evaluate, iter(range(1, 100))
+
+    def evaluate(*args):
+        real_evaluate(*args)
+        loss = float(next(rising))
+        return {"train": loss, "val": loss}
+
+    monkeypatch.setattr(train, "evaluate", evaluate)
+    out = tmp_path / "out"
+    data = load_checkpoint(trained_out / "ckpt.pt")["config"]["data_dir"]
+    args = tiny_args(data, out, f"--init_from={trained_out / 'ckpt.pt'}", "--max_iters=3", "--eval_interval=1")
+    assert train.main(args) == 0
+    stdout = capsys.readouterr().out
+    last = f"saved {out / 'ckpt.pt'} (iter 3, val 4.0000; val never went below 1.0000, the starting loss, "
+    assert f"{last}so there is no {out / 'best.pt'})" in stdout.splitlines(), stdout
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt-0000003.pt", "ckpt.pt"]
+
+
+@pytest.mark.parametrize("when", ["at-start-up", "at-a-save"])
+def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(trained_out, char_data, tmp_path, capsys, when):
+    """Before training, out_dir gets a real write (fsynced): a full disk (here the file size limit, which fails
+    writes the same way) stops the run there. At a save, it is one line naming the file and the cause, not
+    torch's 'unexpected pos ...', and ckpt.pt is the previous one."""
+    out = tmp_path / "out"
+    shutil.copytree(trained_out, out)
+    before = tree_digest(out)
+    args = tiny_args(char_data, out, "--init_from=resume", "--max_iters=6", "--eval_interval=2")
+    with file_size_limit(1 if when == "at-start-up" else 64 * 1024):
+        assert train.main(args) == 2
+    line = error_line(capsys)
+    if when == "at-start-up":
+        assert line.startswith(f"error: out_dir {out} cannot be used: File too large [EFBIG] ({out}/.write-probe"), line
+        assert "iter " not in capsys.readouterr().out  # no step was taken
+    else:
+        cause = "File too large [EFBIG]; ckpt.pt is unchanged"
+        assert line == f"error: could not save iter 6: {out / 'ckpt-0000006.pt'}: {cause}", line
+    assert tree_digest(out) == before
+
+
+def test_a_disk_too_small_for_the_first_save_is_refused_before_training(monkeypatch, char_data, tmp_path, capsys):
+    monkeypatch.setattr(train, "free_bytes", lambda folder: 100_000)
+    assert train.main(tiny_args(char_data, tmp_path / "out", "--max_iters=2")) == 2
+    line = error_line(capsys)
+    assert "has 97.7 KiB free; the first save needs about" in line and "choose another --out_dir" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_parameter_count_from_the_config_matches_the_model(bias):
+    """Sizes are checked from the config alone, before anything is allocated: the count must be the model's."""
+    config = GPTConfig(vocab_size=41, block_size=16, n_layer=3, n_head=2, n_embd=32, bias=bias)
+    assert train.parameter_count(config) == sum(p.numel() for p in GPT(config).parameters())
 
 
 # ---- the config surface ----
