@@ -286,7 +286,7 @@ class GPT(nn.Module):
         torch.compile; forward then reads the result. `documents` says whether the run packs documents
         (both kinds are resolved; the one in use is logged). Returns the resolution in use."""
         device = torch.device(device)
-        if device.type == "cuda" and device.index is None:  # compare equal to the tensors' cuda:N
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():  # as tensors' cuda:N
             device = torch.device("cuda", torch.cuda.current_device())
         dropout = training and self.config.dropout > 0
         seq_len = seq_len or self.config.block_size
