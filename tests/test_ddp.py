@@ -1,6 +1,7 @@
 """DDP under torchrun, on CPU with the gloo backend: two ranks train, stop together on SIGTERM with a checkpoint
-of each rank's RNG and data position, and resume from it. Two torchrun launches in all: each costs three
-interpreters (torchrun and its two workers), the most expensive thing these tests do."""
+of each rank's RNG and data position, and resume from it; a second launch on the same out_dir meanwhile is
+refused by rank 0 and every rank exits (none waits for the others forever). Three torchrun launches in all: each
+costs three interpreters (torchrun and its two workers), the most expensive thing these tests do."""
 
 from __future__ import annotations
 
@@ -31,9 +32,18 @@ def test_sigterm_stops_every_rank_at_the_same_step_and_the_run_resumes(char_data
         char_data, out, "--max_iters=100000", "--eval_interval=100000", "--log_interval=10", "--eval_on_start=false"
     )
     with Child(TORCHRUN[0], args) as child:
+        child.wait_for(lambda line: line.startswith("parameters: "))  # printed once out_dir is claimed
+        # While the run holds out_dir (training on, until its pipe is full), a second launch fails on all ranks
+        holder = (out / ".lock").read_text().strip()
+        with Child(TORCHRUN[0], ddp_args(char_data, out, "--max_iters=5", "--overwrite_out_dir=true")) as second:
+            code, refused = second.finish(timeout=120)
         child.wait_for(lambda line: line.startswith("iter 20 |"))
         os.kill(child.pid, signal.SIGTERM)  # torchrun passes it on to both workers
         _, output = child.finish(timeout=120)  # torchrun itself exits non-zero when signalled
+    errors = [line for line in refused.splitlines() if line.startswith("error: ")]
+    assert code != 0 and len(errors) == 1, refused  # rank 0 says why; rank 1 stops without repeating it
+    assert f"is in use by another run (pid {holder}," in errors[0], refused
+    assert 'train.py", line' not in refused and "iter 1 |" not in refused, refused  # no traceback, no step
     assert "(2 ranks x 2 micro-steps x 4 x 16)" in output  # 4 accumulation steps split over 2 ranks
     assert len(re.findall(r"^parameters: ", output, re.M)) == 1  # rank 0 alone prints
     saved = re.search(r"^received SIGTERM; saved (\S+) at iter (\d+); exiting$", output, re.M)
