@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from data.atomic import atomic_path, fsync_dir, tmp_path_for, tmp_target
+from runtime import format_bytes
 
 LATEST, BEST = "ckpt.pt", "best.pt"
 NUMBERED = re.compile(r"ckpt-\d{7,}\.pt")  # f"ckpt-{iter_num:07d}.pt"
@@ -94,9 +95,10 @@ class OutDir:
         self.release()
 
 
-def claim_out_dir(out_dir, *, continuing: bool, overwrite: bool) -> OutDir:
+def claim_out_dir(out_dir, *, continuing: bool, overwrite: bool, first_save_bytes: int = 0) -> OutDir:
     """Create out_dir, prove it writable, and lock it for this run. `continuing`: the run resumes the checkpoints
-    there; otherwise existing checkpoints are refused unless `overwrite`. CheckpointError (one line) on failure."""
+    there; otherwise existing checkpoints are refused unless `overwrite`. A disk with less free space than
+    first_save_bytes is refused too. CheckpointError (one line) on failure."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"out_dir {out_dir} exists and is not a folder")
@@ -126,6 +128,13 @@ def claim_out_dir(out_dir, *, continuing: bool, overwrite: bool) -> OutDir:
             f"out_dir {out_dir} already holds checkpoints ({shown}); this run would replace them. "
             f"Continue that run with --init_from=resume, or replace them with --overwrite_out_dir=true, "
             f"or choose another --out_dir"
+        )
+    free = free_bytes(out_dir)
+    if free is not None and first_save_bytes > free:
+        hold.release()
+        raise CheckpointError(
+            f"out_dir {out_dir} has {format_bytes(free)} free; the first save needs about "
+            f"{format_bytes(first_save_bytes)}; free some space or choose another --out_dir"
         )
     return hold
 

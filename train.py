@@ -35,7 +35,6 @@ from checkpoint import (
     check_model_weights,
     check_same_tokenizer,
     claim_out_dir,
-    free_bytes,
     load_checkpoint,
     restore_rng,
     save_checkpoint,
@@ -252,27 +251,16 @@ def check_memory(cfg: TrainConfig, vocab_size: int, runtime: Runtime) -> None:
     """Refuse, before allocating anything, a run whose weights, optimizer state and activations cannot fit in
     the device's memory (a lower bound of what it needs)."""
     params = parameter_count(cfg.model_config(vocab_size=vocab_size))
-    state_bytes = params * (4 if cfg.eval_only else 16)  # float32 weights (+ gradients, AdamW's two moments)
+    bytes_per_param = 4 if cfg.eval_only else 16  # float32 weights (+ gradients, AdamW's two moments)
     # per token: the logits and their gradient, and a floor of 8 floats per layer and width kept for backward
     activation_bytes = cfg.batch_size * cfg.block_size * 4 * (2 * vocab_size + 8 * cfg.n_layer * cfg.n_embd)
+    need = params * bytes_per_param + activation_bytes
     available, where = available_memory(runtime.device)
-    if available and state_bytes + activation_bytes > available:
+    if available and need > available:
         raise UsageError(
-            f"this run needs at least {format_bytes(state_bytes + activation_bytes)} of memory "
-            f"({params:,} parameters x {state_bytes // params} bytes, and {format_bytes(activation_bytes)} of "
-            f"activations for batch_size={cfg.batch_size} x block_size={cfg.block_size}) but {where}; "
-            f"use a smaller model (n_layer, n_embd, vocab_size) or batch_size"
-        )
-
-
-def check_disk_space(cfg: TrainConfig, model: GPT) -> None:
-    """Refuse a run whose first save cannot fit on out_dir's disk, rather than find out after training."""
-    first_save = 3 * 12 * sum(p.numel() for p in model.parameters())  # 3 files of weights and AdamW moments
-    free = free_bytes(cfg.out_dir)
-    if free is not None and first_save > free:
-        raise UsageError(
-            f"out_dir {cfg.out_dir} has {format_bytes(free)} free; the first save needs about "
-            f"{format_bytes(first_save)} (ckpt-N.pt, ckpt.pt and best.pt); free some space or choose another --out_dir"
+            f"this run needs at least {format_bytes(need)} of memory ({params:,} parameters x {bytes_per_param} "
+            f"bytes, and {format_bytes(activation_bytes)} of activations for batch_size={cfg.batch_size} x "
+            f"block_size={cfg.block_size}) but {where}; use a smaller model (n_layer, n_embd, vocab_size) or batch_size"
         )
 
 
@@ -435,9 +423,11 @@ def setup_or_resume(cfg: TrainConfig, runtime: Runtime, hold: contextlib.ExitSta
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         model = build_model(cfg, vocab_size, checkpoint)
         if runtime.master and not cfg.eval_only:
-            continuing = cfg.init_from == "resume"
-            hold.enter_context(claim_out_dir(cfg.out_dir, continuing=continuing, overwrite=cfg.overwrite_out_dir))
-            check_disk_space(cfg, model)
+            first_save = 3 * 12 * sum(p.numel() for p in model.parameters())  # 3 files: weights, AdamW moments
+            continuing, overwrite = cfg.init_from == "resume", cfg.overwrite_out_dir
+            hold.enter_context(
+                claim_out_dir(cfg.out_dir, continuing=continuing, overwrite=overwrite, first_save_bytes=first_save)
+            )
     except (CheckpointError, DataError, UsageError) as failure:
         error = failure
     agree(runtime, error)
@@ -510,18 +500,19 @@ def evaluate_and_maybe_save(state: TrainState, batches: Batches, meta: dict, wan
         if wandb:
             lr = learning_rate_at(it, cfg)
             wandb.log({"iter": it, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr})
-    previous_best = state.best_val_loss
-    improved = losses["val"] < previous_best
-    state.best_val_loss = min(previous_best, losses["val"])
+    improved = losses["val"] < state.best_val_loss
     final = it >= cfg.max_iters
     if cfg.eval_only or it == 0 or it == state.ckpt_iter or not (improved or cfg.always_save_checkpoint or final):
+        state.best_val_loss = min(state.best_val_loss, losses["val"])  # eval 0's: the loss to beat
         return True
     why_not = unsafe_to_save(state, losses)
-    if why_not:
-        if runtime.master:
-            message = f"not saving iter {it}: {why_not}; {on_disk(state)}"
-            emit(message, file=sys.stderr) if final else log.warning(message)
+    if why_not:  # best_val_loss stays that of a state on disk (or eval 0's)
+        if runtime.master and final:
+            emit(f"not saving iter {it}: {why_not}; {on_disk(state)}", file=sys.stderr)
+        elif runtime.master:
+            log.warning(f"not saving iter {it}: {why_not}; {on_disk(state)}")
         return not final
+    previous_best, state.best_val_loss = state.best_val_loss, min(state.best_val_loss, losses["val"])
     path = write_checkpoint(state, batches, meta, improved)
     if runtime.master:
         note = ""

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch._dynamo
 
+import checkpoint
 import train
 from checkpoint import claim_out_dir, load_checkpoint
 from configurator import load_config
@@ -170,7 +171,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(trained_out, 
 
 
 def test_a_disk_too_small_for_the_first_save_is_refused_before_training(monkeypatch, char_data, tmp_path, capsys):
-    monkeypatch.setattr(train, "free_bytes", lambda folder: 100_000)
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda folder: 100_000)
     assert train.main(tiny_args(char_data, tmp_path / "out", "--max_iters=2")) == 2
     line = error_line(capsys)
     assert "has 97.7 KiB free; the first save needs about" in line and "choose another --out_dir" in line, line
