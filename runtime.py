@@ -214,7 +214,9 @@ class StopFlags:
 
     @contextlib.contextmanager
     def handling_signals(self):
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        # A signal ignored when the run starts stays ignored: `nohup python train.py` must outlive its terminal
+        wanted = [sig for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in wanted}
         try:
             yield
         finally:

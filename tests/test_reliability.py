@@ -25,6 +25,7 @@ import model
 import train
 from checkpoint import load_checkpoint
 from helpers import REPO, Child, subprocess_env, tiny_args, tree_digest
+from runtime import Runtime, StopFlags
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -65,6 +66,14 @@ def test_stop_signals_save_and_exit_then_resume(char_data, tmp_path, capsys):
         assert code == 0
         assert f"resuming at iter {stopped_at}" in resumed
         assert re.findall(r"^iter (\d+) \|", resumed, re.M) == [str(stopped_at + 1), str(stopped_at + 2)]
+
+
+def test_an_ignored_sighup_stays_ignored():
+    """`nohup python train.py`: SIGHUP is ignored when the run starts and must stay so (the terminal may close)."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the autouse fixture restores it
+    with StopFlags(Runtime(torch.device("cpu"), torch.float32)).handling_signals():
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)
 
 
 def test_a_closed_stdout_does_not_stop_the_run(char_data, tmp_path):
