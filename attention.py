@@ -46,6 +46,7 @@ class Need:
     dropout: bool = False  # attention dropout during training
     training: bool = True  # gradients are needed
     seq_len: int = 0  # the longest sequence this use runs (0: unknown); only auto's order depends on it
+    kv_cache: str = "none"  # generation: the KV cache decode steps read (none | contiguous | paged, kv_cache.py)
 
     def __post_init__(self):
         object.__setattr__(self, "device", torch.device(self.device))
@@ -203,12 +204,12 @@ def flex_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
     materialises the (T, T) scores."""
     from torch.nn.attention.flex_attention import flex_attention as flex
 
-    run = flex if torch.compiler.is_compiling() else _compiled_flex_attention()
+    run = flex if torch.compiler.is_compiling() else compiled_flex_attention()
     return run(q, k, v, block_mask=mask.block_mask())
 
 
 @functools.cache
-def _compiled_flex_attention():
+def compiled_flex_attention():
     from torch.nn.attention.flex_attention import flex_attention as flex
 
     return torch.compile(flex, dynamic=False)
@@ -312,6 +313,8 @@ class FlashAttention:
             return f"flash-attn needs a head dim that is a multiple of 8 and <= 256 (got {need.head_dim})"
         if need.dropout and not self.dropout:
             return f"{self.label} has no attention dropout (set dropout=0)"
+        if need.kv_cache != "none" and not hasattr(package.module, "flash_attn_with_kvcache"):
+            return f"{self.label} has no flash_attn_with_kvcache, which decoding from a KV cache calls"
         return ""
 
     def __call__(self, q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
@@ -485,6 +488,15 @@ AUTO_ORDER = {
     ("other", "", False): ("sdpa", "manual"),
     ("other", "", True): ("sdpa", "manual"),
 }
+# Decoding from a KV cache (kv_cache.py): kernels that read the cache in place (flash-attn's
+# flash_attn_with_kvcache, flex_attention through a block table) before SDPA, which reads pages gathered
+# into a copy; by design, not from a table of measurements
+DECODE_ORDER = {
+    ("cuda", "contiguous"): ("flash_attn_3", "flash_attn_2", "sdpa", "flex_attention", "manual"),
+    ("cuda", "paged"): ("flash_attn_3", "flash_attn_2", "flex_attention", "sdpa", "manual"),
+    ("other", "contiguous"): ("sdpa", "manual"),
+    ("other", "paged"): ("sdpa", "manual"),
+}
 
 
 def card_key(device: torch.device) -> str:
@@ -513,7 +525,10 @@ def read_auto_table(path: Path = AUTO_TABLE) -> dict:
 
 def auto_order(need: Need, table: dict | None = None) -> tuple[tuple[str, ...], str]:
     """(the order auto tries, how it was chosen). On a card in the table, its `first` backend goes first
-    from the measured length on; elsewhere the default order for the GPU generation."""
+    from the measured length on; elsewhere the default order for the GPU generation. Decoding from a KV cache
+    has its own order (DECODE_ORDER)."""
+    if need.kv_cache != "none":
+        return DECODE_ORDER[(_generation(need.device)[0], need.kv_cache)], "decode order"
     order = AUTO_ORDER[(*_generation(need.device), need.documents)]
     key = card_key(need.device)
     entry = (read_auto_table() if table is None else table).get(key)

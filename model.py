@@ -2,9 +2,10 @@
 A GPT-2 language model in one file, with a choice of attention kernels.
 
 Read top-down: the config; the attention backends, one record each (kernel, when it cannot run, what to
-fall back to); `resolve`, which turns a requested backend into the one that runs; the model, which
-resolves once when it is set up for a device, dtype and use (`setup_attention`), never inside forward;
-and `python model.py`, which prints what this machine can run. The kernels live in attention.py.
+fall back to, how it decodes from a KV cache); `resolve`, which turns a requested backend into the one that
+runs; the model, which resolves once when it is set up for a device, dtype and use (`setup_attention`),
+never inside forward; and `python model.py`, which prints what this machine can run. The kernels live in
+attention.py; generation's KV caches and the kernels that read them in kv_cache.py.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import inspect
 import logging
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -41,6 +42,18 @@ from attention import (
     sdpa_attention,
     sdpa_kernel_problem,
     sdpa_problem,
+)
+from kv_cache import (
+    FLEX_DECODE,
+    MANUAL_DECODE,
+    SDPA_DECODE,
+    DecodeKernel,
+    Generation,
+    Step,
+    check_generation,
+    flash_decode,
+    next_token,
+    paged_problem,
 )
 
 log = logging.getLogger("model")
@@ -96,10 +109,11 @@ class GPTConfig:
 @dataclass(frozen=True)
 class AttentionBackend:
     name: str
-    kernel: Callable  # (q, k, v, mask, dropout_p) -> y, all (B, H, T, D), causal
+    kernel: Callable | None  # (q, k, v, mask, dropout_p) -> y, all (B, H, T, D), causal
     problem: Callable[[Need], str]  # why it cannot run for a use ('' when it can)
     fallback: str | None  # what an explicit request of this backend falls back to
     aliases: tuple[str, ...] = ()
+    decode: DecodeKernel | None = None  # attention over a KV cache for generation (kv_cache.py)
 
 
 BACKENDS: dict[str, AttentionBackend] = {}
@@ -111,13 +125,21 @@ def register(backend: AttentionBackend) -> AttentionBackend:
     return backend
 
 
+FA4_DECODE, FA3_DECODE, FA2_DECODE = (flash_decode(kernel) for kernel in (FLASH_ATTN_4, FLASH_ATTN_3, FLASH_ATTN_2))
+
 for _backend in (
-    AttentionBackend("flash_attn_4", FLASH_ATTN_4, FLASH_ATTN_4.problem, "flash_attn_3", ("flash_attention_4",)),
-    AttentionBackend("flash_attn_3", FLASH_ATTN_3, FLASH_ATTN_3.problem, "flash_attn_2", ("flash_attention_3",)),
-    AttentionBackend("flash_attn_2", FLASH_ATTN_2, FLASH_ATTN_2.problem, "sdpa", ("flash_attention_2",)),
-    AttentionBackend("flex_attention", flex_attention, flex_problem, "sdpa", ("flex",)),
-    AttentionBackend("sdpa", sdpa_attention, sdpa_problem, "manual"),
-    AttentionBackend("manual", manual_attention, manual_problem, None, ("eager",)),
+    AttentionBackend(
+        "flash_attn_4", FLASH_ATTN_4, FLASH_ATTN_4.problem, "flash_attn_3", ("flash_attention_4",), FA4_DECODE
+    ),
+    AttentionBackend(
+        "flash_attn_3", FLASH_ATTN_3, FLASH_ATTN_3.problem, "flash_attn_2", ("flash_attention_3",), FA3_DECODE
+    ),
+    AttentionBackend("flash_attn_2", FLASH_ATTN_2, FLASH_ATTN_2.problem, "sdpa", ("flash_attention_2",), FA2_DECODE),
+    AttentionBackend("flex_attention", flex_attention, flex_problem, "sdpa", ("flex",), FLEX_DECODE),
+    AttentionBackend("sdpa", sdpa_attention, sdpa_problem, "manual", (), SDPA_DECODE),
+    AttentionBackend("manual", manual_attention, manual_problem, None, ("eager",), MANUAL_DECODE),
+    # A cache layout, not a kernel: generation under it runs auto's pick for a paged cache (GPT._resolve)
+    AttentionBackend("paged_attention", None, paged_problem, "sdpa", ("paged", "paged_attn")),
 ):
     register(_backend)
 
@@ -184,6 +206,8 @@ class Attention(NamedTuple):
     kernel: Callable
     resolution: Resolution
     need: Need  # what it was resolved for
+    decode: DecodeKernel | None = None  # generation with a KV cache: attention over it
+    under: str = ""  # paged_attention: the backend whose kernels run under it
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,12 +303,20 @@ class GPT(nn.Module):
     # -- attention backend: resolved once for the device, dtype and use the model runs with --
 
     def setup_attention(
-        self, device, dtype: torch.dtype, *, training: bool = True, seq_len: int | None = None, documents: bool = False
+        self,
+        device,
+        dtype: torch.dtype,
+        *,
+        training: bool = True,
+        seq_len: int | None = None,
+        documents: bool = False,
+        kv_cache: str = "none",
     ) -> Resolution:
         """Resolve the attention backend for this device, compute dtype (autocast's) and use, and log it:
         a WARNING when an explicit request falls back, one INFO line naming what runs. Call it before
         torch.compile; forward then reads the result. `documents` says whether the run packs documents
-        (both kinds are resolved; the one in use is logged). Returns the resolution in use."""
+        (both kinds are resolved; the one in use is logged); `kv_cache`, which cache generation decodes
+        from. Returns the resolution in use."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None and torch.cuda.is_available():  # as tensors' cuda:N
             device = torch.device("cuda", torch.cuda.current_device())
@@ -292,23 +324,26 @@ class GPT(nn.Module):
         seq_len = seq_len or self.config.block_size
         self.attention = {}
         for docs in (False, True):
-            need = Need(device, dtype, self.config.head_dim, docs, dropout, training, seq_len)
+            need = Need(device, dtype, self.config.head_dim, docs, dropout, training, seq_len, kv_cache)
             self.attention[docs] = self._resolve(need, measure=docs == documents)
         self.attention_device = device
-        self._log(self.attention[documents].resolution, documents)
+        self._log(self.attention[documents])
         return self.attention[documents].resolution
 
     def _resolve(self, need: Need, measure: bool) -> Attention:
         requested, order = self.config.attention_backend, None
-        if requested == "auto" and measure and self.config.auto_measure and self._card_unknown(need):
+        measure = measure and self.config.auto_measure and need.kv_cache == "none"  # decode kernels: by design
+        if requested == "auto" and measure and self._card_unknown(need):
             runs = {
                 n: BACKENDS[n].kernel for n in auto_order(need)[0] if n != "manual" and not BACKENDS[n].problem(need)
             }
             if len(runs) > 1:
                 order = measured_order(runs, need, self.config.n_head)
         resolution = resolve(requested, need, order)
-        kernel = BACKENDS[resolution.used].kernel
-        if resolution.used == "sdpa" and self.config.sdpa_kernel != "auto":
+        under = resolve("auto", need).used if resolution.used == "paged_attention" else ""
+        record = BACKENDS[under or resolution.used]
+        kernel = record.kernel
+        if record.name == "sdpa" and self.config.sdpa_kernel != "auto":
             problem = sdpa_kernel_problem(self.config.sdpa_kernel, need)
             if problem:
                 self._log_once(
@@ -317,20 +352,24 @@ class GPT(nn.Module):
                 )
             else:
                 kernel = functools.partial(sdpa_attention, kernel=self.config.sdpa_kernel)
-        return Attention(kernel, resolution, need)
+        return Attention(kernel, resolution, need, record.decode, under)
 
     @staticmethod
     def _card_unknown(need: Need) -> bool:
         return need.device.type == "cuda" and card_key(need.device) not in read_auto_table()
 
-    def _log(self, resolution: Resolution, documents: bool):
-        requested = self.config.attention_backend
+    def _log(self, attention: Attention):
+        requested, resolution, kernel = self.config.attention_backend, attention.resolution, attention.kernel
         if requested != "auto" and resolution.used != requested:
             self._log_once(
                 logging.WARNING, f"{requested} requested but {resolution.reason}; falling back to {resolution.used}"
             )
-        kernel = self.attention[documents].kernel
-        detail = f", kernel {kernel.keywords['kernel']}" if isinstance(kernel, functools.partial) else ""
+        detail = f" over {attention.under} (auto's pick for a paged cache)" if attention.under else ""
+        detail += f", kernel {kernel.keywords['kernel']}" if isinstance(kernel, functools.partial) else ""
+        if attention.need.kv_cache == "paged":
+            detail += f", paged KV cache: {attention.decode.pages}"
+        elif attention.need.kv_cache == "contiguous":
+            detail += ", contiguous KV cache"
         if requested == "auto":
             note = f" ({resolution.reason})"
         elif resolution.reason:
@@ -371,25 +410,90 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
+    def forward_cached(self, idx, step: Step, attends: Sequence[Callable]) -> torch.Tensor:
+        """Logits (B, vocab) at each row's newest token, for generation: idx (B, T) sits at positions
+        step.q_pos, continuing each sequence in its cache, and layer i attends through attends[i] (kv_cache.py)."""
+        x = self.transformer.wte(idx) + self.transformer.wpe(step.q_pos)  # (B, T, C)
+        for block, attend in zip(self.transformer.h, attends):
+            x = block(x, attend, step)
+        x = x[torch.arange(idx.size(0), device=idx.device), step.last]  # (B, C): the rest works per token
+        return self.lm_head(self.transformer.ln_f(x))
+
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None):
-        """Sample `max_new_tokens` tokens after idx (B, T); the context is cropped to block_size. The
-        backend is resolved once for inference at this device and dtype, then restored."""
-        training_attention, training_device = self.attention, self.attention_device
-        self.setup_attention(idx.device, self.compute_dtype(idx.device), training=False)
+    def generate(
+        self,
+        idx: torch.Tensor | Sequence[torch.Tensor],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        *,
+        kv_cache: str = "contiguous",
+        compile: bool = False,
+        vocab_size: int | None = None,
+        page_size: int | None = None,
+    ):
+        """Sample max_new_tokens tokens after idx: a (B, T) tensor gives (B, T + max_new_tokens); a list of
+        1-D prompts of different lengths gives a list, each prompt followed by its new tokens (see stream)."""
+        prompts = list(idx)
+        steps = list(
+            self.stream(
+                prompts,
+                max_new_tokens,
+                temperature,
+                top_k,
+                kv_cache=kv_cache,
+                compile=compile,
+                vocab_size=vocab_size,
+                page_size=page_size,
+            )
+        )
+        new = torch.stack(steps, dim=1) if steps else prompts[0].new_zeros(len(prompts), 0)  # (B, new)
+        if isinstance(idx, torch.Tensor):
+            return torch.cat((idx, new.to(idx.dtype)), dim=1)
+        return [torch.cat((prompt, row.to(prompt.dtype))) for prompt, row in zip(prompts, new)]
+
+    @torch.no_grad()
+    def stream(
+        self,
+        prompts: Sequence[torch.Tensor],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        *,
+        kv_cache: str = "contiguous",
+        compile: bool = False,
+        vocab_size: int | None = None,
+        page_size: int | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """Yield the next token of every prompt, (B,), max_new_tokens times.
+
+        The prompts (1-D, of any lengths) are read once (prefill); each later step feeds only the newest tokens
+        and reads the rest from a per-layer KV cache: "contiguous" (preallocated), "paged" (pages allocated on
+        demand; what attention_backend="paged_attention" means) or "none" (the whole context every step, as
+        nanoGPT). compile: a static-shape decode step under torch.compile(mode="reduce-overhead"), CUDA graphs
+        (elsewhere it runs eagerly). Past block_size every row reads its last block_size tokens (kv_cache.py).
+        temperature 0 is greedy; only ids below vocab_size are drawn; page_size overrides the kernel's. The
+        attention backend is resolved for this use once, and the previous choice restored after."""
+        check_generation(max_new_tokens, temperature, top_k, kv_cache, compile)
+        if not prompts or any(p.dim() != 1 or p.numel() == 0 for p in prompts):
+            raise ValueError("every prompt must be a non-empty 1-D tensor of token ids")
+        if self.config.attention_backend == "paged_attention" and kv_cache == "contiguous":
+            kv_cache = "paged"  # the backend names the cache layout
+        device, longest = prompts[0].device, max(p.numel() for p in prompts)
+        saved = self.attention, self.attention_device
+        seq_len = min(self.config.block_size, longest + max_new_tokens)
+        self.setup_attention(device, self.compute_dtype(device), training=False, seq_len=seq_len, kv_cache=kv_cache)
         try:
-            for _ in range(max_new_tokens):
-                context = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size :]
-                logits, _ = self(context)
-                logits = logits[:, -1, :] / max(temperature, 1e-6)
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                    logits[logits < kth] = -float("inf")
-                next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-                idx = torch.cat((idx, next_token), dim=1)
+            attention = self.attention[False]
+            generation = Generation(
+                self, prompts, max_new_tokens, attention, kv_cache, compile=compile, page_size=page_size
+            )
+            for _, logits in zip(range(max_new_tokens), generation):  # range first: no step past the last
+                tokens = next_token(logits, temperature, top_k, vocab_size)
+                generation.add(tokens)
+                yield tokens
         finally:
-            self.attention, self.attention_device = training_attention, training_device
-        return idx
+            self.attention, self.attention_device = saved
 
     # -- helpers for training --
 

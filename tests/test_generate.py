@@ -1,0 +1,372 @@
+"""Generation with a KV cache (kv_cache.py, GPT.generate/stream): cached and uncached decoding agree token for
+token and in their logits, per backend that runs on CPU (flex eagerly, flash-attn through a stand-in module);
+batches of prompts of different lengths; the paged cache's pages; the fallbacks; bench_generate.py --quick and
+sample.py's generation options."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import warnings
+
+import pytest
+import torch
+
+import attention
+import kv_cache
+import model
+from attention import Package
+from helpers import REPO, tiny_config
+from kv_cache import ContiguousKVCache, PagedKVCache, Step
+from model import GPT
+
+CACHES = ("none", "contiguous", "paged")
+
+
+def tiny_model(seed=0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(tiny_config(**overrides)).eval()
+
+
+def tokens(*shape, seed=1):
+    return torch.randint(0, 64, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def rel_err(out, ref) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def reference_tokens(gpt, prompts, n):
+    """Greedy tokens of each prompt alone, by the uncached full forward (GPT.forward)."""
+    out = []
+    for prompt in prompts:
+        idx = prompt[None]
+        with torch.no_grad():
+            for _ in range(n):
+                logits, _ = gpt(idx[:, -gpt.config.block_size :])
+                idx = torch.cat((idx, logits[:, -1].argmax(-1, keepdim=True)), dim=1)
+        out.append(idx[0])
+    return out
+
+
+def with_backend(gpt, name) -> GPT:
+    """The same weights under another attention backend."""
+    other = GPT(dataclasses.replace(gpt.config, attention_backend=name)).eval()
+    other.load_state_dict(gpt.state_dict())
+    return other
+
+
+@pytest.fixture
+def eager_flex(monkeypatch):
+    """flex_attention uncompiled (a CPU compile takes ~10 s per shape): the same masks and BlockMasks, read by
+    its eager reference. Eager flex ignores a BlockMask's block lists, which test_flex_block_masks checks."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(attention, "compiled_flex_attention", lambda: flex_attention)
+    monkeypatch.setattr(kv_cache, "compiled_flex_attention", lambda: flex_attention)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        yield
+
+
+# ---- the same tokens whatever the cache -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "manual"])
+def test_greedy_tokens_are_the_same_for_every_cache_and_past_block_size(backend):
+    gpt = tiny_model(block_size=8, attention_backend=backend)
+    prompt = tokens(2, 5)
+    expected = torch.stack(reference_tokens(gpt, list(prompt), 8))  # 13 tokens: slides past block_size 8
+    for cache in CACHES:
+        for compile in (False, True) if cache != "none" else (False,):
+            out = gpt.generate(prompt, 8, top_k=1, kv_cache=cache, compile=compile, page_size=4)
+            assert torch.equal(out, expected), (cache, compile)
+
+
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("backend", ["sdpa", "manual"])
+def test_cached_logits_match_the_full_forward(backend, cache, static):
+    """Prefill 6, a chunk of 3 more (bottom-right causal over the cache), then single tokens: at each step the
+    newest token's logits equal GPT.forward's at that position (float32, relative error <= 1e-5)."""
+    gpt = tiny_model(attention_backend=backend)
+    idx = tokens(3, 14)
+    with torch.no_grad():
+        full, _ = gpt(idx, idx)  # (B, T, V)
+    gpt.setup_attention("cpu", torch.float32, training=False, kv_cache=cache)
+    attention_ = gpt.attention[False]
+    shape = (2, 3, 16, 2, 16, torch.float32, "cpu")
+    if cache == "contiguous":
+        store = ContiguousKVCache(*shape, static=static)
+    else:
+        store = PagedKVCache(*shape, page_size=4, num_pages=12, static=static)
+    attends = store.attends(attention_.kernel, attention_.decode.run)
+    with torch.no_grad():
+        checks = [(gpt.forward_cached(idx[:, :6], store.prefill([6, 6, 6], 6), attends), 5)]
+        checks.append((gpt.forward_cached(idx[:, 6:9], store.extend(3), attends), 8))
+        for t in range(9, 14):
+            if static:
+                step = Step.decoding(store.lengths.clone(), store.capacity)
+                store.reserve([t + 1] * 3)
+                store.advance(1)
+            else:
+                step = store.extend(1)
+            checks.append((gpt.forward_cached(idx[:, t : t + 1], step, attends), t))
+    for logits, t in checks:
+        assert rel_err(logits, full[:, t]) <= 1e-5, t
+    assert store.host_lengths == [14, 14, 14] and store.lengths.tolist() == [14, 14, 14]
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_prompts_of_different_lengths_give_each_prompt_its_own_tokens(cache):
+    gpt = tiny_model(block_size=16)
+    prompts = [tokens(n, seed=n) for n in (3, 11, 1)]
+    expected = reference_tokens(gpt, prompts, 9)  # the 11-token prompt slides past block_size
+    for compile in (False, True) if cache != "none" else (False,):
+        out = gpt.generate(prompts, 9, temperature=0, kv_cache=cache, compile=compile, page_size=4)
+        assert all(torch.equal(a, b) for a, b in zip(out, expected)), compile
+
+
+def test_sampling_follows_the_seed_and_keeps_the_prompt():
+    gpt = tiny_model(block_size=8)
+    prompt = tokens(2, 5)
+    torch.manual_seed(3)
+    first = gpt.generate(prompt, 6, temperature=0.9, top_k=5)
+    torch.manual_seed(3)
+    again = gpt.generate(prompt, 6, temperature=0.9, top_k=5, kv_cache="paged")
+    assert torch.equal(first, again) and torch.equal(first[:, :5], prompt)
+    torch.manual_seed(3)
+    assert torch.equal(first, gpt.generate(prompt, 6, temperature=0.9, top_k=5, kv_cache="none"))
+
+
+def test_vocab_size_is_never_exceeded():
+    gpt = tiny_model()
+    with torch.no_grad():
+        gpt.lm_head.weight[40:] *= 0  # ids 40+ would otherwise be as likely as any
+        gpt.lm_head.weight[50] = gpt.lm_head.weight[:40].abs().sum(0) * 10  # and id 50 the likeliest
+    out = gpt.generate(tokens(4, 3), 12, temperature=2.0, vocab_size=40)
+    assert out[:, 3:].max() < 40
+
+
+# ---- flex_attention (eager on CPU) and flash-attn (a stand-in module) ----------------------------
+
+
+@pytest.mark.usefixtures("eager_flex")
+def test_flex_decoding_gives_the_reference_tokens():
+    gpt = tiny_model(attention_backend="flex")
+    prompts = [tokens(n, seed=n) for n in (2, 5)]
+    expected = reference_tokens(with_backend(gpt, "sdpa"), prompts, 3)
+    for cache in ("contiguous", "paged"):
+        out = gpt.generate(prompts, 3, temperature=0, kv_cache=cache, compile=cache == "paged", page_size=2)
+        assert all(torch.equal(a, b) for a, b in zip(out, expected)), cache
+
+
+def test_flex_block_masks_list_each_rows_own_blocks_up_to_its_length():
+    """The BlockMasks' block lists, which compiled flex reads and eager flex ignores."""
+    paged = PagedKVCache(1, 2, 12, 1, 16, torch.float32, "cpu", page_size=4, num_pages=6)
+    paged.prefill([3, 9], 9)  # row 0 takes a page, row 1 three, from the free list
+    paged.reserve([5, 9])  # row 0 grows into a second page
+    step = Step(torch.tensor([[4], [9]]), torch.tensor([5, 10]), 12)
+    blocks = paged.flex_block_mask(step).to_dense()[:, 0, 0]  # (B, pages)
+    assert blocks[0].nonzero().flatten().tolist() == sorted(paged.pages[0])
+    assert blocks[1].nonzero().flatten().tolist() == sorted(paged.pages[1])
+    assert not set(paged.pages[0]) & set(paged.pages[1])
+    contiguous = ContiguousKVCache(1, 2, 300, 1, 16, torch.float32, "cpu")
+    step = Step(torch.tensor([[99], [200]]), torch.tensor([100, 201]), 300)
+    blocks = contiguous.flex_block_mask(step).to_dense()[:, 0, 0]
+    assert blocks.tolist() == [[1, 0, 0], [1, 1, 0]]  # 128-token blocks up to each length
+
+
+def fake_flash_module(calls: list, table_keyword: str = "block_table"):
+    """A stand-in flash-attn module (B, T, H, D): flash_attn_func for the prefill and flash_attn_with_kvcache
+    (contiguous or paged, causal aligned bottom-right) for decoding, computed by explicit float64 formulas."""
+
+    def attend(q, k, v, q_positions):  # q (T, H, D), k/v (S, H, D)
+        scores = torch.einsum("thd,shd->hts", q.double(), k.double()) / math.sqrt(q.size(-1))
+        allowed = torch.arange(k.size(0))[None] <= q_positions[:, None]
+        weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        return torch.einsum("hts,shd->thd", weights, v.double()).to(q.dtype)
+
+    def flash_attn_func(q, k, v, causal):
+        calls.append("prefill")
+        return torch.stack([attend(q[b], k[b], v[b], torch.arange(q.size(1))) for b in range(q.size(0))])
+
+    def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, causal=False, **table):
+        assert causal and cache_seqlens.dtype == torch.int32 and set(table) <= {table_keyword}
+        block_table = table.get(table_keyword)
+        calls.append("paged" if block_table is not None else "contiguous")
+        out = []
+        for b in range(q.size(0)):
+            n, T = int(cache_seqlens[b]), q.size(1)
+            if block_table is None:
+                k, v = k_cache[b, :n], v_cache[b, :n]
+            else:
+                pages = block_table[b, : -(-n // k_cache.size(1))].long()
+                k, v = (c[pages].reshape(-1, *c.shape[2:])[:n] for c in (k_cache, v_cache))
+            out.append(attend(q[b], k, v, torch.arange(n - T, n)))
+        return torch.stack(out)
+
+    function = {"block_table": flash_attn_with_kvcache}
+    if table_keyword == "page_table":  # flash-attn 3's spelling of the page table
+
+        def with_page_table(q, k_cache, v_cache, cache_seqlens=None, causal=False, page_table=None):
+            return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, causal, page_table=page_table)
+
+        function = {"page_table": with_page_table}
+    return type(
+        "FakeFlash",
+        (),
+        {"flash_attn_func": staticmethod(flash_attn_func)}
+        | {"flash_attn_with_kvcache": staticmethod(function[table_keyword])},
+    )
+
+
+def stand_in_flash(monkeypatch, module) -> attention.FlashAttention:
+    """A flash kernel over `module`, registered as flash_attn_2 and allowed on CPU."""
+    kernel = attention.FlashAttention("stand-in flash", (), (0, 0), "")
+    kernel._package = Package(module, "0.0-fake", "")
+    record = model.AttentionBackend("flash_attn_2", kernel, lambda need: "", "sdpa", (), kv_cache.flash_decode(kernel))
+    monkeypatch.setitem(model.BACKENDS, "flash_attn_2", record)
+    return kernel
+
+
+def test_flash_decoding_through_a_stand_in_module(monkeypatch):
+    calls = []
+    stand_in_flash(monkeypatch, fake_flash_module(calls))
+    gpt = tiny_model(block_size=8, attention_backend="flash_attn_2")
+    prompts = [tokens(n, seed=n) for n in (2, 6)]
+    expected = reference_tokens(with_backend(gpt, "sdpa"), prompts, 4)  # the 6-token prompt slides
+    for cache in ("contiguous", "paged"):
+        calls.clear()
+        out = gpt.generate(prompts, 4, temperature=0, kv_cache=cache, compile=cache == "paged", page_size=2)
+        assert all(torch.equal(a, b) for a, b in zip(out, expected)), cache
+        assert set(calls) == {"prefill", cache}
+
+
+def test_flash_attn_3_takes_its_page_table_as_page_table(monkeypatch):
+    calls = []
+    kernel = stand_in_flash(monkeypatch, fake_flash_module(calls, "page_table"))
+    cache = PagedKVCache(1, 2, 8, 2, 16, torch.float32, "cpu", page_size=2, num_pages=8)
+    for seed, pool in enumerate((*cache.k, *cache.v)):
+        pool.normal_(generator=torch.Generator().manual_seed(seed))
+    cache.prefill([3, 5], 5)
+    step = cache.extend(1)
+    q = torch.randn(2, 2, 1, 16)
+    out = kv_cache.flash_decode(kernel).run(q, cache, 0, step)
+    assert calls == ["paged"] and out.shape == q.shape
+    dense = kv_cache.sdpa_decode(q, cache, 0, step)
+    assert rel_err(out, dense) < 1e-6
+
+
+def test_a_flash_package_without_flash_attn_with_kvcache_falls_back_for_decoding(monkeypatch):
+    module = type("NoKVCache", (), {"flash_attn_func": None})
+    monkeypatch.setattr(attention.FLASH_ATTN_4, "_package", Package(module, "9", ""))
+    monkeypatch.setattr(attention, "cuda_capability", lambda device: (9, 0))
+    need = attention.Need(torch.device("cuda"), torch.bfloat16, 64, training=False, kv_cache="paged")
+    assert "has no flash_attn_with_kvcache" in attention.FLASH_ATTN_4.problem(need)
+    assert attention.FLASH_ATTN_4.problem(dataclasses.replace(need, kv_cache="none")) == ""
+
+
+# ---- the paged cache ------------------------------------------------------------------------------
+
+
+def test_pages_are_allocated_on_demand_and_freed_by_a_new_prefill():
+    cache = PagedKVCache(1, 2, 10, 1, 8, torch.float32, "cpu", page_size=4, num_pages=5)
+    cache.prefill([1, 6], 6)
+    assert [len(p) for p in cache.pages] == [1, 2] and cache.in_use() == 3
+    for _ in range(3):
+        cache.extend(1)  # row 0 fills its page; row 1 grows to 9 tokens: a third page
+    assert [len(p) for p in cache.pages] == [1, 3] and cache.host_lengths == [4, 9]
+    assert cache.block_table[1, :3].tolist() == cache.pages[1]
+    assert (cache.page_owner >= 0).sum() == 4
+    cache.extend(1)
+    with pytest.raises(RuntimeError, match="out of pages: all 5 pages of 4 tokens are in use"):
+        cache.reserve([9, 10])  # row 0 grows past its page, row 1 is at capacity: 6 pages
+    cache.prefill([2, 2], 2)
+    assert cache.in_use() == 2 and cache.host_lengths == [2, 2]
+    with pytest.raises(ValueError, match="a sequence of 11 tokens does not fit this cache of 10"):
+        cache.prefill([11, 1], 11)
+
+
+def test_a_paged_batch_holds_only_the_pages_its_rows_need(monkeypatch):
+    made = []
+    original = kv_cache.make_cache
+    monkeypatch.setattr(kv_cache, "make_cache", lambda *a, **k: made.append(original(*a, **k)) or made[-1])
+    gpt = tiny_model(block_size=32)
+    gpt.generate([tokens(2), tokens(20)], 3, kv_cache="paged", page_size=4)
+    assert made[0].num_pages == 2 + 6  # ceil(5 / 4) + ceil(23 / 4) for 2 + 3 and 20 + 3 tokens, not 2 x 6
+    assert made[0].in_use() == 1 + 6  # on demand: the last token drawn is never fed, so row 0 holds 4
+
+
+# ---- paged_attention, fallbacks and bad input -------------------------------------------------------
+
+
+def test_paged_attention_cannot_train_and_falls_back_with_a_warning(caplog):
+    caplog.set_level(logging.INFO, logger="model")
+    gpt = tiny_model(attention_backend="paged")
+    assert gpt.setup_attention("cpu", torch.float32).used == "sdpa"
+    assert "paged_attention requested but paged_attention is a paged KV cache for generation; it cannot train" in (
+        caplog.text
+    )
+    _, loss = gpt(tokens(2, 8), tokens(2, 8, seed=2))
+    assert torch.isfinite(loss)
+
+
+def test_paged_attention_generates_from_a_paged_cache_and_says_how(caplog):
+    caplog.set_level(logging.INFO, logger="model")
+    gpt = tiny_model(block_size=16, attention_backend="paged_attention")
+    prompts = [tokens(3), tokens(7)]
+    expected = reference_tokens(with_backend(gpt, "sdpa"), prompts, 5)
+    out = gpt.generate(prompts, 5, temperature=0)  # the backend means a paged cache
+    assert all(torch.equal(a, b) for a, b in zip(out, expected))
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert infos[-1].startswith(
+        "attention backend: paged_attention over sdpa (auto's pick for a paged cache), paged KV cache: gathers the "
+        "pages into a contiguous copy each step (SDPA reads no block table)"
+    )
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_contiguous_cache_is_named_in_the_info_line(caplog):
+    caplog.set_level(logging.INFO, logger="model")
+    tiny_model(attention_backend="manual").generate(tokens(1, 3), 2)
+    assert "attention backend: manual, contiguous KV cache" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(top_k=0), "top_k must be >= 1 or None, got 0"),
+        (dict(temperature=-0.5), r"temperature must be >= 0 \(0 is greedy\), got -0.5"),
+        (dict(temperature=float("nan")), "temperature must be >= 0"),
+        (dict(kv_cache="ring"), "unknown kv_cache 'ring'; choose one of none, contiguous, paged"),
+        (dict(kv_cache="none", compile=True), "compile compiles the decode step over a KV cache"),
+        (dict(max_new_tokens=-1), "max_new_tokens must be an integer >= 0, got -1"),
+    ],
+)
+def test_bad_settings_are_value_errors(kwargs, message):
+    gpt = tiny_model()
+    kwargs = {"max_new_tokens": 3, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        gpt.generate(tokens(1, 3), **kwargs)
+    with pytest.raises(ValueError, match="every prompt must be a non-empty 1-D tensor"):
+        gpt.generate([tokens(3), tokens(0)], 2)
+
+
+# ---- bench_generate.py --quick --------------------------------------------------------------------
+
+
+def test_bench_generate_quick(tmp_path):
+    from bench import bench_generate
+
+    assert bench_generate.main(["--quick", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "cpu-generate-quick.json").read_text())
+    rows = result["rows"]
+    assert {r["cache"] for r in rows} == set(CACHES)
+    assert all(r["status"] == "ok" for r in rows), [r["status"] for r in rows]
+    assert all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in rows)
+    assert {"prefill_tok_s", "decode_tok_s", "peak_mem_mib", "batch_size", "prompt_len", "new_tokens"} <= set(rows[0])
+    assert (tmp_path / "cpu-generate-quick.md").is_file() and (tmp_path / "cpu-generate-quick.png").is_file()
+    assert REPO.joinpath("bench", "bench_generate.py").is_file()
