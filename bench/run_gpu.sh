@@ -4,6 +4,7 @@
 #   bash bench/run_gpu.sh float16 train       # attention bench in fp16; train-step bench
 #   bash bench/run_gpu.sh smoke compare       # a short train.py run per backend; bench/compare_backends.sh
 #   bash bench/run_gpu.sh scan attention      # fit auto's flash-attn-4 lengths (sm90) first, then measure them
+#   bash bench/run_gpu.sh generate            # generation: prefill and decode tok/s per backend and KV cache
 #
 # On a GPU machine without network, the flash packages can come with the repo, in either form:
 # - .whl/flash_attn-*.whl: a flash-attn 2 wheel built for that machine's torch, CUDA and Python, installed
@@ -86,6 +87,10 @@ for stage in "$@"; do
             bash bench/compare_backends.sh config/train_gpt2.py --data_dir=/tmp/compare_data \
             --gradient_accumulation_steps=1 --batch_size=16 --vocab_size=50304
         ;;
-    *) echo "unknown stage $stage; stages: tests smoke scan attention float16 train compare"; exit 2 ;;
+    generate)  # GPT-2 124M shapes: batch 1 and 32, prompt 128 and 2048, 256 new tokens, per backend and KV cache
+        python3 bench/bench_generate.py --out "$OUT" --name "${GEN_NAME:-generate}" --budget "${GEN_BUDGET:-480}" \
+            ${GEN_BACKENDS:+--backends $GEN_BACKENDS} | tail -40
+        ;;
+    *) echo "unknown stage $stage; stages: tests smoke scan attention float16 train compare generate"; exit 2 ;;
     esac
 done

@@ -370,3 +370,55 @@ def test_bench_generate_quick(tmp_path):
     assert {"prefill_tok_s", "decode_tok_s", "peak_mem_mib", "batch_size", "prompt_len", "new_tokens"} <= set(rows[0])
     assert (tmp_path / "cpu-generate-quick.md").is_file() and (tmp_path / "cpu-generate-quick.png").is_file()
     assert REPO.joinpath("bench", "bench_generate.py").is_file()
+
+
+# ---- GPU (run on the device) ----------------------------------------------------------------------
+
+
+def gpu_or_skip(backend: str, cache: str, dtype=torch.bfloat16) -> torch.device:
+    device = torch.device("cuda", torch.cuda.current_device())
+    problem = model.BACKENDS[backend].problem(attention.Need(device, dtype, 64, training=False, kv_cache=cache))
+    if problem:
+        pytest.skip(problem)
+    return device
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+@pytest.mark.parametrize("backend", ["sdpa", "flex_attention", "flash_attn_2", "flash_attn_3", "manual"])
+@pytest.mark.usefixtures("allow_flex_recompiles")
+def test_gpu_cached_logits_match_a_float32_full_forward(backend, cache):
+    """bf16 on CUDA: prefill, a chunk, then single tokens, each against the float32 uncached forward."""
+    device = gpu_or_skip(backend, cache)
+    reference = tiny_model(block_size=64, n_embd=128, attention_backend="manual").to(device)
+    gpt = with_backend(reference, backend).to(device, torch.bfloat16)
+    idx = tokens(3, 40).to(device)
+    with torch.no_grad():
+        full, _ = reference(idx, idx)
+    gpt.setup_attention(device, torch.bfloat16, training=False, kv_cache=cache)
+    attention_ = gpt.attention[False]
+    shape = (2, 3, 64, 2, 64, torch.bfloat16, device)
+    pages = dict(page_size=attention_.decode.page_size, num_pages=3 * -(-64 // attention_.decode.page_size))
+    store = ContiguousKVCache(*shape) if cache == "contiguous" else PagedKVCache(*shape, **pages)
+    attends = store.attends(attention_.kernel, attention_.decode.run)
+    with torch.no_grad():
+        checks = [(gpt.forward_cached(idx[:, :24], store.prefill([24] * 3, 24), attends), 23)]
+        checks.append((gpt.forward_cached(idx[:, 24:30], store.extend(6), attends), 29))
+        for t in range(30, 40):
+            checks.append((gpt.forward_cached(idx[:, t : t + 1], store.extend(1), attends), t))
+    for logits, t in checks:
+        assert rel_err(logits.float(), full[:, t]) < 2e-2, t
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+def test_gpu_compiled_decode_gives_the_eager_tokens(cache):
+    """torch.compile(mode="reduce-overhead") of the static decode step (CUDA graphs), float32: the tokens of the
+    same static step run eagerly, for prompts of different lengths, twice (a new cache re-records its graphs)."""
+    device = gpu_or_skip("sdpa", cache, torch.float32)
+    gpt = tiny_model(block_size=64, n_embd=128).to(device)
+    prompts = [tokens(n, seed=n).to(device) for n in (5, 17, 9)]
+    eager = gpt.generate(prompts, 20, temperature=0, kv_cache=cache, compile=False)
+    for _ in range(2):
+        compiled = gpt.generate(prompts, 20, temperature=0, kv_cache=cache, compile=True)
+        assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
