@@ -3,14 +3,20 @@ Sample text from a trained checkpoint.
 
     python sample.py --out_dir=out-shakespeare-char --start="ROMEO:" --num_samples=3 --max_new_tokens=300
     python sample.py --start=FILE:prompt.txt --temperature=0.8 --top_k=200 --seed=7
+    python sample.py --start=FILE:prompts.txt --batch_size=8 --kv_cache=paged   # one prompt per line, 8 at a time
 
-Each sample is printed whole, then a separator line. Ctrl-C prints the sample in progress as far as it got and
-exits with code 130, a shell's code for SIGINT (so `sample.py && next` stops); a closed stdout (`... | head -1`)
-ends the run quietly with code 0. Bad input is one `error: ` line on stderr and exit code 2.
+Generation reads each prompt once, then decodes one token per step from a KV cache (--kv_cache; none re-reads the
+whole context every step); --compile compiles the decode step with CUDA graphs. Each sample is printed whole, then
+a separator line; stderr gets the attention backend in use (an INFO line) and prefill and decode tokens/s.
+
+Ctrl-C prints the samples in progress as far as they got and exits with code 130, a shell's code for SIGINT (so
+`sample.py && next` stops); a closed stdout (`... | head -1`) ends the run quietly with code 0. Bad input is one
+`error: ` line on stderr and exit code 2.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -25,6 +31,7 @@ from checkpoint import CheckpointError, load_checkpoint
 from configurator import ConfigError, load_config
 from data.common import DataError
 from data.tokenizer import load_tokenizer, tokenizer_vocab_size
+from kv_cache import check_generation
 from model import GPT, GPTConfig
 from runtime import Runtime, UsageError, pick_device, pick_dtype
 
@@ -44,6 +51,9 @@ class SampleConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     attention_backend: str = "auto"  # attention kernel for sampling (see python model.py)
+    kv_cache: str = "contiguous"  # none | contiguous | paged: the KV cache decoding reads (see kv_cache.py)
+    batch_size: int = 1  # samples generated together; above 1, a --start=FILE:path holds one prompt per line
+    compile: bool = False  # torch.compile the decode step with CUDA graphs (on CUDA; elsewhere it runs eagerly)
 
     def __post_init__(self):
         if self.num_samples < 1:
@@ -54,6 +64,9 @@ class SampleConfig:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        check_generation(self.max_new_tokens, self.temperature, self.top_k, self.kv_cache, self.compile)
 
 
 def read_prompt(start: str) -> str:
@@ -70,30 +83,63 @@ def read_prompt(start: str) -> str:
         raise UsageError(f"prompt file {path} cannot be read ({e.strerror or e})") from None
 
 
+def read_prompts(start: str, per_line: bool) -> list[str]:
+    """The prompt; with per_line, each non-empty line of a --start=FILE:path file is one."""
+    text = read_prompt(start)
+    if not (per_line and start.startswith("FILE:")):
+        return [text]
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise UsageError(f"prompt file {start.removeprefix('FILE:')} has no non-empty line")
+    return lines
+
+
 @torch.no_grad()
 def generate(
-    model: GPT, idx: torch.Tensor, max_new_tokens: int, vocab_size: int, temperature: float, top_k: int | None
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    vocab_size: int,
+    temperature: float,
+    top_k: int | None,
+    kv_cache: str = "contiguous",
+    compile: bool = False,
 ) -> Iterator[torch.Tensor]:
     """Yield idx (B, T) grown by one token at a time, drawn only from ids below vocab_size (the tokenizer's).
 
     A model's vocabulary is often padded (GPT-2's 50257 ids to 50304, char vocabularies of 1024+ to a multiple of
-    64) and the padding ids decode to nothing; GPT.generate would draw them too. Yielding each step lets Ctrl-C
-    keep the tokens drawn so far. temperature 0 takes the likeliest token.
+    64) and the padding ids decode to nothing; they are never drawn. Yielding each step lets Ctrl-C keep the
+    tokens drawn so far. temperature 0 takes the likeliest token.
     """
-    block_size = model.config.block_size
-    for _ in range(max_new_tokens):
-        logits, _ = model(idx[:, -block_size:])  # the model reads at most block_size tokens
-        logits = logits[:, -1, :vocab_size].float()  # (B, vocab_size): the padding ids are never candidates
-        if temperature == 0:
-            next_token = logits.argmax(dim=-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, vocab_size)).values[:, [-1]]
-                logits[logits < kth] = -float("inf")
-            next_token = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1)
-        idx = torch.cat((idx, next_token), dim=1)
+    stream = model.stream(
+        list(idx), max_new_tokens, temperature, top_k, kv_cache=kv_cache, compile=compile, vocab_size=vocab_size
+    )
+    for tokens in stream:
+        idx = torch.cat((idx, tokens[:, None].to(idx.dtype)), dim=1)
         yield idx
+
+
+class Timing:
+    """Prefill (time to a batch's first token, the prompts read) and decode (the rest), over all batches."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.prefill_s = self.decode_s = 0.0
+        self.prompt_tokens = self.decoded = 0
+
+    def now(self) -> float:
+        if self.device.type == "cuda":  # the GPU runs ahead of the host: wait for it
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def report(self, generated: int, elapsed: float):
+        for name, tokens, seconds in (
+            ("prefill", self.prompt_tokens, self.prefill_s),
+            ("decode", self.decoded, self.decode_s),
+        ):
+            rate = f"{tokens / seconds:,.0f}" if seconds > 0 else "-"
+            print(f"{name}: {tokens} tokens in {seconds:.2f} s ({rate} tokens/s)", file=sys.stderr)
+        print(f"{generated} tokens in {elapsed:.1f} s ({generated / elapsed:,.0f} tokens/s)", file=sys.stderr)
 
 
 def sample(cfg: SampleConfig) -> int:
@@ -102,58 +148,91 @@ def sample(cfg: SampleConfig) -> int:
     state = load_checkpoint(cfg.checkpoint or Path(cfg.out_dir) / "ckpt.pt")
     model = GPT(GPTConfig(**{**state["model_config"], "attention_backend": cfg.attention_backend, "dropout": 0.0}))
     model.load_state_dict(state["model"])
-    model.eval().to(device)
-    model.setup_attention(device, runtime.dtype, training=False)
+    model.eval().to(device)  # the attention backend is resolved when generation starts, for its KV cache
     encode, decode = load_tokenizer(state["meta"])
     vocab_size = tokenizer_vocab_size(state["meta"])
     if vocab_size > model.config.vocab_size:
         raise CheckpointError(
             f"the checkpoint's tokenizer has {vocab_size} ids but its model only {model.config.vocab_size}"
         )
-    try:
-        prompt = encode(read_prompt(cfg.start))
-    except DataError as e:  # a char outside a char vocabulary: say that it is the prompt's
-        raise UsageError(f"--start: {e}") from None
-    if not prompt:
-        raise UsageError("the prompt is empty; give --start some text")
+    texts = read_prompts(cfg.start, per_line=cfg.batch_size > 1)
+    prompts = []
+    for number, text in enumerate(texts, 1):
+        try:
+            prompt = encode(text)
+        except DataError as e:  # a char outside a char vocabulary: say that it is the prompt's
+            raise UsageError(f"--start{'' if len(texts) == 1 else f' prompt {number}'}: {e}") from None
+        if not prompt:
+            raise UsageError("the prompt is empty; give --start some text")
+        prompts.append(prompt)
     block_size = model.config.block_size
-    if len(prompt) > block_size:
-        # Cropped, not refused: the model always reads a sliding window of its last block_size tokens (a long
-        # sample slides past its prompt the same way), and the whole prompt is still printed with each sample.
+    long = sum(len(prompt) > block_size for prompt in prompts)
+    # Cropped, not refused: the model always reads a sliding window of its last block_size tokens (a long
+    # sample slides past its prompt the same way), and the whole prompt is still printed with each sample.
+    if long and len(prompts) == 1:
         print(
-            f"note: the prompt is {len(prompt)} tokens, longer than block_size {block_size}; "
+            f"note: the prompt is {len(prompts[0])} tokens, longer than block_size {block_size}; "
             f"the model sees only its last {block_size}",
             file=sys.stderr,
         )
+    elif long:
+        print(
+            f"note: {long} of the {len(prompts)} prompts are longer than block_size {block_size}; "
+            f"the model sees only the last {block_size} tokens of each",
+            file=sys.stderr,
+        )
     torch.manual_seed(cfg.seed)
-    idx = torch.tensor(prompt, dtype=torch.long, device=device)[None, :]
+    jobs = [prompt for prompt in prompts for _ in range(cfg.num_samples)]  # each prompt's samples in turn
+    timing = Timing(device)
     generated, started = 0, time.time()
-    for number in range(1, cfg.num_samples + 1):
-        out = idx
+    for first in range(0, len(jobs), cfg.batch_size):
+        batch = jobs[first : first + cfg.batch_size]
+        new: list[torch.Tensor] = []  # (B,) tokens per step: what Ctrl-C prints
         try:
             with runtime.autocast():
-                for grown in generate(model, idx, cfg.max_new_tokens, vocab_size, cfg.temperature, cfg.top_k):
-                    out = grown  # the last complete step, kept for Ctrl-C
-        except KeyboardInterrupt:  # Ctrl-C: print the sample so far, whose tokens are in `out`
-            print(decode(out[0].tolist()))
-            print(SEPARATOR, flush=True)
-            new_tokens = out.size(1) - idx.size(1)
+                begun = prefilled = timing.now()
+                rows = [torch.tensor(prompt, dtype=torch.long, device=device) for prompt in batch]
+                for tokens in model.stream(
+                    rows,
+                    cfg.max_new_tokens,
+                    cfg.temperature,
+                    cfg.top_k,
+                    kv_cache=cfg.kv_cache,
+                    compile=cfg.compile,
+                    vocab_size=vocab_size,
+                ):
+                    new.append(tokens)
+                    if len(new) == 1:
+                        prefilled = timing.now()
+        except KeyboardInterrupt:  # Ctrl-C: print the samples so far
+            print_samples(batch, new, decode)
+            numbers = f"sample {first + 1}" if len(batch) == 1 else f"samples {first + 1}-{first + len(batch)}"
             print(
-                f"interrupted: sample {number} of {cfg.num_samples} stopped after "
-                f"{new_tokens} of {cfg.max_new_tokens} tokens",
+                f"interrupted: {numbers} of {len(jobs)} stopped after {len(new)} of {cfg.max_new_tokens} tokens",
                 file=sys.stderr,
             )
             return 130
-        generated += cfg.max_new_tokens
-        print(decode(out[0].tolist()))
-        print(SEPARATOR, flush=True)
-    elapsed = time.time() - started
-    print(f"{generated} tokens in {elapsed:.1f} s ({generated / elapsed:,.0f} tokens/s)", file=sys.stderr)
+        timing.prefill_s += prefilled - begun
+        timing.decode_s += timing.now() - prefilled
+        timing.prompt_tokens += sum(min(len(prompt), block_size) for prompt in batch)
+        timing.decoded += len(batch) * (cfg.max_new_tokens - 1)  # the first token of each comes with the prefill
+        generated += len(batch) * cfg.max_new_tokens
+        print_samples(batch, new, decode)
+    timing.report(generated, time.time() - started)
     return 0
+
+
+def print_samples(batch: list[list[int]], new: list[torch.Tensor], decode):
+    """Each prompt with its tokens drawn so far, then a separator line."""
+    drawn = torch.stack(new, dim=1).tolist() if new else [[] for _ in batch]
+    for prompt, tokens in zip(batch, drawn):
+        print(decode(prompt + tokens))
+        print(SEPARATOR, flush=True)
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", force=True)  # the backend line
     try:
         return sample(load_config(SampleConfig(), argv))
     except (ConfigError, CheckpointError, DataError, UsageError, ValueError) as error:

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import warnings
 
 import pytest
@@ -370,6 +371,59 @@ def test_bench_generate_quick(tmp_path):
     assert {"prefill_tok_s", "decode_tok_s", "peak_mem_mib", "batch_size", "prompt_len", "new_tokens"} <= set(rows[0])
     assert (tmp_path / "cpu-generate-quick.md").is_file() and (tmp_path / "cpu-generate-quick.png").is_file()
     assert REPO.joinpath("bench", "bench_generate.py").is_file()
+
+
+# ---- sample.py: --kv_cache, --batch_size with a file of prompts, --compile, the log lines ----------------
+
+
+def sample_main(capsys, *argv: str) -> tuple[int, str, str]:
+    import sample
+
+    code = sample.main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_sample_cli_batches_a_file_of_prompts_through_a_kv_cache(trained_out, tmp_path, capsys):
+    prompts = ["ROMEO:", "JULIET: the", "the king and the queen speak"]  # the last is longer than block_size
+    path = tmp_path / "prompts.txt"
+    path.write_text("\n".join([prompts[0], "", *prompts[1:]]) + "\n")  # blank lines are no prompts
+    common = [f"--out_dir={trained_out}", f"--start=FILE:{path}", "--batch_size=2", "--num_samples=1"]
+    common += ["--max_new_tokens=6", "--temperature=0", "--device=cpu"]
+    code, out, err = sample_main(capsys, *common, "--kv_cache=paged", "--compile")
+    assert code == 0, err
+    texts = out.split("\n---------------\n")[:-1]
+    assert [text[: len(prompt)] for text, prompt in zip(texts, prompts)] == prompts and len(texts) == 3
+    lines = err.splitlines()
+    assert any(line.startswith("INFO: attention backend: sdpa, paged KV cache: gathers the pages") for line in lines)
+    assert "INFO: compile: CUDA graphs need a CUDA device; the static decode step runs eagerly on cpu" in lines
+    note = "note: 1 of the 3 prompts are longer than block_size 16; the model sees only the last 16 tokens of each"
+    assert note in lines
+    assert re.search(r"^prefill: \d+ tokens in \d+\.\d\d s \([\d,-]+ tokens/s\)$", err, re.M), err
+    assert re.search(r"^decode: 15 tokens in \d+\.\d\d s \([\d,-]+ tokens/s\)$", err, re.M), err  # 3 x (6 - 1)
+    assert re.search(r"^18 tokens in \d+\.\d s", err, re.M), err
+    code, uncached, err = sample_main(capsys, *common, "--kv_cache=none")  # greedy: the same text
+    assert code == 0 and uncached == out, err
+
+
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        (["--kv_cache=ring"], "unknown kv_cache 'ring'; choose one of none, contiguous, paged"),
+        (["--batch_size=0"], "batch_size must be >= 1, got 0"),
+        (["--kv_cache=none", "--compile"], "compile compiles the decode step over a KV cache"),
+        (["--batch_size=2", "--start=FILE:{tmp}/blank.txt"], "blank.txt has no non-empty line"),
+        (["--batch_size=2", "--start=FILE:{tmp}/euro.txt"], "--start prompt 2: char '€' (U+20AC)"),
+    ],
+    ids=["kv_cache", "batch_size", "compile-without-cache", "no-prompt-lines", "bad-char-in-line-2"],
+)
+def test_sample_bad_generation_settings_are_one_error_line(trained_out, tmp_path, capsys, args, expect):
+    (tmp_path / "blank.txt").write_text("\n  \n")
+    (tmp_path / "euro.txt").write_text("ROMEO:\nthe €\n")
+    argv = [f"--out_dir={trained_out}", "--max_new_tokens=3", "--device=cpu", *(a.format(tmp=tmp_path) for a in args)]
+    code, out, err = sample_main(capsys, *argv)
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and expect in err, err
 
 
 # ---- GPU (run on the device) ----------------------------------------------------------------------
