@@ -386,47 +386,44 @@ def flex_decode(q, cache: KVCache, layer: int, step: Step):
 
 class FlashDecode:
     """flash_attn_with_kvcache of a flash-attn package: the cache read in place (a block table for pages),
-    causal aligned bottom-right by the kernel itself. Called as a PyTorch custom op, so a compiled decode
-    step keeps one graph."""
+    causal aligned bottom-right by the kernel itself. Called through a PyTorch custom op, so a compiled decode
+    step keeps one graph (the package calls its extension directly, which dynamo cannot trace)."""
 
     def __init__(self, kernel: FlashAttention):
-        self.kernel = kernel
+        self.kernel, self.index = kernel, len(_FLASH_KERNELS)
+        _FLASH_KERNELS.append(kernel)
 
     def __call__(self, q, cache: KVCache, layer: int, step: Step):
         if "seqlens" not in step.memo:
             step.memo["seqlens"] = step.kv_len.to(torch.int32)
         k_cache, v_cache, table = cache.flash_kv(layer)
-        y = flash_with_kvcache_op(self.kernel)(q.transpose(1, 2), k_cache, v_cache, step.memo["seqlens"], table)
+        y = flash_with_kvcache(q.transpose(1, 2), k_cache, v_cache, step.memo["seqlens"], table, self.index)
         return y.transpose(1, 2)
 
 
-_FLASH_OPS: list = []
+_FLASH_KERNELS: list[FlashAttention] = []  # the kernels flash_with_kvcache calls, by FlashDecode.index
 
 
-@functools.cache
-def flash_with_kvcache_op(kernel: FlashAttention):
-    """kernel's flash_attn_with_kvcache as a custom op (the package calls its extension directly, which dynamo
-    cannot trace); the package is read at each call, as FlashAttention does."""
+@torch.library.custom_op("gpt_kv_cache::flash_with_kvcache", mutates_args=())
+def flash_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    table: torch.Tensor | None,
+    kernel: int,
+) -> torch.Tensor:
+    """(B, T, H, D) attention of q over the cache through a flash-attn package's flash_attn_with_kvcache; the
+    package is read at each call, as FlashAttention does."""
+    function = _FLASH_KERNELS[kernel].package().module.flash_attn_with_kvcache
+    extra = {} if table is None else {_table_keyword(function): table}
+    y = function(q, k_cache, v_cache, cache_seqlens=cache_seqlens, causal=True, **extra)
+    return (y[0] if isinstance(y, tuple) else y).contiguous()
 
-    @torch.library.custom_op(f"gpt_kv_cache::flash_with_kvcache_{len(_FLASH_OPS)}", mutates_args=())
-    def op(
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        cache_seqlens: torch.Tensor,
-        table: torch.Tensor | None,
-    ) -> torch.Tensor:
-        function = kernel.package().module.flash_attn_with_kvcache
-        extra = {} if table is None else {_table_keyword(function): table}
-        y = function(q, k_cache, v_cache, cache_seqlens=cache_seqlens, causal=True, **extra)
-        return (y[0] if isinstance(y, tuple) else y).contiguous()
 
-    @op.register_fake
-    def _(q, k_cache, v_cache, cache_seqlens, table):
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
-
-    _FLASH_OPS.append(op)
-    return op
+@flash_with_kvcache.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, table, kernel):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 @functools.cache

@@ -23,6 +23,8 @@ from helpers import REPO, tiny_config
 from kv_cache import ContiguousKVCache, PagedKVCache, Step
 from model import GPT
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster, and the CPU is shared
+
 CACHES = ("none", "contiguous", "paged")
 
 
@@ -259,6 +261,26 @@ def test_flash_attn_3_takes_its_page_table_as_page_table(monkeypatch):
     assert calls == ["paged"] and out.shape == q.shape
     dense = kv_cache.sdpa_decode(q, cache, 0, step)
     assert rel_err(out, dense) < 1e-6
+
+
+def test_the_static_decode_step_compiles_as_one_graph(monkeypatch):
+    """What CUDA graphs need: no graph break in the step (fullgraph), traced by dynamo on CPU (backend eager),
+    through both caches, with the stand-in flash kernel behind its custom op (sdpa's path traces the same)."""
+    stand_in_flash(monkeypatch, fake_flash_module([]))
+    compiled = []
+
+    def compile_step(step, device):
+        compiled.append(torch.compile(step, backend="eager", fullgraph=True, dynamic=False))
+        return compiled[-1]
+
+    monkeypatch.setattr(kv_cache, "compile_step", compile_step)
+    gpt = tiny_model(block_size=16, attention_backend="flash_attn_2")
+    prompts = [tokens(n, seed=n) for n in (2, 5)]
+    expected = reference_tokens(with_backend(gpt, "sdpa"), prompts, 4)
+    for cache in ("contiguous", "paged"):
+        out = gpt.generate(prompts, 4, temperature=0, kv_cache=cache, compile=True, page_size=4)
+        assert all(torch.equal(a, b) for a, b in zip(out, expected)), cache
+    assert len(compiled) == 2
 
 
 def test_a_flash_package_without_flash_attn_with_kvcache_falls_back_for_decoding(monkeypatch):
