@@ -131,6 +131,8 @@ def measure_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> 
     row = empty_row(case, dtype)
     if case.backend == "manual" and case.prompt_len > args.manual_max_prompt:
         return {**row, "status": f"not run: manual's (T, T) scores at prompt {case.prompt_len}"}
+    if case.backend == "paged_attention" and case.cache == "contiguous":
+        return {**row, "status": "not run: paged_attention is a paged cache (its paged row)"}
     gpt = None
     torch._dynamo.reset()  # each row compiles afresh, as a new sample.py process would
     try:  # any failure (OOM, a kernel's refusal, a compile error) becomes this row's status
@@ -138,8 +140,7 @@ def measure_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> 
             return {**row, **hf_peer(case, args, device, dtype)}
         gpt = build_model(case, args, device, dtype)
         seq_len = case.prompt_len + case.new_tokens
-        kv = "paged" if case.cache == "contiguous" and case.backend == "paged_attention" else case.cache
-        resolution = gpt.setup_attention(device, dtype, training=False, seq_len=seq_len, kv_cache=kv)
+        resolution = gpt.setup_attention(device, dtype, training=False, seq_len=seq_len, kv_cache=case.cache)
         row["resolved"] = resolution.used
         if case.backend != "auto" and resolution.used != case.backend:  # never time another under this name
             return {**row, "status": f"falls back to {resolution.used}: {resolution.reason}"}
@@ -211,29 +212,33 @@ def hf_peer(case: Case, args, device, dtype) -> dict:
     ids = torch.stack(prompts_for(case, gpt.config.vocab_size, device))
     mask = torch.ones_like(ids)
 
-    def run(new: int) -> float:
+    def timed(fn) -> float:
         synchronize(device)
         start = time.perf_counter()
+        with torch.no_grad():
+            fn()
+        synchronize(device)
+        return time.perf_counter() - start
+
+    def generate():  # the static cache is sized by max_new_tokens: warm-up and timed run share its shapes
         hf.generate(
             ids,
             attention_mask=mask,
-            max_new_tokens=new,
-            min_new_tokens=new,
+            max_new_tokens=case.new_tokens,
+            min_new_tokens=case.new_tokens,
             do_sample=False,
             cache_implementation="static",
             pad_token_id=0,
         )
-        synchronize(device)
-        return time.perf_counter() - start
 
-    started = time.perf_counter()
-    run(WARMUP_TOKENS)
-    run(1)
-    warmup_s = time.perf_counter() - started
+    def prefill():
+        hf(ids, attention_mask=mask)
+
+    warmup_s = timed(generate) + timed(prefill)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    first = run(1)
-    whole = run(case.new_tokens)
+    first = timed(prefill)
+    whole = timed(generate)
     import transformers
 
     return {
@@ -395,8 +400,8 @@ def main(argv=None) -> int:
             "warm-up": f"an untimed run of the same shapes stopped after {WARMUP_TOKENS} tokens first (compiles, "
             "CUDA graph capture: warmup_s)",
             "memory": "peak_mem_mib = torch.cuda.max_memory_allocated over the timed run; none on CPU",
-            "hf peer": "GPT2LMHeadModel.generate(cache_implementation='static') on the same weights; prefill = a "
-            "1-token generate, decode = the full generate minus it"
+            "hf peer": "GPT2LMHeadModel.generate(cache_implementation='static') on the same weights; prefill = "
+            "one forward pass over the prompts, decode = the whole generate minus it"
             if args.hf
             else "not run (transformers not importable, or --quick / --hf off)",
         },
