@@ -181,8 +181,12 @@ def _lock(path: Path) -> int:
         if current:
             break
         os.close(fd)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        os.close(fd)  # lets go of the lock
+        raise
     return fd
 
 

@@ -147,6 +147,8 @@ def agree(runtime: Runtime, error: Exception | None) -> None:
         reports = [None] * runtime.world_size
         dist.all_gather_object(reports, None if error is None else str(error))
         first = next((report for report in reports if report is not None), None)
+        if first is not None:
+            dist.barrier()  # every rank has read the reports before any rank leaves and closes its connections
         if first is not None and (error is None or (not runtime.master and reports[0] is not None)):
             raise PeerFailed(first)
     if error is not None:
