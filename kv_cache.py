@@ -23,6 +23,10 @@ place through a BlockMask over its blocks or pages (the technique of torch's exp
 torch.nn.attention.experimental._paged_attention, written here against the public BlockMask API); flash-attn
 calls flash_attn_with_kvcache, with a block table for pages.
 
+Fast decode (compile=True): a static decode step reads every slot up to the capacity, masked, so its shapes
+never change and torch.compile(mode="reduce-overhead") replays it as CUDA graphs (gpt-fast's approach); on a
+CPU the same static step runs eagerly.
+
 At block_size the model has no position left for a sequence's next token. Generation then slides: the whole
 batch is prefilled again from the last block_size tokens of each sequence, which is exactly what the uncached
 model reads, so the tokens match kv_cache="none"; from there on each step costs a full forward pass.
@@ -195,7 +199,9 @@ class ContiguousKVCache(KVCache):
             self.k[layer][:, :, step.start : step.start + T] = k
             self.v[layer][:, :, step.start : step.start + T] = v
         else:
-            rows = torch.arange(self.batch_size, device=self.device)[:, None]
+            if "rows" not in step.memo:
+                step.memo["rows"] = torch.arange(self.batch_size, device=self.device)[:, None]
+            rows = step.memo["rows"]
             self.k[layer][rows, :, step.q_pos] = k.transpose(1, 2)  # indexed (B, T, H, D)
             self.v[layer][rows, :, step.q_pos] = v.transpose(1, 2)
 
