@@ -333,6 +333,7 @@ def check_schema(state, path, *, resume: bool = False) -> None:
     missing = [key for key in schema if key not in state]
     if missing:
         why = " (needed to resume a run; --init_from=PATH fine-tunes from its weights alone)" if resume else ""
+        why += "; without meta, the tokenizer it was trained with is unknown" if "meta" in missing else ""
         raise CheckpointError(f"{path} lacks {', '.join(missing)}{why}")
     for key, kind in schema.items():
         value = state[key]
