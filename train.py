@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import os
 import sys
 import textwrap
 import time
@@ -33,27 +32,21 @@ from checkpoint import (
     CheckpointError,
     capture_rng,
     check_model_weights,
-    check_same_tokenizer,
-    claim_out_dir,
-    load_checkpoint,
     restore_rng,
     save_checkpoint,
 )
 from configurator import ConfigError, load_config, parse_bool
-from data.common import DataError, read_meta
-from data.loader import Batches, ensure_dataset
+from data.common import DataError
+from data.loader import Batches
 from model import GPT, GPTConfig
+from preflight import check_before_training, check_checkpoint_shape, check_config, checkpoint_path, claim_run_out_dir
 from runtime import (
-    DIST_BACKENDS,
-    DTYPES,
     PeerFailed,
     Runtime,
     StopFlags,
     UsageError,
     agree,
-    available_memory,
     emit,
-    format_bytes,
     model_flops_utilization,
     peak_flops_for,
     peak_memory_gib,
@@ -119,57 +112,7 @@ class TrainConfig:
     max_bad_steps: int = 5  # stop after this many consecutive steps with non-finite loss or gradients
 
     def __post_init__(self):
-        positive = (
-            "eval_interval",
-            "eval_iters",
-            "log_interval",
-            "keep_last_k",
-            "gradient_accumulation_steps",
-            "batch_size",
-            "block_size",
-            "n_layer",
-            "n_head",
-            "n_embd",
-            "max_bad_steps",
-        )
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_iters", "warmup_iters", "lr_decay_iters"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.vocab_size is not None and self.vocab_size < 1:
-            raise ValueError(f"vocab_size must be >= 1 or None, got {self.vocab_size}")
-        for name in ("learning_rate", "min_lr", "weight_decay", "beta1", "beta2", "grad_clip", "dropout"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
-        if self.decay_lr and not 0 <= self.min_lr <= self.learning_rate:
-            raise ValueError(
-                f"need 0 <= min_lr <= learning_rate when decay_lr is on, got "
-                f"min_lr={self.min_lr}, learning_rate={self.learning_rate}"
-            )
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError("weight_decay and grad_clip must be >= 0")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ValueError(f"beta1 and beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
-        if self.decay_lr and self.warmup_iters > self.lr_decay_iters:
-            raise ValueError(f"warmup_iters ({self.warmup_iters}) must be <= lr_decay_iters ({self.lr_decay_iters})")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        if self.dist_backend not in DIST_BACKENDS:
-            raise ValueError(f"unknown dist_backend {self.dist_backend!r}; choose nccl or gloo")
-        if self.peak_flops is not None and not self.peak_flops > 0:
-            raise ValueError(f"peak_flops must be > 0, got {self.peak_flops}")
-        if not self.out_dir:
-            raise ValueError("out_dir must not be empty")
-        too_long = [part for part in Path(self.out_dir).parts if len(os.fsencode(part)) > 255]
-        if too_long:
-            raise ValueError(f"out_dir has a folder name of {len(os.fsencode(too_long[0]))} bytes; 255 is the most")
-        if not 0 <= self.seed < 2**64:
-            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
-        self.model_config()  # the model's own checks (head dim, backend names, ...)
+        check_config(self)
 
     def model_config(self, **override) -> GPTConfig:
         fields = {f.name for f in dataclasses.fields(GPTConfig)} - {"use_flash_attention"}
@@ -190,78 +133,19 @@ DEPRECATED = {  # old key: (new key, old value -> new value); configurator warns
 # ----------------------------------------------------------------------------------------------
 # Model and checkpoints
 
-SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "vocab_size", "bias")
-
-
-def model_vocab_size(cfg: TrainConfig, meta: dict) -> int:
-    if cfg.vocab_size is not None:
-        if cfg.vocab_size < meta["vocab_size"]:
-            raise UsageError(f"vocab_size {cfg.vocab_size} is smaller than the dataset's {meta['vocab_size']}")
-        return cfg.vocab_size
-    vocab = meta["vocab_size"]
-    return vocab if vocab < 1024 else -(-vocab // 64) * 64  # a multiple of 64 makes the big matmuls faster
-
 
 def build_model(cfg: TrainConfig, vocab_size: int, checkpoint: dict | None) -> GPT:
     model_config = cfg.model_config(vocab_size=vocab_size)
     if checkpoint is None:
         return GPT(model_config)
     saved = checkpoint["model_config"]
-    differ = [
-        f"{k}={saved[k]} (config says {getattr(model_config, k)})"
-        for k in SHAPE_FIELDS
-        if saved.get(k) != getattr(model_config, k)
-    ]
-    if differ:
-        raise UsageError(
-            f"the checkpoint's model has another shape: {', '.join(differ)}; "
-            f"use the same model settings or another out_dir"
-        )
-    if cfg.block_size > saved["block_size"]:
-        raise UsageError(f"block_size {cfg.block_size} is larger than the checkpoint's {saved['block_size']}")
+    check_checkpoint_shape(model_config, saved)
     model = GPT(dataclasses.replace(model_config, block_size=saved["block_size"]))
     check_model_weights(model.state_dict(), checkpoint["model"], checkpoint_path(cfg))
     model.load_state_dict(checkpoint["model"])
     if cfg.block_size < saved["block_size"]:
         model.crop_block_size(cfg.block_size)
     return model
-
-
-def checkpoint_path(cfg: TrainConfig) -> Path:
-    return Path(cfg.out_dir) / LATEST if cfg.init_from == "resume" else Path(cfg.init_from)
-
-
-def read_checkpoint(cfg: TrainConfig) -> dict | None:
-    if cfg.init_from == "scratch":
-        return None
-    path = checkpoint_path(cfg)
-    if cfg.init_from != "resume" and not path.is_file():
-        raise UsageError(f"init_from={cfg.init_from!r}: allowed are scratch, resume, or the path of a .pt checkpoint")
-    return load_checkpoint(path, resume=cfg.init_from == "resume")
-
-
-def parameter_count(config: GPTConfig) -> int:
-    """GPT's parameter count from its config alone, so that sizes are checked before anything is allocated."""
-    width, bias = config.n_embd, int(config.bias)
-    per_block = 12 * width * width + 2 * width + 11 * width * bias  # attention 4E², MLP 8E², 2 LayerNorms, biases
-    return (config.vocab_size + config.block_size) * width + config.n_layer * per_block + width * (1 + bias)
-
-
-def check_memory(cfg: TrainConfig, vocab_size: int, runtime: Runtime) -> None:
-    """Refuse, before allocating anything, a run whose weights, optimizer state and activations cannot fit in
-    the device's memory (a lower bound of what it needs)."""
-    params = parameter_count(cfg.model_config(vocab_size=vocab_size))
-    bytes_per_param = 4 if cfg.eval_only else 16  # float32 weights (+ gradients, AdamW's two moments)
-    # per token: the logits and their gradient, and a floor of 8 floats per layer and width kept for backward
-    activation_bytes = cfg.batch_size * cfg.block_size * 4 * (2 * vocab_size + 8 * cfg.n_layer * cfg.n_embd)
-    need = params * bytes_per_param + activation_bytes
-    available, where = available_memory(runtime.device)
-    if available and need > available:
-        raise UsageError(
-            f"this run needs at least {format_bytes(need)} of memory ({params:,} parameters x {bytes_per_param} "
-            f"bytes, and {format_bytes(activation_bytes)} of activations for batch_size={cfg.batch_size} x "
-            f"block_size={cfg.block_size}) but {where}; use a smaller model (n_layer, n_embd, vocab_size) or batch_size"
-        )
 
 
 def learning_rate_at(it: int, cfg: TrainConfig) -> float:
@@ -410,24 +294,12 @@ def setup_or_resume(cfg: TrainConfig, runtime: Runtime, hold: contextlib.ExitSta
     fails; then rank 0 claims out_dir (held until `hold` closes). Returns (state, batches, the dataset's meta)."""
     error = None
     try:
-        check_wandb(cfg)
-        checkpoint = read_checkpoint(cfg)
-        data_dir = ensure_dataset(cfg.dataset, cfg.data_dir, master=runtime.master, distributed=runtime.ddp)
-        meta = read_meta(data_dir)
-        if checkpoint is not None:
-            check_same_tokenizer(checkpoint["meta"], meta, checkpoint_path(cfg), data_dir)
-        vocab_size = model_vocab_size(cfg, meta)
-        check_memory(cfg, vocab_size, runtime)
+        checkpoint, data_dir, meta, vocab_size = check_before_training(cfg, runtime)
         seed = (cfg.seed + runtime.rank) % 2**64
         batches = Batches(data_dir, cfg.batch_size, cfg.block_size, runtime.device, seed=seed, vocab_size=vocab_size)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         model = build_model(cfg, vocab_size, checkpoint)
-        if runtime.master and not cfg.eval_only:
-            first_save = 3 * 12 * sum(p.numel() for p in model.parameters())  # 3 files: weights, AdamW moments
-            continuing, overwrite = cfg.init_from == "resume", cfg.overwrite_out_dir
-            hold.enter_context(
-                claim_out_dir(cfg.out_dir, continuing=continuing, overwrite=overwrite, first_save_bytes=first_save)
-            )
+        claim_run_out_dir(cfg, runtime, model, hold)
     except (CheckpointError, DataError, UsageError) as failure:
         error = failure
     agree(runtime, error)
@@ -700,15 +572,6 @@ def train(cfg: TrainConfig) -> int:
                     log_step(state, step, throughput, wandb)
                 if step.stop_requested:
                     return save_and_exit_on_signal(state, batches, meta)
-
-
-def check_wandb(cfg: TrainConfig) -> None:
-    if not cfg.wandb_log:
-        return
-    try:
-        import wandb  # noqa: F401
-    except ImportError:
-        raise UsageError("wandb_log=True but the wandb package is not installed; pip install wandb") from None
 
 
 def start_wandb(cfg: TrainConfig):

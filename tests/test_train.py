@@ -18,6 +18,7 @@ import torch
 import torch._dynamo
 
 import checkpoint
+import preflight
 import train
 from checkpoint import claim_out_dir, load_checkpoint
 from configurator import load_config
@@ -182,7 +183,7 @@ def test_a_disk_too_small_for_the_first_save_is_refused_before_training(monkeypa
 def test_parameter_count_from_the_config_matches_the_model(bias):
     """Sizes are checked from the config alone, before anything is allocated: the count must be the model's."""
     config = GPTConfig(vocab_size=41, block_size=16, n_layer=3, n_head=2, n_embd=32, bias=bias)
-    assert train.parameter_count(config) == sum(p.numel() for p in GPT(config).parameters())
+    assert preflight.parameter_count(config) == sum(p.numel() for p in GPT(config).parameters())
 
 
 # ---- the config surface ----

@@ -1,0 +1,181 @@
+"""
+Checks before training: every setting, and everything about the machine, the dataset, the checkpoint and out_dir
+that a user can get wrong, found before a weight is allocated or a checkpoint written, each in one line.
+
+TrainConfig runs check_config when it is built. train.setup_or_resume runs check_before_training, builds the
+model (check_checkpoint_shape), then claim_run_out_dir, on every rank, and the ranks stop together if one fails.
+The mechanics live where their data does: out_dir's lock, write probe, free-space check and overwrite refusal,
+and the tokenizer comparison in checkpoint.py; torchrun's environment in runtime.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from checkpoint import LATEST, check_same_tokenizer, claim_out_dir, load_checkpoint
+from data.common import read_meta
+from data.loader import ensure_dataset
+from model import GPT, GPTConfig
+from runtime import DIST_BACKENDS, DTYPES, Runtime, UsageError, available_memory, format_bytes
+
+if TYPE_CHECKING:
+    from train import TrainConfig
+
+SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "vocab_size", "bias")
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Each setting alone and the settings together (ValueError); then the model's own checks."""
+    positive = (
+        "eval_interval",
+        "eval_iters",
+        "log_interval",
+        "keep_last_k",
+        "gradient_accumulation_steps",
+        "batch_size",
+        "block_size",
+        "n_layer",
+        "n_head",
+        "n_embd",
+        "max_bad_steps",
+    )
+    for name in positive:
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    for name in ("max_iters", "warmup_iters", "lr_decay_iters"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.vocab_size is not None and cfg.vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1 or None, got {cfg.vocab_size}")
+    for name in ("learning_rate", "min_lr", "weight_decay", "beta1", "beta2", "grad_clip", "dropout"):
+        if not math.isfinite(getattr(cfg, name)):
+            raise ValueError(f"{name} must be a finite number, got {getattr(cfg, name)}")
+    if not cfg.learning_rate > 0:
+        raise ValueError(f"learning_rate must be > 0, got {cfg.learning_rate}")
+    if cfg.decay_lr and not 0 <= cfg.min_lr <= cfg.learning_rate:
+        raise ValueError(
+            f"need 0 <= min_lr <= learning_rate when decay_lr is on, got "
+            f"min_lr={cfg.min_lr}, learning_rate={cfg.learning_rate}"
+        )
+    if cfg.weight_decay < 0 or cfg.grad_clip < 0:
+        raise ValueError("weight_decay and grad_clip must be >= 0")
+    if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
+        raise ValueError(f"beta1 and beta2 must be in [0, 1), got {cfg.beta1}, {cfg.beta2}")
+    if cfg.decay_lr and cfg.warmup_iters > cfg.lr_decay_iters:
+        raise ValueError(f"warmup_iters ({cfg.warmup_iters}) must be <= lr_decay_iters ({cfg.lr_decay_iters})")
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {cfg.dtype!r}; choose one of {', '.join(DTYPES)}")
+    if cfg.dist_backend not in DIST_BACKENDS:
+        raise ValueError(f"unknown dist_backend {cfg.dist_backend!r}; choose nccl or gloo")
+    if cfg.peak_flops is not None and not cfg.peak_flops > 0:
+        raise ValueError(f"peak_flops must be > 0, got {cfg.peak_flops}")
+    if not cfg.out_dir:
+        raise ValueError("out_dir must not be empty")
+    too_long = [part for part in Path(cfg.out_dir).parts if len(os.fsencode(part)) > 255]
+    if too_long:
+        raise ValueError(f"out_dir has a folder name of {len(os.fsencode(too_long[0]))} bytes; 255 is the most")
+    if not 0 <= cfg.seed < 2**64:
+        raise ValueError(f"seed must be in [0, 2**64), got {cfg.seed}")
+    cfg.model_config()  # the model's own checks (head dim, backend names, ...)
+
+
+def check_before_training(cfg: TrainConfig, runtime: Runtime) -> tuple[dict | None, Path, dict, int]:
+    """Everything that can be checked before the model is built, in this order: wandb, the checkpoint to start
+    from, the dataset (prepared if missing) and its tokenizer against the checkpoint's, the vocabulary size, and
+    memory. Returns (checkpoint or None, data_dir, the dataset's meta, the model's vocab_size)."""
+    check_wandb(cfg)
+    checkpoint = read_checkpoint(cfg)
+    data_dir = ensure_dataset(cfg.dataset, cfg.data_dir, master=runtime.master, distributed=runtime.ddp)
+    meta = read_meta(data_dir)
+    if checkpoint is not None:
+        check_same_tokenizer(checkpoint["meta"], meta, checkpoint_path(cfg), data_dir)
+    vocab_size = model_vocab_size(cfg, meta)
+    check_memory(cfg, vocab_size, runtime)
+    return checkpoint, data_dir, meta, vocab_size
+
+
+def checkpoint_path(cfg: TrainConfig) -> Path:
+    return Path(cfg.out_dir) / LATEST if cfg.init_from == "resume" else Path(cfg.init_from)
+
+
+def read_checkpoint(cfg: TrainConfig) -> dict | None:
+    if cfg.init_from == "scratch":
+        return None
+    path = checkpoint_path(cfg)
+    if cfg.init_from != "resume" and not path.is_file():
+        raise UsageError(f"init_from={cfg.init_from!r}: allowed are scratch, resume, or the path of a .pt checkpoint")
+    return load_checkpoint(path, resume=cfg.init_from == "resume")
+
+
+def claim_run_out_dir(cfg: TrainConfig, runtime: Runtime, model: GPT, hold: contextlib.ExitStack) -> None:
+    """Rank 0 of a run that will save claims out_dir (checkpoint.claim_out_dir: lock, write probe, free space
+    for the first save, no overwriting another run's checkpoints unless asked), held until `hold` closes."""
+    if runtime.master and not cfg.eval_only:
+        first_save = 3 * 12 * sum(p.numel() for p in model.parameters())  # 3 files: weights, AdamW moments
+        continuing, overwrite = cfg.init_from == "resume", cfg.overwrite_out_dir
+        hold.enter_context(
+            claim_out_dir(cfg.out_dir, continuing=continuing, overwrite=overwrite, first_save_bytes=first_save)
+        )
+
+
+def check_wandb(cfg: TrainConfig) -> None:
+    if not cfg.wandb_log:
+        return
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise UsageError("wandb_log=True but the wandb package is not installed; pip install wandb") from None
+
+
+def model_vocab_size(cfg: TrainConfig, meta: dict) -> int:
+    if cfg.vocab_size is not None:
+        if cfg.vocab_size < meta["vocab_size"]:
+            raise UsageError(f"vocab_size {cfg.vocab_size} is smaller than the dataset's {meta['vocab_size']}")
+        return cfg.vocab_size
+    vocab = meta["vocab_size"]
+    return vocab if vocab < 1024 else -(-vocab // 64) * 64  # a multiple of 64 makes the big matmuls faster
+
+
+def check_checkpoint_shape(model_config: GPTConfig, saved: dict) -> None:
+    """Refuse a checkpoint whose model (saved: its model_config) has another shape than the config's, or a
+    shorter context."""
+    differ = [
+        f"{k}={saved[k]} (config says {getattr(model_config, k)})"
+        for k in SHAPE_FIELDS
+        if saved.get(k) != getattr(model_config, k)
+    ]
+    if differ:
+        raise UsageError(
+            f"the checkpoint's model has another shape: {', '.join(differ)}; "
+            f"use the same model settings or another out_dir"
+        )
+    if model_config.block_size > saved["block_size"]:
+        raise UsageError(f"block_size {model_config.block_size} is larger than the checkpoint's {saved['block_size']}")
+
+
+def parameter_count(config: GPTConfig) -> int:
+    """GPT's parameter count from its config alone, so that sizes are checked before anything is allocated."""
+    width, bias = config.n_embd, int(config.bias)
+    per_block = 12 * width * width + 2 * width + 11 * width * bias  # attention 4E², MLP 8E², 2 LayerNorms, biases
+    return (config.vocab_size + config.block_size) * width + config.n_layer * per_block + width * (1 + bias)
+
+
+def check_memory(cfg: TrainConfig, vocab_size: int, runtime: Runtime) -> None:
+    """Refuse, before allocating anything, a run whose weights, optimizer state and activations cannot fit in
+    the device's memory (a lower bound of what it needs)."""
+    params = parameter_count(cfg.model_config(vocab_size=vocab_size))
+    bytes_per_param = 4 if cfg.eval_only else 16  # float32 weights (+ gradients, AdamW's two moments)
+    # per token: the logits and their gradient, and a floor of 8 floats per layer and width kept for backward
+    activation_bytes = cfg.batch_size * cfg.block_size * 4 * (2 * vocab_size + 8 * cfg.n_layer * cfg.n_embd)
+    need = params * bytes_per_param + activation_bytes
+    available, where = available_memory(runtime.device)
+    if available and need > available:
+        raise UsageError(
+            f"this run needs at least {format_bytes(need)} of memory ({params:,} parameters x {bytes_per_param} "
+            f"bytes, and {format_bytes(activation_bytes)} of activations for batch_size={cfg.batch_size} x "
+            f"block_size={cfg.block_size}) but {where}; use a smaller model (n_layer, n_embd, vocab_size) or batch_size"
+        )
