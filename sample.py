@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import CheckpointError, load_checkpoint
+from checkpoint import CheckpointError, check_model_weights, load_checkpoint
 from configurator import ConfigError, load_config
 from data.common import DataError
 from data.tokenizer import load_tokenizer, tokenizer_vocab_size
@@ -145,8 +145,10 @@ class Timing:
 def sample(cfg: SampleConfig) -> int:
     device = pick_device(cfg.device)
     runtime = Runtime(device, pick_dtype(cfg.dtype, device))
-    state = load_checkpoint(cfg.checkpoint or Path(cfg.out_dir) / "ckpt.pt")
+    path = cfg.checkpoint or Path(cfg.out_dir) / "ckpt.pt"
+    state = load_checkpoint(path)
     model = GPT(GPTConfig(**{**state["model_config"], "attention_backend": cfg.attention_backend, "dropout": 0.0}))
+    check_model_weights(model.state_dict(), state["model"], path)  # a mismatch is one line, not a traceback
     model.load_state_dict(state["model"])
     model.eval().to(device)  # the attention backend is resolved when generation starts, for its KV cache
     encode, decode = load_tokenizer(state["meta"])

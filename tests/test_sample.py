@@ -240,3 +240,12 @@ def test_ctrl_c_keeps_the_sample_so_far_and_a_closed_pipe_is_quiet(trained_out):
     piped_err = piped.stderr.read()
     assert piped.wait(timeout=60) == 0, piped_err
     assert "Traceback" not in piped_err and "Exception ignored" not in piped_err, piped_err
+
+
+def test_weights_that_do_not_fit_model_config_are_one_line(trained_out, tmp_path, capsys):
+    state = torch.load(trained_out / "ckpt.pt", weights_only=True)
+    state["model_config"]["block_size"] = 8  # wpe holds 16 positions
+    torch.save(state, tmp_path / "odd.pt")
+    code, out, err = run_sample(capsys, f"--checkpoint={tmp_path / 'odd.pt'}", "--max_new_tokens=3", "--device=cpu")
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: ")
+    assert "transformer.wpe.weight (16, 32) (model_config needs (8, 32))" in err, err
