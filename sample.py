@@ -142,9 +142,8 @@ class Timing:
         print(f"{generated} tokens in {elapsed:.1f} s ({generated / elapsed:,.0f} tokens/s)", file=sys.stderr)
 
 
-def sample(cfg: SampleConfig) -> int:
-    device = pick_device(cfg.device)
-    runtime = Runtime(device, pick_dtype(cfg.dtype, device))
+def load_model(cfg: SampleConfig, device: torch.device):
+    """The checkpoint's model on `device`, its tokenizer (encode, decode) and the tokenizer's vocabulary size."""
     path = cfg.checkpoint or Path(cfg.out_dir) / "ckpt.pt"
     state = load_checkpoint(path)
     model = GPT(GPTConfig(**{**state["model_config"], "attention_backend": cfg.attention_backend, "dropout": 0.0}))
@@ -157,6 +156,11 @@ def sample(cfg: SampleConfig) -> int:
         raise CheckpointError(
             f"the checkpoint's tokenizer has {vocab_size} ids but its model only {model.config.vocab_size}"
         )
+    return model, encode, decode, vocab_size
+
+
+def encode_prompts(cfg: SampleConfig, encode, block_size: int) -> list[list[int]]:
+    """The --start prompt(s) as token ids; a note on stderr for prompts longer than block_size."""
     texts = read_prompts(cfg.start, per_line=cfg.batch_size > 1)
     prompts = []
     for number, text in enumerate(texts, 1):
@@ -167,7 +171,6 @@ def sample(cfg: SampleConfig) -> int:
         if not prompt:
             raise UsageError("the prompt is empty; give --start some text")
         prompts.append(prompt)
-    block_size = model.config.block_size
     long = sum(len(prompt) > block_size for prompt in prompts)
     # Cropped, not refused: the model always reads a sliding window of its last block_size tokens (a long
     # sample slides past its prompt the same way), and the whole prompt is still printed with each sample.
@@ -183,6 +186,15 @@ def sample(cfg: SampleConfig) -> int:
             f"the model sees only the last {block_size} tokens of each",
             file=sys.stderr,
         )
+    return prompts
+
+
+def sample(cfg: SampleConfig) -> int:
+    device = pick_device(cfg.device)
+    runtime = Runtime(device, pick_dtype(cfg.dtype, device))
+    model, encode, decode, vocab_size = load_model(cfg, device)
+    block_size = model.config.block_size
+    prompts = encode_prompts(cfg, encode, block_size)
     torch.manual_seed(cfg.seed)
     jobs = [prompt for prompt in prompts for _ in range(cfg.num_samples)]  # each prompt's samples in turn
     timing = Timing(device)
