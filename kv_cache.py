@@ -44,6 +44,7 @@ from typing import NamedTuple
 
 import torch
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attention import AttentionMask, FlashAttention, Need, compiled_flex_attention, manual_attention
 
@@ -369,10 +370,15 @@ class DecodeKernel(NamedTuple):
     pages: str  # how it reads a paged cache, for the INFO line
 
 
+# Not cuDNN's kernel: it builds a new plan for every key length, and a decode step's keys grow by one each step
+_DECODE_SDPA_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def sdpa_decode(q, cache: KVCache, layer: int, step: Step):
     k, v = cache.dense_kv(layer, step)
     # A one-token step that sees every slot needs no mask (is_causal would align top-left: wrong for T < S)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=None if step.sees_all else step.dense())
+    with sdpa_kernel(_DECODE_SDPA_KERNELS):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=None if step.sees_all else step.dense())
 
 
 def manual_decode(q, cache: KVCache, layer: int, step: Step):
