@@ -30,6 +30,8 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
+from data.atomic import atomic_path
+
 log = logging.getLogger("model")
 
 HALF = (torch.float16, torch.bfloat16)
@@ -566,14 +568,12 @@ def measured_order(
     """
     cache_path = cache_path or auto_cache_path()
     key = measure_key(need, n_head)
-    try:
-        cached = json.loads(cache_path.read_text()).get(key)
-    except (OSError, ValueError, AttributeError):
-        cached = None
-    if cached and set(cached) == set(candidates):
+    cache = _read_cache(cache_path)
+    cached = cache.get(key)
+    if isinstance(cached, dict) and set(cached) == set(candidates):
         return tuple(sorted(cached, key=cached.get)), "measured on this card earlier: " + _timings(cached)
     timings = {name: time_kernel(kernel, need, n_head, tokens) for name, kernel in candidates.items()}
-    _write_cache(cache_path, key, timings)
+    _write_cache(cache_path, {**cache, key: timings})
     return tuple(sorted(timings, key=timings.get)), "measured on this card: " + _timings(timings)
 
 
@@ -581,17 +581,19 @@ def _timings(timings: dict[str, float]) -> str:
     return ", ".join(f"{name} {ms:.3g} ms" for name, ms in sorted(timings.items(), key=lambda item: item[1]))
 
 
-def _write_cache(path: Path, key: str, timings: dict) -> None:
+def _read_cache(path: Path) -> dict:
     try:
-        cache = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
-        cache = {}
-    cache[key] = timings
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: measure again
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def _write_cache(path: Path, cache: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=1))
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps(cache, indent=1))
     except OSError as error:  # a read-only home still gets the measured choice, just not cached
         log.debug(f"could not cache auto's timings in {path}: {error}")
 

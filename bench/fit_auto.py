@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attention import AUTO_TABLE  # noqa: E402
+from data.atomic import atomic_path  # noqa: E402
 
 WITHOUT_FLASH_ATTN_4 = {"causal": "sdpa:auto", "documents": "flex_attention"}
 
@@ -81,7 +82,8 @@ def main(argv=None) -> int:
     table = updated_table(table, card, fitted, source)
     print(json.dumps({card: table["cards"][card]}, indent=1))
     if args.write:
-        args.table.write_text(json.dumps(table, indent=1) + "\n")
+        with atomic_path(args.table) as tmp:
+            tmp.write_text(json.dumps(table, indent=1) + "\n")
         print(f"wrote {args.table}")
     return 0
 
