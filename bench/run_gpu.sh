@@ -101,7 +101,8 @@ for stage in "$@"; do
         ;;
     long)  # the longest context GPT-2 124M trains at batch 1
         python3 bench/bench_train.py --out "$OUT" --name "${LONG_NAME:-train-long}" --budget 0 --batch-sizes \
-            --variants ${LONG_VARIANTS:-default ckpt-mlp} --long-seq-lens ${LONG_SEQ_LENS:-32768 65536 131072} | tail -10
+            --variants ${LONG_VARIANTS:-default ckpt-mlp} --long-seq-lens ${LONG_SEQ_LENS:-32768 65536 131072} \
+            --steps 3 --chunks 2 --warmup-steps 1 | tail -10
         ;;
     curves)  # 300 iterations of plain and default on Shakespeare (GPT-2 BPE; data/shakespeare prepared beforehand)
         python3 bench/loss_curves.py --out "$OUT" ${CURVE_ITERS:+--iters $CURVE_ITERS} | tail -12
