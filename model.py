@@ -76,7 +76,7 @@ class GPTConfig:
     attention_backend: str = "auto"  # a name or alias in BACKENDS, or auto; see resolve
     sdpa_kernel: str = "auto"  # restrict the sdpa backend to one PyTorch kernel: auto|flash|cudnn|efficient|math
     auto_measure: bool = True  # auto on a GPU the table does not know times the candidates once (cached)
-    cross_entropy: str = "chunked"  # chunked: lm_head + loss a chunk of rows at a time, no full logits | plain
+    cross_entropy: str = "auto"  # plain (full logits) | chunked (lm_head + loss by rows) | auto: chunked if big
     activation_checkpointing: str = "none"  # recompute in backward to save memory: none | mlp | block
     use_flash_attention: bool | None = None  # deprecated: True means attention_backend="flash_attn_2"
 
@@ -125,7 +125,8 @@ class AttentionBackend:
 
 BACKENDS: dict[str, AttentionBackend] = {}
 SDPA_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")
-CROSS_ENTROPY = ("chunked", "plain")
+CROSS_ENTROPY = ("auto", "plain", "chunked")
+AUTO_CHUNKED_LOGITS = 2**31  # auto chunks the loss past this many logits a micro-batch (8 GiB in float32)
 CHECKPOINTING = ("none", "mlp", "block")  # mlp keeps attention's outputs: at long T, attention is the costly part
 
 
@@ -408,7 +409,7 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, doc_ids=None):
         """(logits, loss). Without targets: the last position's logits (B, 1, V) and None. With targets: the mean
-        cross-entropy, and the logits (B, T, V) under cross_entropy="plain"; "chunked" never builds them (None).
+        cross-entropy, and the logits (B, T, V), or None where the loss was chunked (cross_entropy; never built whole).
         doc_ids (B, T): packed documents, attention kept inside each run of equal ids."""
         B, T = idx.shape
         if T > self.config.block_size:
@@ -425,7 +426,10 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None  # only the last position is needed to sample
-        if self.config.cross_entropy == "chunked":  # the logits are never built whole: none to return
+        chunked = self.config.cross_entropy == "chunked" or (
+            self.config.cross_entropy == "auto" and targets.numel() * self.config.vocab_size > AUTO_CHUNKED_LOGITS
+        )  # plain is faster where the logits fit (bench/results/h100-train-speed.md)
+        if chunked:  # the logits are never built whole: none to return
             return None, chunked_cross_entropy(x, self.lm_head.weight, targets)
         logits = self.lm_head(x)
         wide = torch.promote_types(logits.dtype, torch.float32)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from checkpoint import LATEST, check_same_tokenizer, claim_out_dir, load_checkpoint
 from data.common import read_meta
 from data.loader import ensure_dataset
-from model import GPT, GPTConfig
+from model import AUTO_CHUNKED_LOGITS, GPT, GPTConfig
 from runtime import DIST_BACKENDS, DTYPES, Runtime, UsageError, available_memory, format_bytes
 
 if TYPE_CHECKING:
@@ -174,7 +174,10 @@ def check_memory(cfg: TrainConfig, vocab_size: int, runtime: Runtime) -> None:
     bytes_per_param = 4 if cfg.eval_only else 16  # float32 weights (+ gradients, AdamW's two moments)
     # per token: the logits and their gradient (unless chunked), and a floor of floats per layer and width kept
     # for backward (8; fewer when activations are recomputed)
-    logits = 2 * vocab_size if cfg.cross_entropy == "plain" else 0
+    chunked = cfg.cross_entropy == "chunked" or (
+        cfg.cross_entropy == "auto" and cfg.batch_size * cfg.block_size * vocab_size > AUTO_CHUNKED_LOGITS
+    )
+    logits = 0 if chunked else 2 * vocab_size
     kept = {"none": 8, "mlp": 4, "block": 1}[cfg.activation_checkpointing]
     activation_bytes = cfg.batch_size * cfg.block_size * 4 * (logits + kept * cfg.n_layer * cfg.n_embd)
     need = params * bytes_per_param + activation_bytes

@@ -90,7 +90,7 @@ class TrainConfig:
         "auto"  # auto | flash_attn_4 | flash_attn_3 | flash_attn_2 | flex_attention | sdpa | manual
     )
     sdpa_kernel: str = "auto"  # pin one PyTorch SDPA kernel: auto | flash | cudnn | efficient | math
-    cross_entropy: str = "chunked"  # chunked: lm_head + loss a chunk of rows at a time, no full logits | plain
+    cross_entropy: str = "auto"  # plain (full logits) | chunked (lm_head + loss by rows) | auto: chunked if big
     activation_checkpointing: str = "none"  # recompute in backward to save memory: none | mlp | block
     # ---- optimizer ----
     learning_rate: float = 2e-3  # peak learning rate
