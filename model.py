@@ -291,6 +291,14 @@ class GPT(nn.Module):
         self.attention_device: torch.device | None = None
         self._logged: set[str] = set()  # say each fallback and backend line once per model
 
+    @classmethod
+    def from_pretrained(cls, path_or_name, **overrides) -> GPT:
+        """GPT-2 weights: a hub name (gpt2 ... gpt2-xl, from the Hugging Face cache), a Hugging Face GPT-2 folder,
+        or a checkpoint of this repo or nanoGPT; overrides set GPTConfig fields such as attention_backend."""
+        from interop import from_pretrained  # interop imports this module
+
+        return from_pretrained(path_or_name, **overrides)
+
     @staticmethod
     def _init_weights(module):
         if isinstance(module, nn.Linear):
