@@ -35,7 +35,7 @@ SOURCES = (
 # GPTConfig fields HF GPT-2 writes in config.json (bias=False exports as zero biases), and fields that only say
 # how the model runs here. Any other field must keep its default, GPT-2's architecture, to be exported.
 EXPRESSIBLE = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "bias")
-RUNTIME_ONLY = ("attention_backend", "sdpa_kernel", "auto_measure", "use_flash_attention")
+RUNTIME_ONLY = ("attention_backend", "sdpa_kernel", "auto_measure", "use_flash_attention", "disable_mps_fix")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from attention import (
     FLASH_ATTN_2,
     FLASH_ATTN_3,
     FLASH_ATTN_4,
+    MPS_MASK_PROBLEM,
     AttentionMask,
     FlashAttention,
     Need,
@@ -75,6 +76,7 @@ class GPTConfig:
     sdpa_kernel: str = "auto"  # restrict the sdpa backend to one PyTorch kernel: auto|flash|cudnn|efficient|math
     auto_measure: bool = True  # auto on a GPU the table does not know times the candidates once (cached)
     use_flash_attention: bool | None = None  # deprecated: True means attention_backend="flash_attn_2"
+    disable_mps_fix: bool = False  # on MPS, let SDPA run with explicit masks (documents, KV cache), NaN risk
 
     def __post_init__(self):
         if self.use_flash_attention is not None:
@@ -332,7 +334,8 @@ class GPT(nn.Module):
         seq_len = seq_len or self.config.block_size
         self.attention = {}
         for docs in (False, True):
-            need = Need(device, dtype, self.config.head_dim, docs, dropout, training, seq_len, kv_cache)
+            mps_fix = not self.config.disable_mps_fix
+            need = Need(device, dtype, self.config.head_dim, docs, dropout, training, seq_len, kv_cache, mps_fix)
             self.attention[docs] = self._resolve(need, measure=docs == documents)
         self.attention_device = device
         self._log(self.attention[documents])
@@ -368,6 +371,8 @@ class GPT(nn.Module):
 
     def _log(self, attention: Attention):
         requested, resolution, kernel = self.config.attention_backend, attention.resolution, attention.kernel
+        if requested == "auto" and MPS_MASK_PROBLEM in resolution.reason:  # an explicit request warns below
+            self._log_once(logging.WARNING, f"auto: {MPS_MASK_PROBLEM}; using {resolution.used}")
         if requested != "auto" and resolution.used != requested:
             self._log_once(
                 logging.WARNING, f"{requested} requested but {resolution.reason}; falling back to {resolution.used}"

@@ -34,7 +34,7 @@ from data.common import DataError
 from data.tokenizer import load_tokenizer, tokenizer_vocab_size
 from interop import load_weights, model_from_checkpoint
 from kv_cache import check_generation
-from model import GPT
+from model import GPT, canonical_backend
 from runtime import Runtime, UsageError, pick_device, pick_dtype
 
 SEPARATOR = "---------------"
@@ -55,6 +55,7 @@ class SampleConfig:
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     attention_backend: str = "auto"  # attention kernel for sampling (see python model.py)
     kv_cache: str = "contiguous"  # none | contiguous | paged: the KV cache decoding reads (see kv_cache.py)
+    disable_mps_fix: bool = False  # on MPS, let SDPA decode from the KV cache (explicit masks) despite the NaN risk
     batch_size: int = 1  # samples generated together; above 1, a --start=FILE:path holds one prompt per line
     compile: bool = False  # torch.compile the decode step with CUDA graphs (on CUDA; elsewhere it runs eagerly)
 
@@ -69,6 +70,7 @@ class SampleConfig:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
+        self.attention_backend = canonical_backend(self.attention_backend)  # eager, flash_attention_2, ...
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         check_generation(self.max_new_tokens, self.temperature, self.top_k, self.kv_cache, self.compile)
@@ -154,7 +156,8 @@ def load_model(cfg: SampleConfig, device: torch.device):
     else:
         path = cfg.checkpoint or Path(cfg.out_dir) / "ckpt.pt"
         state = load_checkpoint(path)
-    model = model_from_checkpoint(state, path, attention_backend=cfg.attention_backend, dropout=0.0)
+    overrides = {"attention_backend": cfg.attention_backend, "disable_mps_fix": cfg.disable_mps_fix, "dropout": 0.0}
+    model = model_from_checkpoint(state, path, **overrides)
     model.eval().to(device)  # the attention backend is resolved when generation starts, for its KV cache
     encode, decode = load_tokenizer(state["meta"])
     vocab_size = tokenizer_vocab_size(state["meta"])

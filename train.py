@@ -96,6 +96,7 @@ class TrainConfig:
         "auto"  # auto | flash_attn_4 | flash_attn_3 | flash_attn_2 | flex_attention | sdpa | manual
     )
     sdpa_kernel: str = "auto"  # pin one PyTorch SDPA kernel: auto | flash | cudnn | efficient | math
+    disable_mps_fix: bool = False  # on MPS, let SDPA run with explicit (document) masks despite the NaN risk
     # ---- optimizer ----
     learning_rate: float = 2e-3  # peak learning rate
     max_iters: int = 2000  # total optimizer steps
