@@ -310,3 +310,62 @@ def test_config_files_do_not_touch_configurator_globals(tmp_path):
     assert after.keys() == before.keys()
     assert all(after[name] is value for name, value in before.items())
     assert "_leak" not in after and "n_layer" not in after and configurator.__name__ == "configurator"
+
+
+# ---- the guides' flag names and forms ----
+
+
+def test_key_space_value_form(tmp_path):
+    path = write(tmp_path, "c.py", "n_layer = 2\n")
+    config = load_config(Cfg(), ["--n_layer", "3", "--out_dir", "x y", "--dropout", "0.5", "--seed", "-1"])
+    assert (config.n_layer, config.out_dir, config.dropout, config.seed) == (3, "x y", 0.5, -1)
+    # a bool takes the next word only if it is a bool word: a config file after --compile is still a file
+    assert load_config(Cfg(), ["--compile", "false"]).compile is False
+    config = load_config(Cfg(compile=False), ["--compile", path, "--init_from", "resume"])
+    assert (config.compile, config.n_layer, config.init_from) == (True, 2, "resume")
+
+
+def test_attn_implementation_is_attention_backend():
+    assert load_config(Cfg(), ["--attn_implementation=manual"]).attention_backend == "manual"
+    assert load_config(Cfg(), ["--attn_implementation", "flash_attn_2"]).attention_backend == "flash_attn_2"
+    assert "--attn_implementation is another name for --attention_backend." in format_help(Cfg())
+
+
+@pytest.mark.parametrize(
+    "value, canonical",
+    [
+        ("eager", "manual"),
+        ("sdpa", "sdpa"),
+        ("flash_attention_2", "flash_attn_2"),
+        ("flash_attention_3", "flash_attn_3"),
+        ("flex_attention", "flex_attention"),
+        ("paged_attention", "paged_attention"),
+        ("auto", "auto"),
+    ],
+)
+def test_guide_attention_names_reach_the_model(value, canonical):
+    from train import TrainConfig
+
+    config = load_config(TrainConfig(), [f"--attn_implementation={value}"])
+    assert config.model_config().attention_backend == canonical
+
+
+def test_guide_names_suggest_ours_with_their_meaning():
+    from sample import SampleConfig
+    from train import TrainConfig
+
+    cases = {
+        "--max_steps=100": "unknown setting --max_steps; did you mean --max_iters (optimizer steps in total)?",
+        "--max_length=512": "unknown setting --max_length; did you mean --block_size (context length in tokens)?",
+        "--fp16": "unknown setting --fp16; did you mean --dtype=float16 (float16 mixed precision)?",
+        "--eval_steps=10": (
+            "unknown setting --eval_steps; did you mean --eval_interval (evaluate every this many iterations)?"
+        ),
+    }
+    for arg, message in cases.items():
+        assert config_error([arg], defaults=TrainConfig()) == message
+    assert config_error(["--max_steps", "100"], defaults=TrainConfig()) == cases["--max_steps=100"]
+    assert config_error(["--max_length=64"], defaults=SampleConfig()) == (
+        "unknown setting --max_length; did you mean --max_new_tokens (tokens generated per sample, not counting "
+        "the prompt)?"
+    )
