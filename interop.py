@@ -67,8 +67,10 @@ def load_hf(name_or_dir) -> dict:
 
 def hub_folder(name: str) -> Path:
     """The cached snapshot of a hub model (downloaded first unless HF_HUB_OFFLINE=1); one line if it is not there."""
-    from huggingface_hub import constants, snapshot_download
-
+    try:
+        from huggingface_hub import constants, snapshot_download
+    except ImportError:
+        raise CheckpointError(f"loading {name} by name needs huggingface_hub: pip install huggingface_hub") from None
     patterns = ["config.json", "model.safetensors"]
     try:
         return Path(snapshot_download(name, allow_patterns=patterns, local_files_only=True))
