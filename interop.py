@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from checkpoint import CheckpointError, check_model_weights, load_checkpoint, read_torch_file, write_safetensors
+from data.common import DataError, make_out_dir
 from data.tokenizer import gpt2_meta
 from model import GPT, GPTConfig
 
@@ -234,12 +235,10 @@ def export_hf(model_or_checkpoint, out_dir) -> Path:
         config, weights, meta = state["model_config"], state["model"], state.get("meta")
     check_expressible(config)
     out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise CheckpointError(f"cannot write to {out_dir}: it is a file, not a folder")
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise CheckpointError(f"cannot create {out_dir}: {error.strerror or error}") from None
+        make_out_dir(out_dir)
+    except DataError as error:
+        raise CheckpointError(str(error)) from None
     with torch.device("meta"):  # names and shapes only, no memory: ours, and GPT-2's (which has biases)
         ours, gpt2 = GPT(GPTConfig(**config)), GPT(GPTConfig(**{**config, "bias": True}))
     check_model_weights(ours.state_dict(), weights, out_dir)
