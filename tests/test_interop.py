@@ -128,6 +128,10 @@ def test_export_cli_writes_bias_free_models_exactly(tmp_path, capsys):
         torch.testing.assert_close(hf(x).logits, all_logits(model, x), atol=1e-5, rtol=0)
     state, _ = interop.load_weights(tmp_path / "hf")  # the tokenizer travels in the safetensors metadata
     assert state["meta"] == meta and state["model_config"]["bias"] is True
+    capsys.readouterr()
+    argv = [f"--init_from={tmp_path / 'hf'}", "--start=ab", "--num_samples=1", "--max_new_tokens=3", "--device=cpu"]
+    assert sample.main([*argv, "--temperature=0"]) == 0
+    assert capsys.readouterr().out.startswith("ab")
 
 
 def test_export_refuses_what_gpt2_cannot_express(tmp_path, monkeypatch, capsys):
