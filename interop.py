@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from checkpoint import CheckpointError, check_model_weights, load_checkpoint, read_torch_file, write_safetensors
-from data.common import DataError, make_out_dir
+from data.common import DataError, make_out_dir, read_meta_pkl
 from data.tokenizer import gpt2_meta
 from model import GPT, GPTConfig
 
@@ -51,7 +51,7 @@ def load_weights(source, also: tuple[str, ...] = ()) -> tuple[dict, Path]:
         return load_checkpoint(path), path
     if path.is_dir() and (path / "ckpt.pt").is_file():
         return load_checkpoint(path / "ckpt.pt"), path / "ckpt.pt"
-    if path.is_dir() and (path / "config.json").is_file() or str(source) in HUB_NAMES:
+    if (path.is_dir() and (path / "config.json").is_file()) or str(source) in HUB_NAMES:
         return load_hf(source), path
     allowed = ", ".join(also) + (", or " if also else "") + SOURCES
     raise CheckpointError(f"init_from={str(source)!r}: allowed are {allowed}")
@@ -94,8 +94,10 @@ def hf_model_config(path: Path) -> dict:
         hf = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise CheckpointError(f"{path} cannot be read as JSON ({error})") from None
-    if not isinstance(hf, dict) or hf.get("model_type", "gpt2") != "gpt2":
-        raise CheckpointError(f"{path}: model_type {hf.get('model_type')!r} is not gpt2; only GPT-2 models load")
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    if hf.get("model_type", "gpt2") != "gpt2":
+        raise CheckpointError(f"{path}: model_type {hf['model_type']!r} is not gpt2; only GPT-2 models load")
     required = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12}  # HF's defaults
     config = {key: hf.get(key, default) for key, default in required.items()}
     # what GPT-2's math would need that ours does not do: (setting, HF's default, what is allowed)
@@ -177,8 +179,6 @@ def from_nanogpt(state: dict, path: Path) -> dict:
 
 
 def nanogpt_meta(state: dict, path: Path) -> dict:
-    from data.common import DataError, read_meta_pkl
-
     vocab_size = state["model_args"].get("vocab_size")
     if isinstance(vocab_size, int) and vocab_size >= 50257:
         return gpt2_meta()
