@@ -365,6 +365,7 @@ def test_guide_names_suggest_ours_with_their_meaning():
     for arg, message in cases.items():
         assert config_error([arg], defaults=TrainConfig()) == message
     assert config_error(["--max_steps", "100"], defaults=TrainConfig()) == cases["--max_steps=100"]
+    assert load_config(SampleConfig(), ["--attn_implementation", "eager"]).attention_backend == "manual"
     assert config_error(["--max_length=64"], defaults=SampleConfig()) == (
         "unknown setting --max_length; did you mean --max_new_tokens (tokens generated per sample, not counting "
         "the prompt)?"
