@@ -49,6 +49,7 @@ class Need:
     training: bool = True  # gradients are needed
     seq_len: int = 0  # the longest sequence this use runs (0: unknown); only auto's order depends on it
     kv_cache: str = "none"  # generation: the KV cache decode steps read (none | contiguous | paged, kv_cache.py)
+    mps_fix: bool = True  # keep SDPA away from explicit masks on MPS (sdpa_problem); GPTConfig.disable_mps_fix
 
     def __post_init__(self):
         object.__setattr__(self, "device", torch.device(self.device))
@@ -179,9 +180,13 @@ def sdpa_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0, kernel:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
 
+MPS_MASK_PROBLEM = "SDPA on MPS can return NaN for masked rows with an explicit mask (pytorch#107616)"
+
+
 def sdpa_problem(need: Need) -> str:
-    if need.device.type == "mps" and need.documents:
-        return "SDPA on MPS returns NaN for masked rows with an explicit mask (pytorch#107616)"
+    # document masks and KV-cache decode steps pass SDPA an explicit mask; plain causal attention does not
+    if need.device.type == "mps" and need.mps_fix and (need.documents or need.kv_cache != "none"):
+        return MPS_MASK_PROBLEM + "; disable_mps_fix=true keeps SDPA"
     return ""
 
 

@@ -286,8 +286,19 @@ def load_checkpoint(path, map_location="cpu", *, resume: bool = False) -> dict:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}; train first (python train.py) or point at another out_dir")
+    state = read_torch_file(path, map_location)
+    if isinstance(state, dict) and "model_args" in state and "model_config" not in state:
+        from interop import from_nanogpt  # interop imports this module
+
+        state = from_nanogpt(state, path)
+    check_schema(state, path, resume=resume)
+    return state
+
+
+def read_torch_file(path: Path, map_location="cpu"):
+    """torch.load(weights_only=True): tensors and plain containers only; CheckpointError (one line) otherwise."""
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True)
     except (
         pickle.UnpicklingError,
         RuntimeError,
@@ -301,8 +312,6 @@ def load_checkpoint(path, map_location="cpu", *, resume: bool = False) -> dict:
         AttributeError,
     ) as error:  # what torch's loader raises on garbage
         raise CheckpointError(_load_failure(path, error)) from None
-    check_schema(state, path, resume=resume)
-    return state
 
 
 def _load_failure(path: Path, error: Exception) -> str:
@@ -458,8 +467,6 @@ def _to_tuples(value):
 
 def export_safetensors(checkpoint_path, out_path) -> Path:
     """Model weights only (no optimizer, no pickle), with the model config in the file's metadata."""
-    from safetensors.torch import save_file
-
     checkpoint_path, out_path = Path(checkpoint_path), Path(out_path)
     if out_path.resolve() == checkpoint_path.resolve() or is_checkpoint_name(out_path.name):
         raise CheckpointError(f"refusing to write the export over the checkpoint {out_path}; name another file")
@@ -469,6 +476,13 @@ def export_safetensors(checkpoint_path, out_path) -> Path:
     # lm_head.weight is tied to transformer.wte.weight; safetensors stores shared tensors only once
     weights = {k: v.contiguous() for k, v in state["model"].items() if k != "lm_head.weight"}
     metadata = {"model_config": json.dumps(state["model_config"]), "tied": "lm_head.weight=transformer.wte.weight"}
+    return write_safetensors(weights, out_path, metadata)
+
+
+def write_safetensors(weights: dict[str, torch.Tensor], out_path: Path, metadata: dict[str, str]) -> Path:
+    """Write `weights` (no tensor stored twice) atomically; an OSError is one CheckpointError line."""
+    from safetensors.torch import save_file
+
     try:
         with atomic_path(out_path) as tmp:
             save_file(weights, str(tmp), metadata=metadata)

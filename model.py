@@ -28,6 +28,7 @@ from attention import (
     FLASH_ATTN_2,
     FLASH_ATTN_3,
     FLASH_ATTN_4,
+    MPS_MASK_PROBLEM,
     AttentionMask,
     FlashAttention,
     Need,
@@ -79,6 +80,7 @@ class GPTConfig:
     cross_entropy: str = "auto"  # plain (full logits) | chunked (lm_head + loss by rows) | auto: chunked if big
     activation_checkpointing: str = "none"  # recompute in backward to save memory: none | mlp | block
     use_flash_attention: bool | None = None  # deprecated: True means attention_backend="flash_attn_2"
+    disable_mps_fix: bool = False  # on MPS, let SDPA run with explicit masks (documents, KV cache), NaN risk
 
     def __post_init__(self):
         if self.use_flash_attention is not None:
@@ -307,6 +309,14 @@ class GPT(nn.Module):
         self.attention_device: torch.device | None = None
         self._logged: set[str] = set()  # say each fallback and backend line once per model
 
+    @classmethod
+    def from_pretrained(cls, path_or_name, **overrides) -> GPT:
+        """GPT-2 weights: a hub name (gpt2 ... gpt2-xl, from the Hugging Face cache), a Hugging Face GPT-2 folder,
+        or a checkpoint of this repo or nanoGPT; overrides set GPTConfig fields such as attention_backend."""
+        from interop import from_pretrained  # interop imports this module
+
+        return from_pretrained(path_or_name, **overrides)
+
     @staticmethod
     def _init_weights(module):
         if isinstance(module, nn.Linear):
@@ -340,7 +350,8 @@ class GPT(nn.Module):
         seq_len = seq_len or self.config.block_size
         self.attention = {}
         for docs in (False, True):
-            need = Need(device, dtype, self.config.head_dim, docs, dropout, training, seq_len, kv_cache)
+            mps_fix = not self.config.disable_mps_fix
+            need = Need(device, dtype, self.config.head_dim, docs, dropout, training, seq_len, kv_cache, mps_fix)
             self.attention[docs] = self._resolve(need, measure=docs == documents)
         self.attention_device = device
         self._log(self.attention[documents])
@@ -376,6 +387,8 @@ class GPT(nn.Module):
 
     def _log(self, attention: Attention):
         requested, resolution, kernel = self.config.attention_backend, attention.resolution, attention.kernel
+        if requested == "auto" and MPS_MASK_PROBLEM in resolution.reason:  # an explicit request warns below
+            self._log_once(logging.WARNING, f"auto: {MPS_MASK_PROBLEM}; using {resolution.used}")
         if requested != "auto" and resolution.used != requested:
             self._log_once(
                 logging.WARNING, f"{requested} requested but {resolution.reason}; falling back to {resolution.used}"

@@ -11,6 +11,8 @@ and the tokenizer comparison in checkpoint.py; torchrun's environment in runtime
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import math
 import os
 from pathlib import Path
@@ -19,11 +21,14 @@ from typing import TYPE_CHECKING
 from checkpoint import LATEST, check_same_tokenizer, claim_out_dir, load_checkpoint
 from data.common import read_meta
 from data.loader import ensure_dataset
+from interop import load_weights
 from model import AUTO_CHUNKED_LOGITS, GPT, GPTConfig
 from runtime import DIST_BACKENDS, DTYPES, Runtime, UsageError, available_memory, format_bytes
 
 if TYPE_CHECKING:
     from train import TrainConfig
+
+log = logging.getLogger("train")
 
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "vocab_size", "bias")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
@@ -92,6 +97,11 @@ def check_before_training(cfg: TrainConfig, runtime: Runtime) -> tuple[dict | No
     memory. Returns (checkpoint or None, data_dir, the dataset's meta, the model's vocab_size)."""
     check_wandb(cfg)
     checkpoint = read_checkpoint(cfg)
+    shaped = with_weights_shape(cfg, checkpoint)
+    if shaped is not cfg:
+        shape = " ".join(f"--{key}={getattr(shaped, key)}" for key in SHAPE_FIELDS)
+        log.info(f"init_from={cfg.init_from}: the model's shape is its weights' ({shape}; resuming needs the same)")
+        cfg = shaped
     data_dir = ensure_dataset(cfg.dataset, cfg.data_dir, master=runtime.master, distributed=runtime.ddp)
     meta = read_meta(data_dir)
     if checkpoint is not None:
@@ -108,10 +118,17 @@ def checkpoint_path(cfg: TrainConfig) -> Path:
 def read_checkpoint(cfg: TrainConfig) -> dict | None:
     if cfg.init_from == "scratch":
         return None
-    path = checkpoint_path(cfg)
-    if cfg.init_from != "resume" and not path.is_file():
-        raise UsageError(f"init_from={cfg.init_from!r}: allowed are scratch, resume, or the path of a .pt checkpoint")
-    return load_checkpoint(path, resume=cfg.init_from == "resume")
+    if cfg.init_from == "resume":
+        return load_checkpoint(checkpoint_path(cfg), resume=True)
+    return load_weights(cfg.init_from, also=("scratch", "resume"))[0]
+
+
+def with_weights_shape(cfg: TrainConfig, checkpoint: dict | None) -> TrainConfig:
+    """cfg with the model shape of a Hugging Face checkpoint's weights (as nanoGPT's init_from=gpt2 does), so
+    that --init_from=gpt2 needs no shape settings; other checkpoints must match cfg (check_checkpoint_shape)."""
+    if checkpoint is None or checkpoint.get("source") != "huggingface":
+        return cfg
+    return dataclasses.replace(cfg, **{key: checkpoint["model_config"][key] for key in SHAPE_FIELDS})
 
 
 def claim_run_out_dir(cfg: TrainConfig, runtime: Runtime, model: GPT, hold: contextlib.ExitStack) -> None:

@@ -39,7 +39,14 @@ from configurator import ConfigError, load_config, parse_bool
 from data.common import DataError
 from data.loader import Batches
 from model import GPT, GPTConfig
-from preflight import check_before_training, check_checkpoint_shape, check_config, checkpoint_path, claim_run_out_dir
+from preflight import (
+    check_before_training,
+    check_checkpoint_shape,
+    check_config,
+    checkpoint_path,
+    claim_run_out_dir,
+    with_weights_shape,
+)
 from runtime import (
     PeerFailed,
     Runtime,
@@ -61,7 +68,7 @@ log = logging.getLogger("train")
 class TrainConfig:
     # ---- I/O ----
     out_dir: str = "out-shakespeare-char"  # checkpoints go here
-    init_from: str = "scratch"  # scratch | resume (out_dir/ckpt.pt) | path to a .pt checkpoint to fine-tune from
+    init_from: str = "scratch"  # scratch | resume (out_dir/ckpt.pt) | weights to fine-tune: .pt, HF folder, gpt2...
     overwrite_out_dir: bool = False  # let a scratch or fine-tune run replace the checkpoints already in out_dir
     eval_interval: int = 250  # evaluate, and maybe checkpoint, every this many iterations
     eval_iters: int = 20  # batches per split in each evaluation
@@ -92,6 +99,7 @@ class TrainConfig:
     sdpa_kernel: str = "auto"  # pin one PyTorch SDPA kernel: auto | flash | cudnn | efficient | math
     cross_entropy: str = "auto"  # plain (full logits) | chunked (lm_head + loss by rows) | auto: chunked if big
     activation_checkpointing: str = "none"  # recompute in backward to save memory: none | mlp | block
+    disable_mps_fix: bool = False  # on MPS, let SDPA run with explicit (document) masks despite the NaN risk
     # ---- optimizer ----
     learning_rate: float = 2e-3  # peak learning rate
     max_iters: int = 2000  # total optimizer steps
@@ -139,7 +147,7 @@ DEPRECATED = {  # old key: (new key, old value -> new value); configurator warns
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, checkpoint: dict | None) -> GPT:
-    model_config = cfg.model_config(vocab_size=vocab_size)
+    model_config = with_weights_shape(cfg, checkpoint).model_config(vocab_size=vocab_size)
     if checkpoint is None:
         return GPT(model_config)
     saved = checkpoint["model_config"]

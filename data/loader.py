@@ -37,7 +37,8 @@ def ensure_dataset(dataset: str, data_dir: str = "", *, master: bool = True, dis
 
 
 def _missing_files(folder: Path) -> list[str]:
-    return [name for name in REQUIRED_FILES if not (folder / name).exists()]
+    missing = [name for name in REQUIRED_FILES if not (folder / name).exists()]
+    return [name for name in missing if name != "meta.json" or not (folder / "meta.pkl").exists()]  # nanoGPT's
 
 
 def prepare_once(folder: Path, prepare: Callable[[], object]) -> None:
