@@ -83,6 +83,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"out_dir has a folder name of {len(os.fsencode(too_long[0]))} bytes; 255 is the most")
     if not 0 <= cfg.seed < 2**64:
         raise ValueError(f"seed must be in [0, 2**64), got {cfg.seed}")
+    if cfg.document_separator is not None and (cfg.document_separator < 0 or not cfg.packed_documents):
+        raise ValueError(f"document_separator={cfg.document_separator} needs packed_documents=True and a token id >= 0")
     cfg.model_config()  # the model's own checks (head dim, backend names, ...)
 
 

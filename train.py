@@ -79,6 +79,8 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1  # micro-steps per optimizer step, over all ranks together
     batch_size: int = 12  # sequences per micro-step on each rank
     block_size: int = 64  # context length in tokens
+    packed_documents: bool = False  # attention and positions stay inside each document of a batch's rows
+    document_separator: int | None = None  # the token that ends each document; None: meta.json's eot_token
     # ---- model ----
     n_layer: int = 4  # transformer blocks
     n_head: int = 4  # attention heads
@@ -174,9 +176,9 @@ def evaluate(model, batches: Batches, cfg: TrainConfig, runtime: Runtime) -> dic
         generator = torch.Generator().manual_seed((cfg.seed + 7919 * (runtime.rank + 1) + offset) % 2**64)
         total = torch.zeros((), device=runtime.device)
         for _ in range(cfg.eval_iters):
-            x, y = batches.get(split, generator)
+            batch = batches.get(split, generator)  # (x, y) or, packed, (x, y, doc_ids)
             with runtime.autocast():
-                _, loss = model(x, y)
+                _, loss = model(*batch)
             total += loss.float()
         if runtime.ddp:
             dist.all_reduce(total)
@@ -201,13 +203,13 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     stop: StopFlags
-    next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # the training stream: (x, y) on the device
+    next_batch: Callable[[], tuple[torch.Tensor, ...]]  # the training stream: model arguments, (x, y[, doc_ids])
     attention: object  # what model.setup_attention resolved: .used (the backend that runs) and .reason
     iter_num: int = 0  # optimizer steps done
     best_val_loss: float = math.inf
     ckpt_iter: int | None = None  # the iteration out_dir/ckpt.pt holds, saved or resumed from by this run
     resumed_iter: int | None = None
-    batch: tuple[torch.Tensor, torch.Tensor] | None = None  # the next step's first micro-batch, prefetched
+    batch: tuple[torch.Tensor, ...] | None = None  # the next step's first micro-batch, prefetched
 
     @property
     def accum(self) -> int:
@@ -231,7 +233,9 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     sees one backend), and build the optimizer, GradScaler, compiled and DDP-wrapped views."""
     device = runtime.device
     model = model.to(device)
-    attention = model.setup_attention(device, runtime.dtype, training=True, seq_len=cfg.block_size)
+    attention = model.setup_attention(
+        device, runtime.dtype, training=True, seq_len=cfg.block_size, documents=cfg.packed_documents
+    )
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
     # The GradScaler finds inf/NaN gradients on the device and skips that optimizer step without a host
     # sync (with fused AdamW). float16 needs its loss scaling; other dtypes keep the scale at exactly 1.
@@ -258,19 +262,19 @@ def train_step(state: TrainState) -> Step:
     lr = learning_rate_at(state.iter_num, cfg)
     for group in state.optimizer.param_groups:
         group["lr"] = lr
-    x, y = state.batch if state.batch is not None else state.next_batch()
+    batch = state.batch if state.batch is not None else state.next_batch()  # the model's arguments
     loss_sum = torch.zeros((), device=runtime.device)
     for micro_step in range(state.accum):
         last_micro_step = micro_step == state.accum - 1
         ddp_sync = contextlib.nullcontext() if (last_micro_step or not runtime.ddp) else state.train_model.no_sync()
         with ddp_sync:  # gradients are all-reduced on the last micro-step only
             with runtime.autocast():
-                _, loss = state.train_model(x, y)
+                _, loss = state.train_model(*batch)
                 loss = loss / state.accum
-            x, y = state.next_batch()  # prefetch while the GPU works
+            batch = state.next_batch()  # prefetch while the GPU works
             state.scaler.scale(loss).backward()
         loss_sum += loss.detach()
-    state.batch = (x, y)
+    state.batch = batch
     state.scaler.unscale_(state.optimizer)
     grad_clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), grad_clip)
@@ -300,7 +304,10 @@ def setup_or_resume(cfg: TrainConfig, runtime: Runtime, hold: contextlib.ExitSta
     try:
         checkpoint, data_dir, meta, vocab_size = check_before_training(cfg, runtime)
         seed = (cfg.seed + runtime.rank) % 2**64
-        batches = Batches(data_dir, cfg.batch_size, cfg.block_size, runtime.device, seed=seed, vocab_size=vocab_size)
+        packing = dict(packed_documents=cfg.packed_documents, document_separator=cfg.document_separator)
+        batches = Batches(
+            data_dir, cfg.batch_size, cfg.block_size, runtime.device, seed=seed, vocab_size=vocab_size, **packing
+        )
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         model = build_model(cfg, vocab_size, checkpoint)
         claim_run_out_dir(cfg, runtime, model, hold)
