@@ -27,11 +27,12 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import CheckpointError, check_model_weights, load_checkpoint
+from checkpoint import CheckpointError, load_checkpoint
 from configurator import ConfigError, load_config
 from data.common import DataError
 from data.tokenizer import load_tokenizer, tokenizer_vocab_size
 from kv_cache import check_generation
+from lora import load_weights
 from model import GPT, GPTConfig
 from runtime import Runtime, UsageError, pick_device, pick_dtype
 
@@ -147,8 +148,7 @@ def load_model(cfg: SampleConfig, device: torch.device):
     path = cfg.checkpoint or Path(cfg.out_dir) / "ckpt.pt"
     state = load_checkpoint(path)
     model = GPT(GPTConfig(**{**state["model_config"], "attention_backend": cfg.attention_backend, "dropout": 0.0}))
-    check_model_weights(model.state_dict(), state["model"], path)  # a mismatch is one line, not a traceback
-    model.load_state_dict(state["model"])
+    load_weights(model, state, path)  # a mismatch is one line, not a traceback; LoRA adapters merged in
     model.eval().to(device)  # the attention backend is resolved when generation starts, for its KV cache
     encode, decode = load_tokenizer(state["meta"])
     vocab_size = tokenizer_vocab_size(state["meta"])

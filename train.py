@@ -31,13 +31,13 @@ from checkpoint import (
     LATEST,
     CheckpointError,
     capture_rng,
-    check_model_weights,
     restore_rng,
     save_checkpoint,
 )
 from configurator import ConfigError, load_config, parse_bool
 from data.common import DataError
 from data.loader import Batches
+from lora import checkpoint_entries, load_weights, setup_lora
 from model import GPT, GPTConfig
 from preflight import check_before_training, check_checkpoint_shape, check_config, checkpoint_path, claim_run_out_dir
 from runtime import (
@@ -86,6 +86,10 @@ class TrainConfig:
     n_head: int = 4  # attention heads
     n_embd: int = 128  # embedding width
     dropout: float = 0.0  # dropout rate; 0 for pretraining, 0.1+ for fine-tuning
+    lora_rank: int = 0  # > 0: train only LoRA adapters of this rank on the frozen model (lora.py); 0: off
+    lora_alpha: float = 16.0  # LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_rank
+    lora_targets: str = "c_attn,c_proj"  # layers that get adapters: comma-separated module-name suffixes
+    lora_dropout: float = 0.0  # dropout on the adapters' input
     bias: bool = False  # biases in Linear and LayerNorm layers (GPT-2 has them)
     vocab_size: int | None = None  # None: from meta.json (GPT-2's 50257 is padded up to 50304)
     attention_backend: str = (
@@ -143,15 +147,14 @@ DEPRECATED = {  # old key: (new key, old value -> new value); configurator warns
 def build_model(cfg: TrainConfig, vocab_size: int, checkpoint: dict | None) -> GPT:
     model_config = cfg.model_config(vocab_size=vocab_size)
     if checkpoint is None:
-        return GPT(model_config)
+        return setup_lora(GPT(model_config), cfg, None, "")
     saved = checkpoint["model_config"]
     check_checkpoint_shape(model_config, saved)
     model = GPT(dataclasses.replace(model_config, block_size=saved["block_size"]))
-    check_model_weights(model.state_dict(), checkpoint["model"], checkpoint_path(cfg))
-    model.load_state_dict(checkpoint["model"])
+    load_weights(model, checkpoint, checkpoint_path(cfg), keep_adapters=cfg.init_from == "resume")
     if cfg.block_size < saved["block_size"]:
         model.crop_block_size(cfg.block_size)
-    return model
+    return setup_lora(model, cfg, checkpoint, checkpoint_path(cfg))
 
 
 def learning_rate_at(it: int, cfg: TrainConfig) -> float:
@@ -457,7 +460,7 @@ def state_dict(state: TrainState, meta: dict, ranks: list[dict]) -> dict:
     """What a checkpoint holds (checkpoint.py's REQUIRED_KEYS and RESUME_KEYS, and the run's config)."""
     cfg = state.cfg
     return {
-        "model": state.model.state_dict(),
+        **checkpoint_entries(state.model),  # "model": its state_dict; with LoRA, the adapters and "lora"
         "model_config": dataclasses.asdict(state.model.config),
         "optimizer": state.optimizer.state_dict(),
         "scaler": state.scaler.state_dict(),
