@@ -4,7 +4,7 @@ base weights stay frozen; the adapters alone train, and a checkpoint holds only 
 
     python train.py config/finetune_shakespeare_lora.py               # adapters on a GPT-2 checkpoint
     python sample.py --out_dir=out-shakespeare-lora                   # base + adapters, merged
-    python lora.py merge out-shakespeare-lora/ckpt.pt out/merged.pt   # one plain checkpoint of both
+    python checkpoint.py merge out-shakespeare-lora/ckpt.pt merged.pt   # one plain checkpoint of both
 
 A LoRALinear keeps its Linear's `weight` and `bias` under their own names and adds `lora_A` (rank, in) and
 `lora_B` (out, rank): the base model's state_dict keys do not change, so base weights load into a LoRA model and
@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import sys
 from pathlib import Path
 
 import torch
@@ -282,7 +281,7 @@ def checkpoint_entries(model: GPT) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# python lora.py merge ADAPTER.pt OUT.pt
+# python checkpoint.py merge ADAPTER.pt OUT.pt
 
 
 def merge_checkpoint(adapter_path, out_path) -> Path:
@@ -302,21 +301,3 @@ def merge_checkpoint(adapter_path, out_path) -> Path:
     except OSError as error:
         raise CheckpointError(f"cannot write {out_path}: {os_reason(error)}") from None
     return out_path
-
-
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 3 or argv[0] != "merge":
-        print("usage: python lora.py merge ADAPTER_CKPT.pt OUT.pt", file=sys.stderr)
-        return 2
-    try:
-        out = merge_checkpoint(argv[1], argv[2])
-    except CheckpointError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(f"wrote {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

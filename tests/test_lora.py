@@ -1,5 +1,6 @@
 """lora.py: adapters that start as a no-op, train alone, merge into the weights, and save as a small file naming
-their base; train.py's lora_* settings, resume, sample.py and `python lora.py merge` on an adapter checkpoint."""
+their base; train.py's lora_* settings, resume, sample.py and `python checkpoint.py merge` on an adapter
+checkpoint."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+import checkpoint
 import lora
 import sample
 import train
@@ -175,9 +177,12 @@ def test_sample_and_merge_use_the_base_with_the_adapters_merged(lora_out, tmp_pa
 
     merged_path = tmp_path / "merged.pt"
     with contextlib.redirect_stdout(io.StringIO()):
-        assert lora.main(["merge", str(lora_out / "ckpt.pt"), str(merged_path)]) == 0
+        assert checkpoint.main(["merge", str(lora_out / "ckpt.pt"), str(merged_path)]) == 0
     merged = load_checkpoint(merged_path)
     assert "lora" not in merged
+    with contextlib.redirect_stderr(io.StringIO()) as err:  # export wants the merged model, not the adapters
+        assert checkpoint.main(["export", str(lora_out / "ckpt.pt"), str(tmp_path / "x.safetensors")]) == 2
+    assert "holds LoRA adapters; first run: python checkpoint.py merge" in err.getvalue()
     plain = GPT(adapted.config)
     plain.load_state_dict(merged["model"])
     with torch.no_grad():
