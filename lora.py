@@ -265,8 +265,9 @@ def setup_lora(model: GPT, cfg, checkpoint: dict | None, path) -> GPT:
     freeze_base(model)  # again after a crop, which makes a new position-embedding Parameter
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    on = model.lora_base["base"] or "a base saved with the adapters"
-    log.info(f"LoRA rank {cfg.lora_rank}: {trained:,} of {total:,} parameters train; base {on}")
+    base = model.lora_base["base"]
+    where = f"read from {base}" if base else "saved with the adapters (no base file)"
+    log.info(f"LoRA rank {cfg.lora_rank}: {trained:,} of {total:,} parameters train; base weights {where}")
     return model
 
 

@@ -162,7 +162,7 @@ def test_resume_continues_the_adapters(lora_out, char_data, tmp_path):
 
 def test_sample_and_merge_use_the_base_with_the_adapters_merged(lora_out, tmp_path):
     state = load_checkpoint(lora_out / "ckpt.pt")
-    adapted = GPT(tiny_config(**{k: state["model_config"][k] for k in ("block_size", "vocab_size", "bias")}))
+    adapted = GPT(checkpoint.saved_model_config(state, lora_out / "ckpt.pt"))
     lora.load_weights(adapted, state, lora_out / "ckpt.pt", keep_adapters=True)
     assert any(isinstance(m, LoRALinear) for m in adapted.modules())
     idx = torch.randint(adapted.config.vocab_size, (2, 16))
