@@ -32,7 +32,10 @@ def tiny_gpt(dtype=torch.float32) -> GPT:
 
 
 def all_logits(model: GPT, idx: torch.Tensor) -> torch.Tensor:
-    logits, _ = model(idx, torch.zeros_like(idx))  # with targets: logits at every position
+    """Logits at every position: with targets, under the plain loss (the chunked one never builds them)."""
+    model.config.cross_entropy = "plain"
+    logits, _ = model(idx, torch.zeros_like(idx))
+    assert logits.shape == (*idx.shape, model.config.vocab_size)
     return logits
 
 
