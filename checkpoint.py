@@ -15,6 +15,7 @@ Checkpoints that survive a kill, load without running code, and never overwrite 
   checkpoint is checked against the schema below; every problem is one CheckpointError line.
 
     python checkpoint.py export out/ckpt.pt out/model.safetensors   # weights only, for other tools
+    python checkpoint.py merge out-lora/ckpt.pt out/merged.pt       # LoRA adapters merged into their base (lora.py)
 """
 
 from __future__ import annotations
@@ -473,6 +474,8 @@ def export_safetensors(checkpoint_path, out_path) -> Path:
     if not out_path.parent.is_dir():
         raise CheckpointError(f"cannot write {out_path}: folder {out_path.parent} does not exist")
     state = load_checkpoint(checkpoint_path)
+    if "lora" in state:
+        raise CheckpointError(f"{checkpoint_path} holds LoRA adapters; first run: python checkpoint.py merge CKPT OUT")
     # lm_head.weight is tied to transformer.wte.weight; safetensors stores shared tensors only once
     weights = {k: v.contiguous() for k, v in state["model"].items() if k != "lm_head.weight"}
     metadata = {"model_config": json.dumps(state["model_config"]), "tied": "lm_head.weight=transformer.wte.weight"}
@@ -493,11 +496,18 @@ def write_safetensors(weights: dict[str, torch.Tensor], out_path: Path, metadata
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 3 or argv[0] != "export":
-        print("usage: python checkpoint.py export CKPT.pt OUT.safetensors", file=sys.stderr)
+    if len(argv) != 3 or argv[0] not in ("export", "merge"):
+        print(
+            "usage: python checkpoint.py export CKPT.pt OUT.safetensors | merge ADAPTER_CKPT.pt OUT.pt", file=sys.stderr
+        )
         return 2
     try:
-        out = export_safetensors(argv[1], argv[2])
+        if argv[0] == "export":
+            out = export_safetensors(argv[1], argv[2])
+        else:
+            from lora import merge_checkpoint  # lora.py imports this module
+
+            out = merge_checkpoint(argv[1], argv[2])
     except CheckpointError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

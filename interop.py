@@ -23,6 +23,7 @@ import torch
 from checkpoint import CheckpointError, check_model_weights, load_checkpoint, read_torch_file, write_safetensors
 from data.common import DataError, make_out_dir, read_meta_pkl
 from data.tokenizer import gpt2_meta
+from lora import load_model_weights
 from model import GPT, GPTConfig
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -204,8 +205,7 @@ def model_from_checkpoint(state: dict, path, **overrides) -> GPT:
         model = GPT(GPTConfig(**{**state["model_config"], **overrides}))
     except (TypeError, ValueError) as error:
         raise CheckpointError(f"{path}: {error}") from None
-    check_model_weights(model.state_dict(), state["model"], path)  # a mismatch is one line, not a traceback
-    model.load_state_dict(state["model"])
+    load_model_weights(model, state, path)  # a mismatch is one line, not a traceback; LoRA adapters merged in
     if block_size is not None and block_size != model.config.block_size:
         model.crop_block_size(block_size)
     return model

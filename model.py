@@ -226,6 +226,16 @@ class Attention(NamedTuple):
 # The model (GPT-2: learned positions, pre-LayerNorm, tanh GELU, tied embeddings)
 
 
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) position of each token within its document (runs of equal ids): packed documents each start at 0,
+    as they would alone."""
+    T = doc_ids.size(1)
+    index = torch.arange(T, device=doc_ids.device).expand_as(doc_ids)  # (B, T)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values  # minus where its document starts
+
+
 class LayerNorm(nn.Module):
     """LayerNorm with an optional bias (PyTorch's has no bias=False before 2.1)."""
 
@@ -431,7 +441,7 @@ class GPT(nn.Module):
             self.setup_attention(idx.device, self.compute_dtype(idx.device))
         attend = self.attention[doc_ids is not None].kernel
         mask = AttentionMask(T, idx.device, doc_ids)
-        pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        pos = torch.arange(T, device=idx.device) if doc_ids is None else document_positions(doc_ids)  # (T,)|(B, T)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
         recompute_blocks = self.config.activation_checkpointing == "block" and self.training and torch.is_grad_enabled()
         for block in self.transformer.h:

@@ -22,6 +22,7 @@ from checkpoint import LATEST, check_same_tokenizer, claim_out_dir, load_checkpo
 from data.common import read_meta
 from data.loader import ensure_dataset
 from interop import load_weights
+from lora import check_targets
 from model import AUTO_CHUNKED_LOGITS, GPT, GPTConfig
 from runtime import DIST_BACKENDS, DTYPES, Runtime, UsageError, available_memory, format_bytes
 
@@ -88,6 +89,14 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"out_dir has a folder name of {len(os.fsencode(too_long[0]))} bytes; 255 is the most")
     if not 0 <= cfg.seed < 2**64:
         raise ValueError(f"seed must be in [0, 2**64), got {cfg.seed}")
+    if cfg.document_separator is not None and (cfg.document_separator < 0 or not cfg.packed_documents):
+        raise ValueError(f"document_separator={cfg.document_separator} needs packed_documents=True and a token id >= 0")
+    if cfg.lora_rank < 0:
+        raise ValueError(f"lora_rank must be >= 0 (0 turns LoRA off), got {cfg.lora_rank}")
+    if not (math.isfinite(cfg.lora_alpha) and cfg.lora_alpha > 0 and 0 <= cfg.lora_dropout < 1):
+        raise ValueError(f"need lora_alpha > 0 and 0 <= lora_dropout < 1, got {cfg.lora_alpha}, {cfg.lora_dropout}")
+    if cfg.lora_rank:
+        check_targets(cfg.model_config(), cfg.lora_targets)
     cfg.model_config()  # the model's own checks (head dim, backend names, ...)
 
 

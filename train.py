@@ -31,13 +31,13 @@ from checkpoint import (
     LATEST,
     CheckpointError,
     capture_rng,
-    check_model_weights,
     restore_rng,
     save_checkpoint,
 )
 from configurator import ConfigError, load_config, parse_bool
 from data.common import DataError
 from data.loader import Batches
+from lora import checkpoint_entries, load_model_weights, setup_lora
 from model import GPT, GPTConfig
 from preflight import (
     check_before_training,
@@ -86,11 +86,17 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1  # micro-steps per optimizer step, over all ranks together
     batch_size: int = 12  # sequences per micro-step on each rank
     block_size: int = 64  # context length in tokens
+    packed_documents: bool = False  # attention and positions stay inside each document of a batch's rows
+    document_separator: int | None = None  # the token that ends each document; None: meta.json's eot_token
     # ---- model ----
     n_layer: int = 4  # transformer blocks
     n_head: int = 4  # attention heads
     n_embd: int = 128  # embedding width
     dropout: float = 0.0  # dropout rate; 0 for pretraining, 0.1+ for fine-tuning
+    lora_rank: int = 0  # > 0: train only LoRA adapters of this rank on the frozen model (lora.py); 0: off
+    lora_alpha: float = 16.0  # LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_rank
+    lora_targets: str = "c_attn,c_proj"  # layers that get adapters: comma-separated module-name suffixes
+    lora_dropout: float = 0.0  # dropout on the adapters' input
     bias: bool = False  # biases in Linear and LayerNorm layers (GPT-2 has them)
     vocab_size: int | None = None  # None: from meta.json (GPT-2's 50257 is padded up to 50304)
     attention_backend: str = (
@@ -149,15 +155,14 @@ DEPRECATED = {  # old key: (new key, old value -> new value); configurator warns
 def build_model(cfg: TrainConfig, vocab_size: int, checkpoint: dict | None) -> GPT:
     model_config = with_weights_shape(cfg, checkpoint).model_config(vocab_size=vocab_size)
     if checkpoint is None:
-        return GPT(model_config)
+        return setup_lora(GPT(model_config), cfg, None, "")
     saved = checkpoint["model_config"]
     check_checkpoint_shape(model_config, saved)
     model = GPT(dataclasses.replace(model_config, block_size=saved["block_size"]))
-    check_model_weights(model.state_dict(), checkpoint["model"], checkpoint_path(cfg))
-    model.load_state_dict(checkpoint["model"])
+    load_model_weights(model, checkpoint, checkpoint_path(cfg), keep_adapters=cfg.init_from == "resume")
     if cfg.block_size < saved["block_size"]:
         model.crop_block_size(cfg.block_size)
-    return model
+    return setup_lora(model, cfg, checkpoint, checkpoint_path(cfg))
 
 
 def learning_rate_at(it: int, cfg: TrainConfig) -> float:
@@ -182,9 +187,9 @@ def evaluate(model, batches: Batches, cfg: TrainConfig, runtime: Runtime) -> dic
         generator = torch.Generator().manual_seed((cfg.seed + 7919 * (runtime.rank + 1) + offset) % 2**64)
         total = torch.zeros((), device=runtime.device)
         for _ in range(cfg.eval_iters):
-            x, y = batches.get(split, generator)
+            batch = batches.get(split, generator)  # (x, y) or, packed, (x, y, doc_ids)
             with runtime.autocast():
-                _, loss = model(x, y)
+                _, loss = model(*batch)
             total += loss.float()
         if runtime.ddp:
             dist.all_reduce(total)
@@ -209,13 +214,13 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     stop: StopFlags
-    next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # the training stream: (x, y) on the device
+    next_batch: Callable[[], tuple[torch.Tensor, ...]]  # the training stream: model arguments, (x, y[, doc_ids])
     attention: object  # what model.setup_attention resolved: .used (the backend that runs) and .reason
     iter_num: int = 0  # optimizer steps done
     best_val_loss: float = math.inf
     ckpt_iter: int | None = None  # the iteration out_dir/ckpt.pt holds, saved or resumed from by this run
     resumed_iter: int | None = None
-    batch: tuple[torch.Tensor, torch.Tensor] | None = None  # the next step's first micro-batch, prefetched
+    batch: tuple[torch.Tensor, ...] | None = None  # the next step's first micro-batch, prefetched
 
     @property
     def accum(self) -> int:
@@ -239,7 +244,9 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     sees one backend), and build the optimizer, GradScaler, compiled and DDP-wrapped views."""
     device = runtime.device
     model = model.to(device)
-    attention = model.setup_attention(device, runtime.dtype, training=True, seq_len=cfg.block_size)
+    attention = model.setup_attention(
+        device, runtime.dtype, training=True, seq_len=cfg.block_size, documents=cfg.packed_documents
+    )
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
     # The GradScaler finds inf/NaN gradients on the device and skips that optimizer step without a host
     # sync (with fused AdamW). float16 needs its loss scaling; other dtypes keep the scale at exactly 1.
@@ -266,19 +273,19 @@ def train_step(state: TrainState) -> Step:
     lr = learning_rate_at(state.iter_num, cfg)
     for group in state.optimizer.param_groups:
         group["lr"] = lr
-    x, y = state.batch if state.batch is not None else state.next_batch()
+    batch = state.batch if state.batch is not None else state.next_batch()  # the model's arguments
     loss_sum = torch.zeros((), device=runtime.device)
     for micro_step in range(state.accum):
         last_micro_step = micro_step == state.accum - 1
         ddp_sync = contextlib.nullcontext() if (last_micro_step or not runtime.ddp) else state.train_model.no_sync()
         with ddp_sync:  # gradients are all-reduced on the last micro-step only
             with runtime.autocast():
-                _, loss = state.train_model(x, y)
+                _, loss = state.train_model(*batch)
                 loss = loss / state.accum
-            x, y = state.next_batch()  # prefetch while the GPU works
+            batch = state.next_batch()  # prefetch while the GPU works
             state.scaler.scale(loss).backward()
         loss_sum += loss.detach()
-    state.batch = (x, y)
+    state.batch = batch
     state.scaler.unscale_(state.optimizer)
     grad_clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), grad_clip)
@@ -308,7 +315,10 @@ def setup_or_resume(cfg: TrainConfig, runtime: Runtime, hold: contextlib.ExitSta
     try:
         checkpoint, data_dir, meta, vocab_size = check_before_training(cfg, runtime)
         seed = (cfg.seed + runtime.rank) % 2**64
-        batches = Batches(data_dir, cfg.batch_size, cfg.block_size, runtime.device, seed=seed, vocab_size=vocab_size)
+        packing = dict(packed_documents=cfg.packed_documents, document_separator=cfg.document_separator)
+        batches = Batches(
+            data_dir, cfg.batch_size, cfg.block_size, runtime.device, seed=seed, vocab_size=vocab_size, **packing
+        )
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         model = build_model(cfg, vocab_size, checkpoint)
         claim_run_out_dir(cfg, runtime, model, hold)
@@ -458,7 +468,7 @@ def state_dict(state: TrainState, meta: dict, ranks: list[dict]) -> dict:
     """What a checkpoint holds (checkpoint.py's REQUIRED_KEYS and RESUME_KEYS, and the run's config)."""
     cfg = state.cfg
     return {
-        "model": state.model.state_dict(),
+        **checkpoint_entries(state.model),  # "model": its state_dict; with LoRA, the adapters and "lora"
         "model_config": dataclasses.asdict(state.model.config),
         "optimizer": state.optimizer.state_dict(),
         "scaler": state.scaler.state_dict(),

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data.common import DATA_ROOT, DataError, open_split, prepare_command
+from data.common import DATA_ROOT, DataError, open_split, prepare_command, read_meta
 
 REQUIRED_FILES = ("train.bin", "val.bin", "meta.json")
 PREPARE_LOCK = ".prepare.lock"  # held while a dataset folder is auto-prepared; never removed (see prepare_once)
@@ -67,16 +67,27 @@ class Batches:
     checkpoints, so a resumed run draws the same batches."""
 
     def __init__(
-        self, data_dir: Path, batch_size: int, block_size: int, device: torch.device, *, seed: int, vocab_size: int
+        self,
+        data_dir: Path,
+        batch_size: int,
+        block_size: int,
+        device: torch.device,
+        *,
+        seed: int,
+        vocab_size: int,
+        packed_documents: bool = False,
+        document_separator: int | None = None,
     ):
         self.data_dir, self.batch_size, self.block_size, self.device = Path(data_dir), batch_size, block_size, device
         for split in ("train", "val"):
             open_split(data_dir, split, block_size, vocab_size)  # validates; DataError names the fix
+        self.separator = separator_token(data_dir, document_separator, vocab_size) if packed_documents else None
         self.generator = torch.Generator().manual_seed(seed)
         self.state_before_last = self.generator.get_state()
 
     def get(self, split: str, generator: torch.Generator | None = None):
-        """(x, y) on the device, y shifted by one token; from `generator`, else from the training stream."""
+        """The model's arguments for one batch on the device: (x, y), y shifted by one token, and with packed
+        documents also doc_ids (see document_ids); from `generator`, else from the training stream."""
         if generator is None:  # the training stream: remember where this batch starts, for checkpoints
             generator, self.state_before_last = self.generator, self.generator.get_state()
         # A fresh memmap per batch: a long-lived one grows the process's memory (numpy memmap leak).
@@ -85,5 +96,31 @@ class Batches:
         x = torch.from_numpy(np.stack([data[i : i + self.block_size] for i in starts]).astype(np.int64))
         y = torch.from_numpy(np.stack([data[i + 1 : i + 1 + self.block_size] for i in starts]).astype(np.int64))
         if self.device.type == "cuda":
-            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
-        return x.to(self.device), y.to(self.device)
+            x, y = x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        else:
+            x, y = x.to(self.device), y.to(self.device)
+        return (x, y) if self.separator is None else (x, y, document_ids(x, self.separator))
+
+
+def document_ids(x: torch.Tensor, separator: int) -> torch.Tensor:
+    """(B, T) int: which document of its row each token belongs to, counting from 0.
+
+    The separator ENDS a document and belongs to it: the prepare scripts append end-of-text after each
+    document, so the document's own tokens are what the separator is predicted from; the token after it
+    starts the next document (position 0). A window that starts mid-document gives that part id 0."""
+    ends = (x == separator).to(torch.int32)  # (B, T)
+    return ends.cumsum(dim=1, dtype=torch.int32) - ends  # separators strictly before each token
+
+
+def separator_token(data_dir: Path, separator: int | None, vocab_size: int) -> int:
+    """The token that ends each document: `separator` if given, else meta.json's eot_token."""
+    if separator is None:
+        separator = read_meta(data_dir).get("eot_token")
+    if separator is None:
+        raise DataError(
+            f"packed_documents=True needs the token that ends each document, but {Path(data_dir) / 'meta.json'} "
+            f"names no eot_token (char-level datasets have none); set --document_separator=ID or turn packing off"
+        )
+    if not isinstance(separator, int) or isinstance(separator, bool) or not 0 <= separator < vocab_size:
+        raise DataError(f"document_separator {separator!r} must be a token id in [0, {vocab_size})")
+    return separator
