@@ -6,6 +6,8 @@ GPT-2's parameter names are kept wherever a piece has the same role (c_fc, c_pro
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
@@ -13,6 +15,28 @@ from torch.nn import functional as F
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
 NORM_EPS = 1e-5  # GPT-2's LayerNorm eps, and Llama's RMSNorm eps
+
+
+def check_block(config) -> None:
+    """ValueError, one line naming what is allowed, for a bad switch of GPTConfig's modern block."""
+    if config.norm not in NORMS:
+        raise ValueError(f"unknown norm {config.norm!r}; choose one of {', '.join(NORMS)}")
+    if config.mlp not in MLPS:
+        raise ValueError(f"unknown mlp {config.mlp!r}; choose one of {', '.join(MLPS)}")
+    if config.mlp_hidden is not None and not positive_int(config.mlp_hidden):
+        raise ValueError(f"mlp_hidden must be a positive integer or None (its default); got {config.mlp_hidden}")
+    n_kv_head, n_head = config.n_kv_head, config.n_head
+    if n_kv_head is not None and not (positive_int(n_kv_head) and n_head % n_kv_head == 0):
+        raise ValueError(
+            f"n_kv_head must be a positive integer that divides n_head ({n_head}), or None (= n_head); got {n_kv_head}"
+        )
+    theta = config.rope_theta
+    if not (isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 0):
+        raise ValueError(f"rope_theta must be a finite number > 0, got {theta!r}")
+
+
+def positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 class LayerNorm(nn.Module):
@@ -97,9 +121,6 @@ class Rotary(nn.Module):
         if pos.dim() == 2:
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return cos, sin
-
-    def crop(self, block_size: int):
-        self.cos, self.sin = self.cos[:block_size], self.sin[:block_size]
 
 
 def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

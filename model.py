@@ -55,7 +55,7 @@ from kv_cache import (
     next_token,
     paged_problem,
 )
-from layers import MLPS, NORMS, Rotary, apply_rotary, make_mlp, make_norm, mlp_hidden_size
+from layers import Rotary, apply_rotary, check_block, make_mlp, make_norm, mlp_hidden_size
 
 log = logging.getLogger("model")
 
@@ -94,7 +94,7 @@ class GPTConfig:
             self.attention_backend, self.use_flash_attention = new, None
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
-            if not positive_int(value):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
@@ -102,25 +102,10 @@ class GPTConfig:
             raise ValueError(f"head dim n_embd/n_head = {self.head_dim} must be even")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        self._check_block()
+        check_block(self)  # the modern block's switches
         self.attention_backend = canonical_backend(self.attention_backend)
         if self.sdpa_kernel not in SDPA_KERNELS:
             raise ValueError(f"unknown sdpa_kernel {self.sdpa_kernel!r}; choose one of {', '.join(SDPA_KERNELS)}")
-
-    def _check_block(self):
-        if self.norm not in NORMS:
-            raise ValueError(f"unknown norm {self.norm!r}; choose one of {', '.join(NORMS)}")
-        if self.mlp not in MLPS:
-            raise ValueError(f"unknown mlp {self.mlp!r}; choose one of {', '.join(MLPS)}")
-        if self.mlp_hidden is not None and not positive_int(self.mlp_hidden):
-            raise ValueError(f"mlp_hidden must be a positive integer or None (its default); got {self.mlp_hidden}")
-        if self.n_kv_head is not None and not (positive_int(self.n_kv_head) and self.n_head % self.n_kv_head == 0):
-            raise ValueError(
-                f"n_kv_head must be a positive integer that divides n_head ({self.n_head}), or None (= n_head); "
-                f"got {self.n_kv_head!r}"
-            )
-        if not (isinstance(self.rope_theta, (int, float)) and math.isfinite(self.rope_theta) and self.rope_theta > 0):
-            raise ValueError(f"rope_theta must be a finite number > 0, got {self.rope_theta!r}")
 
     @property
     def head_dim(self) -> int:
@@ -133,10 +118,6 @@ class GPTConfig:
     @property
     def mlp_width(self) -> int:
         return self.mlp_hidden or mlp_hidden_size(self.mlp, self.n_embd)
-
-
-def positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -260,9 +241,9 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * head_dim, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        if config.qk_norm:  # one weight per head dim, shared by the heads (as Qwen3's q_norm and k_norm)
-            self.q_norm = make_norm(config.norm, head_dim, config.bias)
-            self.k_norm = make_norm(config.norm, head_dim, config.bias)
+        self.q_norm = self.k_norm = None  # qk_norm: one weight per head dim, shared by the heads (as Qwen3's)
+        if config.qk_norm:
+            self.q_norm, self.k_norm = (make_norm(config.norm, head_dim, config.bias) for _ in "qk")
 
     def forward(self, x, attend: Callable, mask: AttentionMask, rope=None):
         B, T, C = x.shape
@@ -270,7 +251,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split((self.n_head * hs, self.n_kv_head * hs, self.n_kv_head * hs), dim=-1)
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k, v = (t.view(B, T, self.n_kv_head, hs).transpose(1, 2) for t in (k, v))  # (B, n_kv, T, hs)
-        if hasattr(self, "q_norm"):
+        if self.q_norm is not None:
             q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)  # autocast may give the norm float32
         if rope is not None:
             q, k = apply_rotary(q, rope), apply_rotary(k, rope)
@@ -296,12 +277,11 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        modules = dict(wte=nn.Embedding(config.vocab_size, config.n_embd))
-        if not config.rope:  # RoPE turns q and k by position inside attention: no position embedding
-            modules["wpe"] = nn.Embedding(config.block_size, config.n_embd)
         self.transformer = nn.ModuleDict(
             dict(
-                **modules,
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                # RoPE turns q and k by their positions inside attention: no position embedding then
+                **({} if config.rope else {"wpe": nn.Embedding(config.block_size, config.n_embd)}),
                 drop=nn.Dropout(config.dropout),
                 h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
                 ln_f=make_norm(config.norm, config.n_embd, config.bias),
@@ -537,9 +517,7 @@ class GPT(nn.Module):
         """Parameter count. Position embeddings (wpe) are left out by default; token embeddings stay in,
         because they are tied to the output layer and so do real work."""
         n = sum(p.numel() for p in self.parameters())
-        if non_embedding and "wpe" in self.transformer:
-            n -= self.transformer.wpe.weight.numel()
-        return n
+        return n - self.transformer.wpe.weight.numel() if non_embedding and "wpe" in self.transformer else n
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token (forward + backward), PaLM appendix B as nanoGPT uses it:
@@ -563,9 +541,7 @@ class GPT(nn.Module):
         if not 0 < block_size <= self.config.block_size:
             raise ValueError(f"block_size must be in 1..{self.config.block_size}, got {block_size}")
         self.config.block_size = block_size
-        if self.rotary is not None:
-            self.rotary.crop(block_size)
-        else:
+        if "wpe" in self.transformer:  # RoPE's tables only ever get read below block_size
             self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
 
 
