@@ -354,3 +354,85 @@ def test_an_old_checkpoint_without_the_switches_loads_as_gpt2(char_data, tmp_pat
     preflight.check_checkpoint_shape(gpt.config, config)  # the defaults are GPT-2's: the same model
     with pytest.raises(UsageError, match=r"rope=False \(config says True\)"):
         preflight.check_checkpoint_shape(GPTConfig(**{**config, "rope": True}), config)
+
+
+# ---- GPU: every backend's native grouped heads ----------------------------------------------------
+
+GPU_BACKENDS = ["sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex_attention"]
+GPU_BACKENDS += ["flash_attn_2", "flash_attn_3", "flash_attn_4", "manual"]
+
+
+def gpu_model(backend: str, reference: GPT, need: attention.Need) -> GPT:
+    """reference's weights under `backend` (sdpa_KERNEL pins one SDPA kernel); skip where it cannot run."""
+    name, _, kernel = backend.partition("_") if backend.startswith("sdpa_") else (backend, "", "")
+    problem = model.BACKENDS[name].problem(need)
+    if problem:
+        pytest.skip(problem)
+    return with_backend(reference, name, **({"sdpa_kernel": kernel} if kernel else {}))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.usefixtures("allow_flex_recompiles")
+def test_gpu_training_with_grouped_heads_matches_float32_manual(backend):
+    """bf16 autocast, all switches, 8 query heads on 2 k/v heads of 64, with and without documents: logits and
+    gradients against the float32 manual reference."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    switches = {**ALL, "n_kv_head": 2}
+    reference = GPT(tiny_config(n_head=8, n_embd=512, block_size=128, attention_backend="manual", **switches))
+    reference = reference.to(device)
+    need = attention.Need(device, torch.bfloat16, 64, documents=True, training=True, seq_len=128)
+    gpt = gpu_model(backend, reference, need)
+    idx = tokens(2, 128).to(device)
+    for doc_ids in (None, documents(2, 128).to(device)):
+        ref_logits, ref_grads = forward_backward(reference, idx, doc_ids)
+        with torch.autocast("cuda", torch.bfloat16):
+            logits, grads = forward_backward(gpt, idx, doc_ids)
+        assert_same(logits, grads, ref_logits, ref_grads, tolerance=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+@pytest.mark.parametrize("backend", ["sdpa", "flex_attention", "flash_attn_2", "flash_attn_3", "manual"])
+@pytest.mark.usefixtures("allow_flex_recompiles")
+def test_gpu_decoding_with_grouped_heads_matches_a_float32_full_forward(backend, cache):
+    """bf16, all switches (MQA and GQA): prefill, a chunk, then single tokens from a cache of n_kv_head heads,
+    each row at its own positions, against the float32 uncached forward."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    for n_kv_head in (1, 2):
+        torch.manual_seed(0)
+        switches = {**ALL, "n_kv_head": n_kv_head}
+        reference = GPT(tiny_config(n_head=4, n_embd=256, block_size=64, attention_backend="manual", **switches))
+        reference = reference.to(device).eval()
+        need = attention.Need(device, torch.bfloat16, 64, training=False, kv_cache=cache)
+        gpt = gpu_model(backend, reference, need).to(device, torch.bfloat16).eval()
+        prompts = [tokens(n, seed=n).to(device) for n in (5, 30, 17)]
+        gpt.setup_attention(device, torch.bfloat16, training=False, kv_cache=cache)
+        decode = gpt.attention[False].decode
+        store = kv_cache.make_cache(gpt.config, prompts, 40, cache, decode, device, torch.bfloat16)
+        assert store.k[0].shape[1 if cache == "contiguous" else 2] == n_kv_head
+        attends = store.attends(gpt.attention[False].kernel, decode.run)
+        idx = torch.stack([torch.cat((p, tokens(64 - len(p), seed=9).to(device))) for p in prompts])  # (3, 64)
+        with torch.no_grad():
+            full = torch.stack([reference(idx[b : b + 1], idx[b : b + 1])[0][0] for b in range(3)])  # (3, 64, V)
+            lengths = [len(p) for p in prompts]
+            logits = gpt.forward_cached(idx[:, :30], store.prefill(lengths, 30), attends)
+            rows = torch.arange(3)
+            assert rel_err(logits.float(), full[rows, torch.tensor(lengths) - 1]) < 2e-2
+            for t in range(20):  # each row continues from its own length
+                step = store.extend(1)
+                logits = gpt.forward_cached(idx[rows, step.q_pos[:, 0].cpu()][:, None], step, attends)
+                assert rel_err(logits.float(), full[rows, step.q_pos[:, 0].cpu()]) < 2e-2, (n_kv_head, t)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_training_with_all_switches(char_data, tmp_path):
+    """train.py on CUDA with torch.compile, bf16 and every switch: the compiled graph takes RoPE's tables, the
+    norms, SwiGLU and grouped heads, and the loss goes down."""
+    switches = ("--rope=true", "--norm=rmsnorm", "--mlp=swiglu", "--n_head=4", "--n_kv_head=1", "--qk_norm=true")
+    args = [*tiny_args(char_data, tmp_path / "out", *switches), "--device=cuda", "--compile=true"]
+    code, stdout, err = run([*args, "--max_iters=30", "--eval_interval=30", "--learning_rate=1e-2"])
+    assert code == 0, err
+    losses = [float(x) for x in re.findall(r"^iter \d+ \| loss (\d+\.\d+)", stdout, re.MULTILINE)]
+    assert sum(losses[-4:]) < sum(losses[:4]), losses
