@@ -8,10 +8,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-import math
 import re
 import warnings
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,10 +20,9 @@ import model
 import preflight
 import sample
 import train
-from attention import Package
 from checkpoint import load_checkpoint
 from data.common import read_meta
-from helpers import tiny_args, tiny_config
+from helpers import stand_in_flash, stand_in_flash_module, tiny_args, tiny_config
 from layers import Rotary, apply_rotary, mlp_hidden_size
 from model import GPT, GPTConfig
 from runtime import UsageError
@@ -120,61 +117,28 @@ def eager_flex(monkeypatch):
         yield
 
 
-def stand_in_flash_module(calls: list):
-    """A flash-attn module in float64 formulas that asserts it is handed fewer k/v heads than q heads (B, T, H, D):
-    flash_attn_func, flash_attn_varlen_func and flash_attn_with_kvcache (contiguous or paged)."""
-
-    def attend(q, k, v, q_positions):  # q (T, H, D), k/v (S, H_kv, D)
-        assert k.size(1) == v.size(1) < q.size(1), "grouped k/v heads reach the kernel as they are"
-        k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))
-        scores = torch.einsum("thd,shd->hts", q.double(), k.double()) / math.sqrt(q.size(-1))
-        allowed = torch.arange(k.size(0))[None] <= q_positions[:, None]
-        weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-        return torch.einsum("hts,shd->thd", weights, v.double()).to(q.dtype)
-
-    def flash_attn_func(q, k, v, causal):
-        calls.append("causal")
-        return torch.stack([attend(q[b], k[b], v[b], torch.arange(q.size(1))) for b in range(q.size(0))])
-
-    def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
-        calls.append("varlen")
-        bounds = cu_seqlens_q.tolist()
-        return torch.cat([attend(q[a:b], k[a:b], v[a:b], torch.arange(b - a)) for a, b in zip(bounds, bounds[1:])])
-
-    def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, causal=False, block_table=None):
-        calls.append("paged" if block_table is not None else "contiguous")
-        out = []
-        for b in range(q.size(0)):
-            n, T = int(cache_seqlens[b]), q.size(1)
-            if block_table is None:
-                k, v = k_cache[b, :n], v_cache[b, :n]
-            else:
-                pages = block_table[b, : -(-n // k_cache.size(1))].long()
-                k, v = (c[pages].reshape(-1, *c.shape[2:])[:n] for c in (k_cache, v_cache))
-            out.append(attend(q[b], k, v, torch.arange(n - T, n)))
-        return torch.stack(out)
-
-    return SimpleNamespace(
-        flash_attn_func=flash_attn_func,
-        flash_attn_varlen_func=flash_attn_varlen_func,
-        flash_attn_with_kvcache=flash_attn_with_kvcache,
-    )
-
-
 def test_flash_attn_takes_grouped_heads_natively_in_training_and_decoding(monkeypatch):
     """The flash-attn adapter hands k and v over with their own head count (B, T, H_kv, D), for flash_attn_func,
     the varlen kernel of packed documents and the KV cache decode kernel (a stand-in module on a CPU)."""
-    calls = []
-    kernel = attention.FlashAttention("stand-in flash", (), (0, 0), "")
-    kernel._package = Package(stand_in_flash_module(calls), "0.0-fake", "")
-    record = model.AttentionBackend("flash_attn_2", kernel, lambda need: "", "sdpa", (), kv_cache.flash_decode(kernel))
-    monkeypatch.setitem(model.BACKENDS, "flash_attn_2", record)
+    calls, heads = [], set()
+    module = stand_in_flash_module(calls)
+
+    def spy(function):
+        def call(q, k, v, *args, **kwargs):
+            heads.add((q.size(-2), k.size(-2), v.size(-2)))
+            return function(q, k, v, *args, **kwargs)
+
+        return call
+
+    for name in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"):
+        setattr(module, name, spy(getattr(module, name)))
+    stand_in_flash(monkeypatch, module)
     reference = modern_model(attention_backend="manual", **ALL).double()
     gpt = with_backend(reference, "flash_attn_2")
     idx = tokens(2, 16)
     for doc_ids in (None, documents(2, 16)):
         assert_same(*forward_backward(gpt, idx, doc_ids), *forward_backward(reference, idx, doc_ids))
-    assert calls == ["causal", "varlen"]
+    assert calls == ["prefill", "varlen"]
     gpt, reference = gpt.float().eval(), reference.float().eval()
     prompts = [tokens(n, seed=n) for n in (3, 9)]
     expected = reference.generate(prompts, 10, temperature=0, kv_cache="none")  # 9 + 10 > 16: slides
@@ -182,6 +146,7 @@ def test_flash_attn_takes_grouped_heads_natively_in_training_and_decoding(monkey
         out = gpt.generate(prompts, 10, temperature=0, kv_cache=cache, page_size=4)
         assert all(torch.equal(a, b) for a, b in zip(out, expected)), cache
         assert cache in calls
+    assert heads == {(4, 2, 2)}  # 4 query heads, 2 key/value heads: never repeated before the kernel
 
 
 # ---- RoPE ---------------------------------------------------------------------------------------
