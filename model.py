@@ -1,11 +1,13 @@
 """
-A GPT-2 language model in one file, with a choice of attention kernels.
+A GPT-2 language model, with a choice of attention kernels and switches for a modern block (RoPE, RMSNorm,
+SwiGLU, grouped key/value heads, q/k norm; all off is GPT-2 exactly).
 
 Read top-down: the config; the attention backends, one record each (kernel, when it cannot run, what to
 fall back to, how it decodes from a KV cache); `resolve`, which turns a requested backend into the one that
 runs; the model, which resolves once when it is set up for a device, dtype and use (`setup_attention`),
 never inside forward; and `python model.py`, which prints what this machine can run. The kernels live in
-attention.py; generation's KV caches and the kernels that read them in kv_cache.py.
+attention.py; generation's KV caches and the kernels that read them in kv_cache.py; the block's switchable
+pieces (norms, MLPs, RoPE) in layers.py.
 """
 
 from __future__ import annotations
@@ -237,7 +239,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_head, self.n_kv_head, self.dropout = config.n_head, config.kv_heads, config.dropout
-        head_dim = config.head_dim
+        head_dim = config.head_dim  # q: n_head heads; k and v: n_kv_head heads each
         self.c_attn = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * head_dim, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
