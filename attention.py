@@ -194,13 +194,13 @@ def sdpa_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0, kernel:
 
 def sdpa_kv(q, k, v, attn_mask, kernel: str = "auto"):
     """(k, v, keywords) for SDPA when k and v may have fewer heads than q. enable_gqa where the kernel that
-    will run reads grouped heads itself: PyTorch's flash kernel on CUDA (half precision, no mask) and the math
-    kernel. Elsewhere k and v are repeated to q's heads: the efficient kernel and the CPU kernels take no
-    grouped heads, so enable_gqa with a mask (documents, decode steps) could leave only the math kernel."""
+    will run reads grouped heads itself: PyTorch's flash kernel on CUDA (half precision, no mask; a GPU older
+    than sm80 has none and runs the math kernel instead) and the math kernel. Elsewhere k and v are repeated to
+    q's heads: the efficient kernel and the CPU kernels take no grouped heads, so enable_gqa with a mask
+    (documents, decode steps) could leave only the math kernel."""
     if k.size(1) == q.size(1):
         return k, v, {}
-    flash = q.is_cuda and q.dtype in HALF and attn_mask is None and kernel in ("auto", "flash")
-    if kernel == "math" or (flash and cuda_capability(q.device) >= (8, 0)):
+    if kernel == "math" or (q.is_cuda and q.dtype in HALF and attn_mask is None and kernel in ("auto", "flash")):
         return k, v, {"enable_gqa": True}
     return *repeat_kv(q, k, v), {}
 
