@@ -31,7 +31,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("train")
 
-SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "vocab_size", "bias")
+# The settings a checkpoint's weights depend on: field name -> the GPTConfig attribute compared (n_kv_head=None
+# and n_kv_head=n_head are the same model)
+SHAPE_FIELDS = {
+    **{name: name for name in ("n_layer", "n_head", "n_embd", "vocab_size", "bias", "rope", "rope_theta", "norm")},
+    **{"mlp": "mlp", "mlp_hidden": "mlp_width", "n_kv_head": "kv_heads", "qk_norm": "qk_norm"},
+}
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
 
 
@@ -172,10 +177,11 @@ def model_vocab_size(cfg: TrainConfig, meta: dict) -> int:
 def check_checkpoint_shape(model_config: GPTConfig, saved: dict) -> None:
     """Refuse a checkpoint whose model (saved: its model_config) has another shape than the config's, or a
     shorter context."""
+    saved_config = GPTConfig(**saved)  # a checkpoint of an older version: the fields it lacks at their defaults
     differ = [
-        f"{k}={saved[k]} (config says {getattr(model_config, k)})"
-        for k in SHAPE_FIELDS
-        if saved.get(k) != getattr(model_config, k)
+        f"{name}={getattr(saved_config, attr)} (config says {getattr(model_config, attr)})"
+        for name, attr in SHAPE_FIELDS.items()
+        if getattr(saved_config, attr) != getattr(model_config, attr)
     ]
     if differ:
         raise UsageError(
@@ -188,9 +194,16 @@ def check_checkpoint_shape(model_config: GPTConfig, saved: dict) -> None:
 
 def parameter_count(config: GPTConfig) -> int:
     """GPT's parameter count from its config alone, so that sizes are checked before anything is allocated."""
-    width, bias = config.n_embd, int(config.bias)
-    per_block = 12 * width * width + 2 * width + 11 * width * bias  # attention 4E², MLP 8E², 2 LayerNorms, biases
-    return (config.vocab_size + config.block_size) * width + config.n_layer * per_block + width * (1 + bias)
+    width, bias, hidden = config.n_embd, int(config.bias), config.mlp_width
+
+    def norm(n: int) -> int:  # LayerNorm: weight and bias; RMSNorm: weight only
+        return n * (1 + bias) if config.norm == "layernorm" else n
+
+    qkv = (config.n_head + 2 * config.kv_heads) * config.head_dim
+    attention = (width + bias) * qkv + (width + bias) * width + (2 * norm(config.head_dim) if config.qk_norm else 0)
+    mlp = (2 if config.mlp == "swiglu" else 1) * (width + bias) * hidden + (hidden + bias) * width
+    positions = 0 if config.rope else config.block_size * width
+    return config.vocab_size * width + positions + config.n_layer * (attention + mlp + 2 * norm(width)) + norm(width)
 
 
 def check_memory(cfg: TrainConfig, vocab_size: int, runtime: Runtime) -> None:

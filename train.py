@@ -99,6 +99,13 @@ class TrainConfig:
     lora_dropout: float = 0.0  # dropout on the adapters' input
     bias: bool = False  # biases in Linear and LayerNorm layers (GPT-2 has them)
     vocab_size: int | None = None  # None: from meta.json (GPT-2's 50257 is padded up to 50304)
+    rope: bool = False  # rotary position embedding on q and k instead of learned positions (no wpe)
+    rope_theta: float = 10000.0  # RoPE's base
+    norm: str = "layernorm"  # layernorm (GPT-2) | rmsnorm
+    mlp: str = "gelu"  # gelu (GPT-2) | swiglu
+    mlp_hidden: int | None = None  # MLP hidden width; None: 4·n_embd for gelu, 8/3·n_embd (up to 64s) for swiglu
+    n_kv_head: int | None = None  # key/value heads (GQA; 1 = MQA); None: n_head
+    qk_norm: bool = False  # normalize q and k per head before attention
     attention_backend: str = (
         "auto"  # auto | flash_attn_4 | flash_attn_3 | flash_attn_2 | flex_attention | sdpa | manual
     )

@@ -512,8 +512,8 @@ BAD_INPUTS = [
     case(
         "resume-newer-model_config",
         "--init_from=resume",
-        setup=change_checkpoint(lambda state: state["model_config"].update(rope_theta=1e4)),
-        expect=("rope_theta", "newer version"),
+        setup=change_checkpoint(lambda state: state["model_config"].update(future_setting=1)),
+        expect=("future_setting", "newer version"),
     ),
     case(
         "resume-weights-disagree-with-model_config",
