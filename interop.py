@@ -124,10 +124,9 @@ def hf_model_config(path: Path) -> dict:
         "bias": True,
     }
     try:
-        GPTConfig(**model_config)
+        return dataclasses.asdict(GPTConfig(**model_config))  # every field, as our checkpoints hold them
     except (TypeError, ValueError) as error:
         raise CheckpointError(f"{path}: {error}") from None
-    return model_config
 
 
 def hf_weights(folder: Path) -> dict:
