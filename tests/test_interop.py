@@ -84,6 +84,7 @@ def test_hf_weights_give_hf_logits_and_gradients(hf_model, hf_dirs, form, backen
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("allow_flex_recompiles")  # earlier tests may have used up dynamo's recompiles
 def test_hf_logits_under_flex_attention(hf_model, hf_dirs):
     """flex_attention runs forward-only on CPU too, but a CPU compile costs tens of seconds: tested on CUDA."""
     model = GPT.from_pretrained(hf_dirs["safetensors"], attention_backend="flex_attention").cuda().eval()

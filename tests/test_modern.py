@@ -73,6 +73,7 @@ def forward_backward(gpt: GPT, idx, doc_ids):
     gpt.zero_grad()
     logits, _ = gpt(idx, idx, doc_ids)
     weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3), dtype=logits.dtype)
+    weights = weights.to(logits.device)
     (logits * weights).sum().backward()
     return logits.detach(), {name: p.grad.clone() for name, p in gpt.named_parameters()}
 
