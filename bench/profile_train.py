@@ -45,6 +45,33 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def summarize(prof, steps: int, wall_ms: float, on_gpu: bool, top: int, unit: str) -> list[str]:
+    """Markdown lines: wall and busy time per `unit`, time per kernel kind, the top kernels."""
+    kernels = [e for e in prof.key_averages() if (e.device_type.name == "CUDA") == on_gpu]
+    time_of = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
+    by_kind = defaultdict(float)
+    for event in kernels:
+        by_kind[kind_of(event.key)] += time_of(event) / 1000 / steps
+    busy = sum(by_kind.values())
+    lines = [
+        f"wall {wall_ms:.3f} ms/{unit}; {'GPU' if on_gpu else 'CPU op'} time {busy:.3f} ms/{unit} "
+        f"({busy / wall_ms:.0%} of wall)",
+        "",
+        f"| kind | ms/{unit} | share |",
+        "|---|---:|---:|",
+    ]
+    for kind, ms in sorted(by_kind.items(), key=lambda item: -item[1]):
+        lines.append(f"| {kind} | {ms:.3f} | {ms / busy:.1%} |")
+    lines += ["", f"| top kernels | kind | ms/{unit} | calls/{unit} |", "|---|---|---:|---:|"]
+    for event in sorted(kernels, key=time_of, reverse=True)[:top]:
+        name = event.key if len(event.key) <= 90 else event.key[:87] + "..."
+        lines.append(
+            f"| `{name.replace('|', '/')}` | {kind_of(event.key)} | {time_of(event) / 1000 / steps:.3f} | "
+            f"{event.count / steps:.1f} |"
+        )
+    return lines
+
+
 def profile_variant(variant: str, args) -> str:
     torch._dynamo.reset()
     case = Case(VARIANTS[variant].get("attention_backend", "auto"), args.seq_len, args.batch_size, variant)
@@ -60,31 +87,8 @@ def profile_variant(variant: str, args) -> str:
             train_step(state)
         synchronize(device)
         wall_ms = (time.perf_counter() - start) * 1000 / args.steps
-    on_gpu = device.type == "cuda"
-    kernels = [e for e in prof.key_averages() if (e.device_type.name == "CUDA") == on_gpu]
-    time_of = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
-    by_kind = defaultdict(float)
-    for event in kernels:
-        by_kind[kind_of(event.key)] += time_of(event) / 1000 / args.steps
-    busy = sum(by_kind.values())
-    lines = [
-        f"## {variant}: {state.attention.used}, T={args.seq_len}, batch {args.batch_size}",
-        "",
-        f"wall {wall_ms:.2f} ms/step; {'GPU' if on_gpu else 'CPU op'} time {busy:.2f} ms/step "
-        f"({busy / wall_ms:.0%} of wall)",
-        "",
-        "| kind | ms/step | share |",
-        "|---|---:|---:|",
-    ]
-    for kind, ms in sorted(by_kind.items(), key=lambda item: -item[1]):
-        lines.append(f"| {kind} | {ms:.2f} | {ms / busy:.1%} |")
-    lines += ["", "| top kernels | kind | ms/step | calls/step |", "|---|---|---:|---:|"]
-    for event in sorted(kernels, key=time_of, reverse=True)[: args.top]:
-        name = event.key if len(event.key) <= 90 else event.key[:87] + "..."
-        lines.append(
-            f"| `{name.replace('|', '/')}` | {kind_of(event.key)} | {time_of(event) / 1000 / args.steps:.3f} | "
-            f"{event.count / args.steps:.0f} |"
-        )
+    lines = [f"## {variant}: {state.attention.used}, T={args.seq_len}, batch {args.batch_size}", ""]
+    lines += summarize(prof, args.steps, wall_ms, device.type == "cuda", args.top, "step")
     del state
     free_device_memory()
     return "\n".join(lines) + "\n"
