@@ -349,7 +349,7 @@ def test_gpu_training_with_grouped_heads_matches_float32_manual(backend):
     reference = GPT(tiny_config(n_head=8, n_embd=512, block_size=128, attention_backend="manual", **switches))
     reference = reference.to(device)
     need = attention.Need(device, torch.bfloat16, 64, documents=True, training=True, seq_len=128)
-    gpt = gpu_model(backend, reference, need)
+    gpt = gpu_model(backend, reference, need).to(device)
     idx = tokens(2, 128).to(device)
     for doc_ids in (None, documents(2, 128).to(device)):
         ref_logits, ref_grads = forward_backward(reference, idx, doc_ids)
