@@ -54,11 +54,27 @@ class Case:
     cache: str
     compile: bool
     batch_size: int
-    prompt_len: int
+    prompt_len: int  # the longest prompt; with mixed, the batch's prompts spread from 1/16 of it up to it
     new_tokens: int
+    mixed: bool = False
+
+    def prompt_lens(self) -> list[int]:
+        if not self.mixed or self.batch_size == 1:
+            return [self.prompt_len] * self.batch_size
+        shortest = max(1, self.prompt_len // 16)
+        step = (self.prompt_len - shortest) / (self.batch_size - 1)
+        return [round(shortest + b * step) for b in range(self.batch_size)]
 
 
 def default_cases(args) -> list[Case]:
+    if args.mixed:  # the paged cache's case: one row per cache, prompts of many lengths in one batch
+        shapes = [(b, p) for p in args.prompt_lens for b in args.batch_sizes if b > 1]
+        return [
+            Case(k, c, False, b, p, args.new_tokens, True)
+            for b, p in shapes
+            for k in args.backends
+            for c in args.caches
+        ]
     shapes = [(b, p) for p in args.prompt_lens for b in args.batch_sizes]
     cached = [c for c in args.caches if c != "none"]
     cases = [Case(k, c, False, b, p, args.new_tokens) for b, p in shapes for k in args.backends for c in cached]
@@ -89,7 +105,7 @@ def build_model(case: Case, args, device: torch.device, dtype: torch.dtype) -> G
 def prompts_for(case: Case, vocab_size: int, device) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(case.batch_size * 100003 + case.prompt_len)
     ids = torch.randint(vocab_size, (case.batch_size, case.prompt_len), generator=generator)
-    return list(ids.to(device))
+    return [row[:n].to(device) for row, n in zip(ids, case.prompt_lens())]
 
 
 def timed_stream(gpt: GPT, prompts, case: Case, device, tokens: int) -> tuple[float, float]:
@@ -116,6 +132,7 @@ def empty_row(case: Case, dtype: torch.dtype) -> dict:
         "compile": case.compile,
         "batch_size": case.batch_size,
         "prompt_len": case.prompt_len,
+        "prompts": f"{min(case.prompt_lens())}-{case.prompt_len}" if case.mixed else str(case.prompt_len),
         "new_tokens": case.new_tokens,
         "dtype": str(dtype).removeprefix("torch."),
         "prefill_ms": None,
@@ -167,7 +184,7 @@ def rates(case: Case, prefill_s: float, decode_s: float) -> dict:
     decoded = case.new_tokens - 1  # the first new token comes with the prefill
     return {
         "prefill_ms": prefill_s * 1e3,
-        "prefill_tok_s": case.batch_size * case.prompt_len / prefill_s,
+        "prefill_tok_s": sum(case.prompt_lens()) / prefill_s,
         "decode_ms_per_token": decode_s * 1e3 / max(1, decoded),
         "decode_tok_s": case.batch_size * decoded / decode_s if decoded else None,
     }
@@ -280,7 +297,7 @@ def progress_line(row: dict, elapsed: float) -> str:
 
     label = f"{row['backend']}{'+compile' if row['compile'] else ''}"
     return (
-        f"[{elapsed:6.1f}s] B={row['batch_size']:<3} prompt={row['prompt_len']:<5} {label:<22} {row['cache']:<10} "
+        f"[{elapsed:6.1f}s] B={row['batch_size']:<3} prompt={row['prompts']:<9} {label:<22} {row['cache']:<10} "
         f"prefill {num('prefill_tok_s', '{:,.0f}'):>10} tok/s  decode {num('decode_tok_s', '{:,.0f}'):>9} tok/s "
         f"({num('decode_ms_per_token', '{:.2f}')} ms/step)  mem {num('peak_mem_mib', '{:,.0f}'):>7} MiB  "
         f"{row['status'] if row['status'] != 'ok' else ''}"
@@ -293,7 +310,7 @@ COLUMNS = [
     Column("cache", "cache"),
     Column("compile", "compile"),
     Column("batch_size", "B"),
-    Column("prompt_len", "prompt"),
+    Column("prompts", "prompt"),
     Column("new_tokens", "new"),
     Column("dtype", "dtype"),
     Column("prefill_ms", "prefill ms", "{:.1f}"),
@@ -341,6 +358,9 @@ def parse_args(argv=None):
     parser.add_argument("--compile-backends", nargs="+", default=["auto"], help="backends of the compiled rows")
     parser.add_argument(
         "--hf", default="auto", choices=("auto", "off"), help="the transformers peer row (auto: if importable)"
+    )
+    parser.add_argument(
+        "--mixed", action="store_true", help="prompts of mixed lengths in each batch (1/16 of a prompt length up to it)"
     )
     parser.add_argument("--manual-max-prompt", type=int, default=2048, help="manual only up to this prompt length")
     parser.add_argument("--budget", type=float, default=None, help="seconds for all rows (default 480; 0: none)")
