@@ -5,17 +5,24 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
+import io
 import logging
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import random
 import resource
+import runpy
 import select
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,19 +78,26 @@ class Child:
     """`python <script> args` in the background, stdout and stderr merged into a one-page pipe that is read
     one byte at a time: nothing past the line just returned leaves the pipe, so a child that keeps printing
     blocks after ~4 KB more output until it is read again. That bounds how far a child can run on between
-    "the line we waited for" and the signal sent after it, whatever the load on the machine."""
+    "the line we waited for" and the signal sent after it, whatever the load on the machine.
 
-    def __init__(self, script: str, args: list[str], pipe_size: int = 4096):
+    warm=True: the child is forked from a warm interpreter (see WarmProcess) instead of started fresh, which
+    saves the seconds of importing torch; for tests of what the script does while it runs (signals, kills,
+    its output), not of how an interpreter starts or exits."""
+
+    def __init__(self, script: str, args: list[str], pipe_size: int = 4096, warm: bool = False):
         read_end, write_end = os.pipe()
         try:
             fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, pipe_size)
-            self.proc = subprocess.Popen(
-                [sys.executable, script, *args],
-                cwd=REPO,
-                env=subprocess_env(),
-                stdout=write_end,
-                stderr=subprocess.STDOUT,
-            )
+            if warm:
+                self.proc = WarmProcess(script, args, write_end)
+            else:
+                self.proc = subprocess.Popen(
+                    [sys.executable, script, *args],
+                    cwd=REPO,
+                    env=subprocess_env(),
+                    stdout=write_end,
+                    stderr=subprocess.STDOUT,
+                )
         finally:
             os.close(write_end)
         self.fd, self.lines = read_end, []
@@ -141,6 +155,71 @@ class Child:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# Modules whose import is most of a train.py or sample.py start: the warm interpreter imports them once.
+WARM_IMPORTS = ("train", "sample", "torch._dynamo")
+
+
+@functools.cache
+def warm_context() -> multiprocessing.context.BaseContext:
+    """multiprocessing's fork server, started once per test session with WARM_IMPORTS imported, in the
+    environment subprocess_env() gives a fresh child."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(WARM_IMPORTS))
+    with mock.patch.dict(os.environ, subprocess_env()):
+        multiprocessing.forkserver.ensure_running()
+    return context
+
+
+def run_as_main(script: str, args: list[str], output: multiprocessing.connection.Connection):
+    """In a child of the warm interpreter: what `python <script> args` with subprocess_env() does after its
+    imports. stdout and stderr go to `output`, unbuffered; the script runs as __main__ from the repo root, and
+    its exit code (sys.exit) is the child's."""
+    for fd in (1, 2):
+        os.dup2(output.fileno(), fd)
+    output.close()
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), errors="backslashreplace", write_through=True)
+    for name in WARM_IMPORTS[:2]:  # imported by the fork server; the script imports what it needs itself
+        sys.modules.pop(name, None)
+    os.chdir(REPO)
+    sys.path.insert(0, str((REPO / script).parent))
+    sys.argv = [script, *args]
+    runpy.run_path(script, run_name="__main__")
+
+
+class WarmProcess:
+    """`python <script> args` forked from the warm interpreter (warm_context), stdout and stderr to the file
+    descriptor `output_fd`; the part of subprocess.Popen that Child uses."""
+
+    def __init__(self, script: str, args: list[str], output_fd: int):
+        output = multiprocessing.connection.Connection(os.dup(output_fd), readable=False)
+        self.process = warm_context().Process(target=run_as_main, args=(script, list(args), output), name=script)
+        try:
+            self.process.start()
+        finally:
+            output.close()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode  # -N when killed by signal N, as Popen's
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.process.name, timeout)
+        return self.process.exitcode
+
+    def kill(self):
+        self.process.kill()
 
 
 def tree_digest(*roots: Path) -> dict[str, tuple[str, int]]:

@@ -39,7 +39,7 @@ def test_stop_signals_save_and_exit_then_resume(char_data, tmp_path, capsys):
     runs = {sig: tmp_path / sig.name for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     endless = ("--max_iters=100000", "--eval_interval=100000")
     with contextlib.ExitStack() as stack:
-        children = {sig: Child("train.py", tiny_args(char_data, out, *endless)) for sig, out in runs.items()}
+        children = {sig: Child("train.py", tiny_args(char_data, out, *endless), warm=True) for sig, out in runs.items()}
         for child in children.values():
             stack.enter_context(child)
         for sig, child in children.items():

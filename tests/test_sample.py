@@ -224,7 +224,7 @@ def test_ctrl_c_keeps_the_sample_so_far_and_a_closed_pipe_is_quiet(trained_out):
         text=True,
     )
     piped.stdout.close()  # the reader is gone: every write to stdout fails with EPIPE
-    with Child("sample.py", [*common, "--num_samples=2", f"--max_new_tokens={max_new}"]) as child:
+    with Child("sample.py", [*common, "--num_samples=2", f"--max_new_tokens={max_new}"], warm=True) as child:
         child.wait_for(lambda line: line == sample.SEPARATOR + "\n", timeout=60)
         time.sleep(0.3)  # let the second sample draw some tokens
         os.kill(child.pid, signal.SIGINT)

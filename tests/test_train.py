@@ -315,7 +315,7 @@ def test_exact_resume_after_kill_9(char_data, tmp_path, capsys):
     n = 60  # > the ~50 log lines the one-page pipe holds: the killed run blocks long before its save at 2N
     common = (f"--max_iters={2 * n}", f"--eval_interval={n}", "--always_save_checkpoint=true", "--dropout=0.1")
     killed_out = tmp_path / "killed"
-    with Child("train.py", tiny_args(char_data, killed_out, *common)) as killed:
+    with Child("train.py", tiny_args(char_data, killed_out, *common), warm=True) as killed:
         capsys.readouterr()
         assert train.main(tiny_args(char_data, tmp_path / "straight", *common)) == 0  # while the child starts
         straight_output = capsys.readouterr().out
