@@ -347,7 +347,7 @@ def test_documents_do_not_see_each_other(name):
 # ---- python model.py and attention_report ------------------------------------------------------
 
 
-def test_python_model_py_reports_every_backend():
+def test_python_model_py_reports_every_backend(warm_interpreter):
     result = run_script("model.py", [], warm=True)
     assert result.returncode == 0, result.stderr
     for name in model.BACKENDS:

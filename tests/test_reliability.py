@@ -33,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # ---- signals: finish the step, save, exit 0; resume from there ----
 
 
-def test_stop_signals_save_and_exit_then_resume(char_data, tmp_path, capsys):
+def test_stop_signals_save_and_exit_then_resume(char_data, tmp_path, capsys, warm_interpreter):
     """One child per signal, run side by side: the interpreter start is most of each child's time. SIGHUP (the
     terminal closed) stops a run like SIGTERM."""
     runs = {sig: tmp_path / sig.name for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}

@@ -209,7 +209,7 @@ def test_padding_ids_are_never_sampled(trained_out, tmp_path, capsys, tokenizer)
         assert all(len(text) == len("ROMEO:") + 40 for text in texts)
 
 
-def test_ctrl_c_keeps_the_sample_so_far_and_a_closed_pipe_is_quiet(trained_out):
+def test_ctrl_c_keeps_the_sample_so_far_and_a_closed_pipe_is_quiet(trained_out, warm_interpreter):
     """SIGINT during the second sample: the first is printed whole, the second as far as it got, exit 130.
     stdout closed before the first write (what `| head -1` does to the writes after its line): exit 0, quiet.
     Both children run side by side: starting the interpreter is most of their time."""
