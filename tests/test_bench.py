@@ -100,9 +100,14 @@ def runs(char_data, tmp_path_factory, warm_interpreter):
                 process = WarmProcess(command[0], [*command[1:], "--out", str(out)], stdout.fileno(), stderr.fileno())
             started[name] = (process, out)
     finished = {}
-    for name, (process, out) in started.items():
-        code = process.wait(timeout=240)
-        finished[name] = (code, (out / "stdout.txt").read_text(), (out / "stderr.txt").read_text(), out)
+    try:
+        for name, (process, out) in started.items():
+            code = process.wait(timeout=240)
+            finished[name] = (code, (out / "stdout.txt").read_text(), (out / "stderr.txt").read_text(), out)
+    finally:  # past a timeout: a warm child left running would keep pytest from exiting
+        for process, _ in started.values():
+            if process.poll() is None:
+                process.kill()
     return finished
 
 
