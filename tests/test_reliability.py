@@ -34,8 +34,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_stop_signals_save_and_exit_then_resume(char_data, tmp_path, capsys, warm_interpreter):
-    """One child per signal, run side by side: the interpreter start is most of each child's time. SIGHUP (the
-    terminal closed) stops a run like SIGTERM."""
+    """One child per signal, run side by side, each forked from the warm interpreter (no torch import of its
+    own). SIGHUP (the terminal closed) stops a run like SIGTERM."""
     runs = {sig: tmp_path / sig.name for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     endless = ("--max_iters=100000", "--eval_interval=100000")
     with contextlib.ExitStack() as stack:
