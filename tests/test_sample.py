@@ -212,8 +212,8 @@ def test_padding_ids_are_never_sampled(trained_out, tmp_path, capsys, tokenizer)
 def test_ctrl_c_keeps_the_sample_so_far_and_a_closed_pipe_is_quiet(trained_out, warm_interpreter):
     """SIGINT during the second sample: the first is printed whole, the second as far as it got, exit 130.
     stdout closed before the first write (what `| head -1` does to the writes after its line): exit 0, quiet.
-    Both children run side by side; the interrupted one is forked from the warm interpreter, while the piped one
-    is a fresh interpreter, whose exit flushes stdout into the closed pipe."""
+    Both children run side by side; the interrupted one is forked from the warm interpreter, the piped one is a
+    fresh interpreter from start to exit (what an interpreter does with a closed stdout is part of the test)."""
     max_new = 1500  # ~1.5 s a sample on one CPU thread: the second is still running when the signal arrives
     common = [f"--out_dir={trained_out}", "--start=ROMEO:", "--device=cpu"]
     piped = subprocess.Popen(
