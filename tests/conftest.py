@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import one_torch_thread, process_state_restored, tiny_args, tiny_text
+from helpers import one_torch_thread, process_state_restored, tiny_args, tiny_text, warm_context
 
 
 def pytest_collection_modifyitems(config, items):
@@ -20,6 +20,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    # The warm interpreter spends seconds importing torch: started now, it does so while the first tests run.
+    if any("warm_interpreter" in getattr(item, "fixturenames", ()) for item in session.items):
+        warm_context()
+
+
+@pytest.fixture(scope="session")
+def warm_interpreter():
+    """For tests that fork children from the warm interpreter (helpers.WarmProcess, warm=True): asking for it
+    starts that interpreter when collection ends, instead of when the first child is forked."""
+    warm_context()
 
 
 @pytest.fixture(autouse=True)

@@ -3,19 +3,28 @@ subprocess (for kills and signals) or in-process (for speed), and digests of wha
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import fcntl
+import functools
 import hashlib
+import io
 import logging
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import random
 import resource
+import runpy
 import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,30 +69,44 @@ def subprocess_env() -> dict:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
-def run_script(script: str, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    """`python <script> args` from the repo root; stdout and stderr captured separately."""
-    return subprocess.run(
-        [sys.executable, script, *args], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=timeout
-    )
+def run_script(script: str, args: list[str], timeout: float = 120, warm: bool = False) -> subprocess.CompletedProcess:
+    """`python <script> args` from the repo root; stdout and stderr captured separately. warm=True: forked from
+    the warm interpreter (WarmProcess) instead of started afresh."""
+    command = [sys.executable, script, *args]
+    if not warm:
+        return subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+        process = WarmProcess(script, args, stdout.fileno(), stderr.fileno())
+        try:
+            code = process.wait(timeout)
+        finally:
+            process.kill()  # if it ran past the timeout
+        stdout.seek(0), stderr.seek(0)
+        return subprocess.CompletedProcess(command, code, stdout.read().decode(), stderr.read().decode())
 
 
 class Child:
     """`python <script> args` in the background, stdout and stderr merged into a one-page pipe that is read
     one byte at a time: nothing past the line just returned leaves the pipe, so a child that keeps printing
     blocks after ~4 KB more output until it is read again. That bounds how far a child can run on between
-    "the line we waited for" and the signal sent after it, whatever the load on the machine."""
+    "the line we waited for" and the signal sent after it, whatever the load on the machine.
 
-    def __init__(self, script: str, args: list[str], pipe_size: int = 4096):
+    warm=True: forked from the warm interpreter (WarmProcess) instead of started afresh."""
+
+    def __init__(self, script: str, args: list[str], pipe_size: int = 4096, warm: bool = False):
         read_end, write_end = os.pipe()
         try:
             fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, pipe_size)
-            self.proc = subprocess.Popen(
-                [sys.executable, script, *args],
-                cwd=REPO,
-                env=subprocess_env(),
-                stdout=write_end,
-                stderr=subprocess.STDOUT,
-            )
+            if warm:
+                self.proc = WarmProcess(script, args, write_end, write_end)
+            else:
+                self.proc = subprocess.Popen(
+                    [sys.executable, script, *args],
+                    cwd=REPO,
+                    env=subprocess_env(),
+                    stdout=write_end,
+                    stderr=subprocess.STDOUT,
+                )
         finally:
             os.close(write_end)
         self.fd, self.lines = read_end, []
@@ -141,6 +164,91 @@ class Child:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# What a train.py or sample.py start spends its seconds importing: the warm interpreter imports it once.
+WARM_IMPORTS = ("train", "sample", "torch._dynamo")
+
+
+@functools.cache
+def warm_context() -> multiprocessing.context.BaseContext:
+    """multiprocessing's fork server, started once per test session with WARM_IMPORTS imported, in the
+    environment subprocess_env() gives a fresh child."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(WARM_IMPORTS))
+    with mock.patch.dict(os.environ, subprocess_env()):
+        multiprocessing.forkserver.ensure_running()
+    return context
+
+
+@functools.cache
+def fresh_sys_path() -> tuple[str, ...]:
+    """sys.path of a fresh `python <script>`, less the script's folder that comes first."""
+    command = [sys.executable, "-c", "import sys; print(repr(sys.path[1:]))"]
+    result = subprocess.run(command, env=subprocess_env(), capture_output=True, text=True, check=True)
+    return tuple(ast.literal_eval(result.stdout))
+
+
+def is_repo_module(module) -> bool:
+    spec = getattr(module, "__spec__", None)
+    places = [getattr(spec, "origin", None), *(getattr(spec, "submodule_search_locations", None) or ())]
+    return any(isinstance(place, str) and place.startswith(f"{REPO}{os.sep}") for place in places)
+
+
+def run_as_main(script: str, args: list[str], stdout, stderr, path: tuple[str, ...]):
+    """In a child of the warm interpreter: what `python <script> args` does once torch is imported. The repo's
+    own modules are imported afresh from the script's folder and `path` (a fresh interpreter's sys.path), as
+    the script would import them; stdout and stderr are unbuffered (PYTHONUNBUFFERED); the exit code of
+    sys.exit(main()) is the child's."""
+    for fd, connection in ((1, stdout), (2, stderr)):
+        os.dup2(connection.fileno(), fd)
+        connection.close()
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), errors="backslashreplace", write_through=True)
+    for name, module in list(sys.modules.items()):
+        if is_repo_module(module):
+            del sys.modules[name]
+    os.chdir(REPO)
+    sys.path[:] = [str((REPO / script).parent), *path]
+    sys.argv = [script, *args]
+    runpy.run_path(script, run_name="__main__")
+
+
+class WarmProcess:
+    """`python <script> args` forked from the warm interpreter (warm_context): the same script, argv, output,
+    signals and exit code, without the seconds of importing torch. For tests of what a script does, not of how
+    an interpreter starts or exits. stdout and stderr go to the given file descriptors; the part of
+    subprocess.Popen that the tests use."""
+
+    def __init__(self, script: str, args: list[str], stdout_fd: int, stderr_fd: int):
+        outputs = [multiprocessing.connection.Connection(os.dup(fd), readable=False) for fd in (stdout_fd, stderr_fd)]
+        context, path = warm_context(), fresh_sys_path()
+        self.process = context.Process(target=run_as_main, args=(script, list(args), *outputs, path), name=script)
+        try:
+            self.process.start()
+        finally:
+            for output in outputs:
+                output.close()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode  # -N when killed by signal N, as Popen's
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.process.name, timeout)
+        return self.process.exitcode
+
+    def kill(self):
+        self.process.kill()
 
 
 def tree_digest(*roots: Path) -> dict[str, tuple[str, int]]:

@@ -18,6 +18,7 @@ import torch
 from bench import readme_table, report
 from bench.report import card_slug, parse_log_line
 from helpers import REPO as ROOT
+from helpers import WarmProcess
 from train import format_log_line
 
 HEADER_FIELDS = (
@@ -76,31 +77,37 @@ COMPARE_ARGUMENTS = (
 
 
 @pytest.fixture(scope="module")
-def runs(char_data, tmp_path_factory):
+def runs(char_data, tmp_path_factory, warm_interpreter):
     """{name: (exit code, stdout, stderr, out folder)} of bench_attention.py --quick, bench_train.py --quick and
-    compare_backends.sh (sdpa, manual). Started together: each uses one CPU thread and most of their time is
-    importing torch, so on two cores they take about as long as the longest alone."""
-    commands = {
+    compare_backends.sh (sdpa, manual). Started together, each on one CPU thread; the two benches are forked
+    from the warm interpreter, which has torch imported already."""
+    commands = {  # the fresh interpreters first: a fork waits until the warm interpreter is ready
         # the shortest timings that still time: these tests check rows and statuses, not speed
-        "attention-quick": [sys.executable, "bench/bench_attention.py", "--quick", "--warmup-ms", "1", "--rep-ms", "5"],
-        "train-quick": [sys.executable, "bench/bench_train.py", "--quick"],
         "compare": ["bash", "bench/compare_backends.sh", f"--data_dir={char_data}", *COMPARE_ARGUMENTS],
+        "attention-quick": ["bench/bench_attention.py", "--quick", "--warmup-ms", "1", "--rep-ms", "5"],
+        "train-quick": ["bench/bench_train.py", "--quick"],
     }
     started = {}
     for name, command in commands.items():
         out = tmp_path_factory.mktemp(name)
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        if name == "compare":
-            # TMPDIR: the script's log folder lands in out, not in /tmp
-            env.update(BACKENDS="sdpa manual", OUT_DIR=str(out), PYTHON=sys.executable, TMPDIR=str(out))
-        else:
-            command = [*command, "--out", str(out)]
         with open(out / "stdout.txt", "w") as stdout, open(out / "stderr.txt", "w") as stderr:
-            started[name] = (subprocess.Popen(command, cwd=ROOT, env=env, stdout=stdout, stderr=stderr), out)
+            if name == "compare":
+                # TMPDIR: the script's log folder lands in out, not in /tmp
+                env = {**os.environ, "OMP_NUM_THREADS": "1", "BACKENDS": "sdpa manual", "OUT_DIR": str(out)}
+                env.update(PYTHON=sys.executable, TMPDIR=str(out))
+                process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=stdout, stderr=stderr)
+            else:
+                process = WarmProcess(command[0], [*command[1:], "--out", str(out)], stdout.fileno(), stderr.fileno())
+            started[name] = (process, out)
     finished = {}
-    for name, (process, out) in started.items():
-        code = process.wait(timeout=240)
-        finished[name] = (code, (out / "stdout.txt").read_text(), (out / "stderr.txt").read_text(), out)
+    try:
+        for name, (process, out) in started.items():
+            code = process.wait(timeout=240)
+            finished[name] = (code, (out / "stdout.txt").read_text(), (out / "stderr.txt").read_text(), out)
+    finally:  # past a timeout: a warm child left running would keep pytest from exiting
+        for process, _ in started.values():
+            if process.poll() is None:
+                process.kill()
     return finished
 
 

@@ -429,11 +429,11 @@ def test_export_safetensors_weights_and_metadata(trained_out, tmp_path):
     assert json.loads(metadata["model_config"]) == state["model_config"]
 
 
-def test_export_cli(trained_out, tmp_path):
+def test_export_cli(trained_out, tmp_path, warm_interpreter):
     from safetensors.torch import load_file
 
     out = tmp_path / "model.safetensors"
-    result = run_script("checkpoint.py", ["export", str(trained_out / "ckpt.pt"), str(out)], timeout=60)
+    result = run_script("checkpoint.py", ["export", str(trained_out / "ckpt.pt"), str(out)], timeout=60, warm=True)
     assert result.returncode == 0, result.stderr
     assert f"wrote {out}" in result.stdout
     assert "transformer.wte.weight" in load_file(out)

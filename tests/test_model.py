@@ -4,8 +4,6 @@ documents in packed rows, `python model.py` and the GPU smoke tests."""
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,8 +11,7 @@ import torch.nn.functional as F
 
 import model
 from attention import Need
-from helpers import REPO as ROOT
-from helpers import tiny_config
+from helpers import run_script, tiny_config
 from model import GPT, GPTConfig
 
 ALL_NAMES = model.backend_names() + tuple(model.aliases())
@@ -350,8 +347,8 @@ def test_documents_do_not_see_each_other(name):
 # ---- python model.py and attention_report ------------------------------------------------------
 
 
-def test_python_model_py_reports_every_backend():
-    result = subprocess.run([sys.executable, "model.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+def test_python_model_py_reports_every_backend(warm_interpreter):
+    result = run_script("model.py", [], warm=True)
     assert result.returncode == 0, result.stderr
     for name in model.BACKENDS:
         assert f"  {name} " in result.stdout, name

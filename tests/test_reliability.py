@@ -14,8 +14,7 @@ import random
 import re
 import shutil
 import signal
-import subprocess
-import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -24,7 +23,7 @@ import torch
 import model
 import train
 from checkpoint import load_checkpoint
-from helpers import REPO, Child, subprocess_env, tiny_args, tree_digest
+from helpers import Child, WarmProcess, tiny_args, tree_digest
 from runtime import Runtime, StopFlags
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,13 +32,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # ---- signals: finish the step, save, exit 0; resume from there ----
 
 
-def test_stop_signals_save_and_exit_then_resume(char_data, tmp_path, capsys):
-    """One child per signal, run side by side: the interpreter start is most of each child's time. SIGHUP (the
-    terminal closed) stops a run like SIGTERM."""
+def test_stop_signals_save_and_exit_then_resume(char_data, tmp_path, capsys, warm_interpreter):
+    """One child per signal, run side by side, each forked from the warm interpreter (no torch import of its
+    own). SIGHUP (the terminal closed) stops a run like SIGTERM."""
     runs = {sig: tmp_path / sig.name for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     endless = ("--max_iters=100000", "--eval_interval=100000")
     with contextlib.ExitStack() as stack:
-        children = {sig: Child("train.py", tiny_args(char_data, out, *endless)) for sig, out in runs.items()}
+        children = {sig: Child("train.py", tiny_args(char_data, out, *endless), warm=True) for sig, out in runs.items()}
         for child in children.values():
             stack.enter_context(child)
         for sig, child in children.items():
@@ -76,26 +75,29 @@ def test_an_ignored_sighup_stays_ignored():
         assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)
 
 
-def test_a_closed_stdout_does_not_stop_the_run(char_data, tmp_path):
+def test_a_closed_stdout_does_not_stop_the_run(char_data, tmp_path, warm_interpreter):
     """`python train.py | head -1`: the log lines stop, the run trains on, saves and exits 0. The pipe holds
-    4 KB and the run prints far more after its first line, so its writes do meet the closed pipe."""
+    4 KB and the run prints far more after its first line, so its writes do meet the closed pipe. (sample.py's
+    closed-pipe test runs a fresh interpreter; this run is forked warm.)"""
     out = tmp_path / "out"
     read_end, write_end = os.pipe()
     fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
     args = tiny_args(char_data, out, "--max_iters=100", "--eval_interval=50")
-    with os.fdopen(read_end, "rb") as reader:
-        run = subprocess.Popen(
-            [sys.executable, "train.py", *args],
-            cwd=REPO,
-            env=subprocess_env(),
-            stdout=write_end,
-            stderr=subprocess.PIPE,
-        )
-        os.close(write_end)
-        first_line = reader.readline()  # what head -1 reads before it exits
-    _, err = run.communicate(timeout=120)
+    with tempfile.TemporaryFile() as stderr:
+        with os.fdopen(read_end, "rb") as reader:
+            try:
+                run = WarmProcess("train.py", args, write_end, stderr.fileno())
+            finally:
+                os.close(write_end)
+            first_line = reader.readline()  # what head -1 reads before it exits
+        try:
+            code = run.wait(timeout=120)
+        finally:
+            run.kill()  # if it ran past the timeout
+        stderr.seek(0)
+        err = stderr.read()
     assert first_line.startswith(b"config: ")
-    assert run.returncode == 0, err.decode()
+    assert code == 0, err.decode()
     assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
     assert load_checkpoint(out / "ckpt.pt")["iter_num"] == 100
 

@@ -209,10 +209,11 @@ def test_padding_ids_are_never_sampled(trained_out, tmp_path, capsys, tokenizer)
         assert all(len(text) == len("ROMEO:") + 40 for text in texts)
 
 
-def test_ctrl_c_keeps_the_sample_so_far_and_a_closed_pipe_is_quiet(trained_out):
+def test_ctrl_c_keeps_the_sample_so_far_and_a_closed_pipe_is_quiet(trained_out, warm_interpreter):
     """SIGINT during the second sample: the first is printed whole, the second as far as it got, exit 130.
     stdout closed before the first write (what `| head -1` does to the writes after its line): exit 0, quiet.
-    Both children run side by side: starting the interpreter is most of their time."""
+    Both children run side by side; the interrupted one is forked from the warm interpreter, the piped one is a
+    fresh interpreter from start to exit (what an interpreter does with a closed stdout is part of the test)."""
     max_new = 1500  # ~1.5 s a sample on one CPU thread: the second is still running when the signal arrives
     common = [f"--out_dir={trained_out}", "--start=ROMEO:", "--device=cpu"]
     piped = subprocess.Popen(
@@ -224,7 +225,7 @@ def test_ctrl_c_keeps_the_sample_so_far_and_a_closed_pipe_is_quiet(trained_out):
         text=True,
     )
     piped.stdout.close()  # the reader is gone: every write to stdout fails with EPIPE
-    with Child("sample.py", [*common, "--num_samples=2", f"--max_new_tokens={max_new}"]) as child:
+    with Child("sample.py", [*common, "--num_samples=2", f"--max_new_tokens={max_new}"], warm=True) as child:
         child.wait_for(lambda line: line == sample.SEPARATOR + "\n", timeout=60)
         time.sleep(0.3)  # let the second sample draw some tokens
         os.kill(child.pid, signal.SIGINT)

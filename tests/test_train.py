@@ -45,9 +45,11 @@ def lines_starting(text: str, prefix: str) -> list[str]:
 # ---- a real run: the log, the checkpoint ----
 
 
-def test_smoke_run_log_lines_and_checkpoint(char_data, tmp_path):
+def test_smoke_run_log_lines_and_checkpoint(char_data, tmp_path, warm_interpreter):
+    """`python train.py`, forked warm; fresh interpreters run train.py in test_ddp.py (torchrun) and
+    test_bench.py (compare_backends.sh)."""
     out = tmp_path / "out"
-    result = run_script("train.py", tiny_args(char_data, out, "--max_iters=4", "--eval_interval=2"))
+    result = run_script("train.py", tiny_args(char_data, out, "--max_iters=4", "--eval_interval=2"), warm=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
     stdout = result.stdout.splitlines()
@@ -307,7 +309,7 @@ def iter_fields(output: str) -> dict[int, str]:
     return found
 
 
-def test_exact_resume_after_kill_9(char_data, tmp_path, capsys):
+def test_exact_resume_after_kill_9(char_data, tmp_path, capsys, warm_interpreter):
     """2N iterations straight == N, kill -9 (no clean exit), resume to 2N: the same losses and learning
     rates at every iteration after N. Dropout is on, so the RNG streams must be restored too. Only the
     killed run needs a process of its own; the straight and resumed runs are in-process, on one thread
@@ -315,7 +317,7 @@ def test_exact_resume_after_kill_9(char_data, tmp_path, capsys):
     n = 60  # > the ~50 log lines the one-page pipe holds: the killed run blocks long before its save at 2N
     common = (f"--max_iters={2 * n}", f"--eval_interval={n}", "--always_save_checkpoint=true", "--dropout=0.1")
     killed_out = tmp_path / "killed"
-    with Child("train.py", tiny_args(char_data, killed_out, *common)) as killed:
+    with Child("train.py", tiny_args(char_data, killed_out, *common), warm=True) as killed:
         capsys.readouterr()
         assert train.main(tiny_args(char_data, tmp_path / "straight", *common)) == 0  # while the child starts
         straight_output = capsys.readouterr().out
