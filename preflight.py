@@ -11,6 +11,7 @@ and the tokenizer comparison in checkpoint.py; torchrun's environment in runtime
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -20,6 +21,7 @@ from checkpoint import LATEST, check_same_tokenizer, claim_out_dir, load_checkpo
 from data.common import read_meta
 from data.loader import ensure_dataset
 from model import GPT, GPTConfig
+from parallel import PARALLELISMS
 from runtime import DIST_BACKENDS, DTYPES, Runtime, UsageError, available_memory, format_bytes
 
 if TYPE_CHECKING:
@@ -78,6 +80,11 @@ def check_config(cfg: TrainConfig) -> None:
     too_long = [part for part in Path(cfg.out_dir).parts if len(os.fsencode(part)) > 255]
     if too_long:
         raise ValueError(f"out_dir has a folder name of {len(os.fsencode(too_long[0]))} bytes; 255 is the most")
+    if cfg.parallelism not in PARALLELISMS:
+        raise ValueError(f"unknown parallelism {cfg.parallelism!r}; choose one of {', '.join(PARALLELISMS)}")
+    for name in ("ddp_bucket_cap_mb", "dist_timeout_s"):
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
     if not 0 <= cfg.seed < 2**64:
         raise ValueError(f"seed must be in [0, 2**64), got {cfg.seed}")
     cfg.model_config()  # the model's own checks (head dim, backend names, ...)
@@ -102,12 +109,22 @@ def checkpoint_path(cfg: TrainConfig) -> Path:
     return Path(cfg.out_dir) / LATEST if cfg.init_from == "resume" else Path(cfg.init_from)
 
 
+def resolve_init_from(cfg: TrainConfig) -> TrainConfig:
+    """init_from=auto is resume when out_dir holds a ckpt.pt, else scratch: a job that torchrun restarts after a
+    crash (--max-restarts) continues from its last checkpoint, and its first start begins afresh."""
+    if cfg.init_from != "auto":
+        return cfg
+    return dataclasses.replace(cfg, init_from="resume" if (Path(cfg.out_dir) / LATEST).is_file() else "scratch")
+
+
 def read_checkpoint(cfg: TrainConfig) -> dict | None:
     if cfg.init_from == "scratch":
         return None
     path = checkpoint_path(cfg)
     if cfg.init_from != "resume" and not path.is_file():
-        raise UsageError(f"init_from={cfg.init_from!r}: allowed are scratch, resume, or the path of a .pt checkpoint")
+        raise UsageError(
+            f"init_from={cfg.init_from!r}: allowed are scratch, resume, auto, or the path of a .pt checkpoint"
+        )
     return load_checkpoint(path, resume=cfg.init_from == "resume")
 
 

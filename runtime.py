@@ -4,6 +4,7 @@ the hardware can do (peak FLOP/s, MFU, peak memory). train.py, sample.py and ben
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import resource
 import signal
@@ -91,9 +92,14 @@ def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
 
 
 def setup_runtime(
-    device: str = "auto", dtype: str = "auto", dist_backend: str = "nccl", gradient_accumulation_steps: int = 1
+    device: str = "auto",
+    dtype: str = "auto",
+    dist_backend: str = "nccl",
+    gradient_accumulation_steps: int = 1,
+    timeout_s: float | None = None,
 ) -> Runtime:
-    """This process's device and dtype; under torchrun (WORLD_SIZE > 1) also joins the process group."""
+    """This process's device and dtype; under torchrun (WORLD_SIZE > 1) also joins the process group, whose
+    collectives give up after timeout_s (None: torch's default)."""
     world_size = env_int("WORLD_SIZE", 1, low=1)
     rank, local_rank = env_int("RANK", 0, low=0), env_int("LOCAL_RANK", 0, low=0)
     if rank >= world_size:
@@ -110,7 +116,8 @@ def setup_runtime(
         if picked.type == "cuda":
             torch.cuda.set_device(picked)
         try:
-            dist.init_process_group(backend=dist_backend)
+            timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+            dist.init_process_group(backend=dist_backend, timeout=timeout)
         except (ValueError, RuntimeError) as error:  # no MASTER_ADDR, an unreachable or timed-out rendezvous
             reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
             raise UsageError(

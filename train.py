@@ -39,7 +39,22 @@ from configurator import ConfigError, load_config, parse_bool
 from data.common import DataError
 from data.loader import Batches
 from model import GPT, GPTConfig
-from preflight import check_before_training, check_checkpoint_shape, check_config, checkpoint_path, claim_run_out_dir
+from parallel import (
+    full_model_state,
+    gradient_sync,
+    load_sharded_optimizer,
+    replicated,
+    save_sharded_optimizer,
+    wrap_model,
+)
+from preflight import (
+    check_before_training,
+    check_checkpoint_shape,
+    check_config,
+    checkpoint_path,
+    claim_run_out_dir,
+    resolve_init_from,
+)
 from runtime import (
     PeerFailed,
     Runtime,
@@ -60,7 +75,7 @@ log = logging.getLogger("train")
 class TrainConfig:
     # ---- I/O ----
     out_dir: str = "out-shakespeare-char"  # checkpoints go here
-    init_from: str = "scratch"  # scratch | resume (out_dir/ckpt.pt) | path to a .pt checkpoint to fine-tune from
+    init_from: str = "scratch"  # scratch | resume (out_dir/ckpt.pt) | auto (resume if out_dir has one) | a .pt path
     overwrite_out_dir: bool = False  # let a scratch or fine-tune run replace the checkpoints already in out_dir
     eval_interval: int = 250  # evaluate, and maybe checkpoint, every this many iterations
     eval_iters: int = 20  # batches per split in each evaluation
@@ -107,7 +122,10 @@ class TrainConfig:
     )
     compile: bool | None = None  # torch.compile the model; None: on for CUDA, off elsewhere
     dist_backend: str = "nccl"  # DDP backend under torchrun: nccl | gloo
-    seed: int = 1337  # base seed; each rank adds its rank
+    parallelism: str = "ddp"  # under torchrun: ddp (a model copy per GPU) | fsdp (weights and optimizer sharded)
+    ddp_bucket_cap_mb: float = 25.0  # DDP all-reduces gradients in buckets of this size, overlapping backward
+    dist_timeout_s: float = 600.0  # a rank waiting this long for the others in a collective gives up
+    seed: int = 1337  # seeds the weights and the data stream (the same on every rank); dropout adds the rank
     peak_flops: float | None = None  # per-device peak FLOP/s for MFU; None: look up the GPU's name
     max_bad_steps: int = 5  # stop after this many consecutive steps with non-finite loss or gradients
 
@@ -224,11 +242,10 @@ class Step:
 
 def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch: Callable) -> TrainState:
     """Place the model, resolve its attention for this device and dtype (before torch.compile, which then
-    sees one backend), and build the optimizer, GradScaler, compiled and DDP-wrapped views."""
+    sees one backend), and build the compiled and DDP-wrapped (or FSDP-sharded) views, optimizer, GradScaler."""
     device = runtime.device
     model = model.to(device)
     attention = model.setup_attention(device, runtime.dtype, training=True, seq_len=cfg.block_size)
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
     # The GradScaler finds inf/NaN gradients on the device and skips that optimizer step without a host
     # sync (with fused AdamW). float16 needs its loss scaling; other dtypes keep the scale at exactly 1.
     scaled = runtime.dtype == torch.float16
@@ -236,12 +253,10 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
         device.type, init_scale=2.0**16 if scaled else 1.0, enabled=device.type in ("cuda", "cpu")
     )
     use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
-    eval_model = torch.compile(model) if use_compile else model
-    train_model = eval_model
-    if runtime.ddp:
-        from torch.nn.parallel import DistributedDataParallel
-
-        train_model = DistributedDataParallel(eval_model, device_ids=[device.index] if device.type == "cuda" else None)
+    eval_model, train_model = wrap_model(
+        model, runtime, cfg.parallelism, use_compile=use_compile, bucket_cap_mb=cfg.ddp_bucket_cap_mb
+    )
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
     return TrainState(
         cfg, runtime, model, eval_model, train_model, optimizer, scaler, StopFlags(runtime), next_batch, attention
     )
@@ -258,8 +273,8 @@ def train_step(state: TrainState) -> Step:
     loss_sum = torch.zeros((), device=runtime.device)
     for micro_step in range(state.accum):
         last_micro_step = micro_step == state.accum - 1
-        ddp_sync = contextlib.nullcontext() if (last_micro_step or not runtime.ddp) else state.train_model.no_sync()
-        with ddp_sync:  # gradients are all-reduced on the last micro-step only
+        # gradients are averaged over ranks on the last micro-step only
+        with gradient_sync(state.model, state.train_model, enabled=last_micro_step):
             with runtime.autocast():
                 _, loss = state.train_model(x, y)
                 loss = loss / state.accum
@@ -269,7 +284,7 @@ def train_step(state: TrainState) -> Step:
     state.batch = (x, y)
     state.scaler.unscale_(state.optimizer)
     grad_clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), grad_clip)
+    grad_norm = replicated(torch.nn.utils.clip_grad_norm_(state.model.parameters(), grad_clip))
     if state.scaler.is_enabled():
         state.scaler.step(state.optimizer)  # skipped on the device when a gradient is inf/NaN
         if runtime.dtype == torch.float16:
@@ -295,10 +310,20 @@ def setup_or_resume(cfg: TrainConfig, runtime: Runtime, hold: contextlib.ExitSta
     error = None
     try:
         checkpoint, data_dir, meta, vocab_size = check_before_training(cfg, runtime)
-        seed = (cfg.seed + runtime.rank) % 2**64
-        batches = Batches(data_dir, cfg.batch_size, cfg.block_size, runtime.device, seed=seed, vocab_size=vocab_size)
+        batches = Batches(
+            data_dir,
+            cfg.batch_size,
+            cfg.block_size,
+            runtime.device,
+            seed=cfg.seed,
+            vocab_size=vocab_size,
+            rank=runtime.rank,
+            world_size=runtime.world_size,
+            accum=cfg.gradient_accumulation_steps // runtime.world_size,
+        )
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         model = build_model(cfg, vocab_size, checkpoint)
+        torch.manual_seed((cfg.seed + runtime.rank) % 2**64)  # and each rank its own dropout
         claim_run_out_dir(cfg, runtime, model, hold)
     except (CheckpointError, DataError, UsageError) as failure:
         error = failure
@@ -313,25 +338,36 @@ def setup_or_resume(cfg: TrainConfig, runtime: Runtime, hold: contextlib.ExitSta
 
 
 def restore_progress(state: TrainState, batches: Batches, checkpoint: dict) -> None:
-    """Optimizer, scaler, counters, and (with the same number of ranks) each rank's RNG and data position."""
-    runtime = state.runtime
+    """Optimizer, scaler, counters, the data stream, and (with the same number of ranks) each rank's RNG.
+    Checkpoints of earlier versions hold a data position per rank instead of one stream: rank 0's continues."""
+    runtime, path = state.runtime, checkpoint_path(state.cfg)
     ranks = checkpoint["rng"]
     try:
-        state.optimizer.load_state_dict(checkpoint["optimizer"])
+        if checkpoint.get("sharded"):  # an FSDP run's optimizer state, in a DCP folder beside the checkpoint
+            load_sharded_optimizer(state.model, state.optimizer, path.parent / checkpoint["sharded"])
+        elif state.cfg.parallelism == "fsdp" and runtime.ddp:
+            raise CheckpointError(
+                f"{path} was saved without FSDP, its optimizer state unsharded; resume it with --parallelism=ddp"
+            )
+        else:
+            state.optimizer.load_state_dict(checkpoint["optimizer"])
         state.scaler.load_state_dict(checkpoint["scaler"])
+        batches.restore(checkpoint["data"] if "data" in checkpoint else ranks[0]["data"])
         if len(ranks) == runtime.world_size:
             restore_rng(ranks[runtime.rank]["rng"])
-            batches.generator.set_state(ranks[runtime.rank]["data"])
-    except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as error:
+    except (ValueError, KeyError, TypeError, IndexError, RuntimeError, OSError) as error:
+        if isinstance(error, CheckpointError):
+            raise
         reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-        path = checkpoint_path(state.cfg)
         raise CheckpointError(f"{path}: its optimizer or RNG state cannot be restored ({reason})") from None
     state.iter_num, state.best_val_loss = checkpoint["iter_num"], float(checkpoint["best_val_loss"])
     state.ckpt_iter = state.resumed_iter = state.iter_num
-    if len(ranks) != runtime.world_size and runtime.master:
+    if runtime.master and "data" not in checkpoint and len(ranks) > 1:
+        log.warning(f"{path} holds a data position per rank (an earlier version's): the stream continues rank 0's")
+    if runtime.master and len(ranks) != runtime.world_size and state.cfg.dropout > 0:
         log.warning(
-            f"checkpoint was saved by {len(ranks)} ranks, this run has {runtime.world_size}: "
-            f"data order and RNG streams start fresh"
+            f"checkpoint was saved by {len(ranks)} ranks, this run has {runtime.world_size}: the data stream "
+            f"continues, dropout's random numbers start afresh on each rank"
         )
 
 
@@ -423,18 +459,28 @@ def on_disk(state: TrainState) -> str:
 
 
 def write_checkpoint(state: TrainState, batches: Batches, meta: dict, is_best: bool) -> Path:
-    """Write a checkpoint from rank 0, with every rank's RNG and data position; returns out_dir/ckpt.pt. A failed
-    save (a full disk, ...) is a CheckpointError on every rank."""
+    """Write a checkpoint from rank 0, with the data stream's position and every rank's RNG (and under FSDP
+    the sharded optimizer state, from every rank); returns out_dir/ckpt.pt. A failed save (a full disk, ...)
+    is a CheckpointError on every rank."""
     cfg, runtime = state.cfg, state.runtime
-    ranks = [{"rng": capture_rng(), "data": batches.state_before_last}]  # draws the next step's batch
+    ranks = [{"rng": capture_rng()}]
     if runtime.ddp:
         gathered = [None] * runtime.world_size
         dist.all_gather_object(gathered, ranks[0])
         ranks = gathered
-    error = None
-    if runtime.master:
+    error, sharded = None, None
+    try:
+        model_state = full_model_state(state.model)  # every rank takes part under FSDP; rank 0 gets the weights
+        if cfg.parallelism == "fsdp" and runtime.ddp:
+            sharded = f"ckpt-{state.iter_num:07d}.dcp"
+            save_sharded_optimizer(state.model, state.optimizer, Path(cfg.out_dir) / sharded, runtime)
+    except (OSError, RuntimeError) as failure:  # DCP's CheckpointException is a RuntimeError
+        reason = str(failure).strip().splitlines()[0][:200] if str(failure).strip() else type(failure).__name__
+        error = CheckpointError(f"could not save iter {state.iter_num}: {reason}; {on_disk(state)}")
+    if runtime.master and error is None:
         try:
-            save_checkpoint(state_dict(state, meta, ranks), cfg.out_dir, state.iter_num, cfg.keep_last_k, is_best)
+            checkpoint = state_dict(state, meta, ranks, batches, model_state, sharded)
+            save_checkpoint(checkpoint, cfg.out_dir, state.iter_num, cfg.keep_last_k, is_best)
         except CheckpointError as failure:
             error = failure
     agree(runtime, error)
@@ -442,19 +488,24 @@ def write_checkpoint(state: TrainState, batches: Batches, meta: dict, is_best: b
     return Path(cfg.out_dir) / LATEST
 
 
-def state_dict(state: TrainState, meta: dict, ranks: list[dict]) -> dict:
-    """What a checkpoint holds (checkpoint.py's REQUIRED_KEYS and RESUME_KEYS, and the run's config)."""
+def state_dict(
+    state: TrainState, meta: dict, ranks: list[dict], batches: Batches, model_state: dict, sharded: str | None
+) -> dict:
+    """What a checkpoint holds (checkpoint.py's REQUIRED_KEYS and RESUME_KEYS, and the run's config). `sharded`:
+    the DCP folder beside it that holds the optimizer state instead, under FSDP."""
     cfg = state.cfg
     return {
-        "model": state.model.state_dict(),
+        "model": model_state,
         "model_config": dataclasses.asdict(state.model.config),
-        "optimizer": state.optimizer.state_dict(),
+        "optimizer": {} if sharded else state.optimizer.state_dict(),
         "scaler": state.scaler.state_dict(),
         "iter_num": state.iter_num,
         "best_val_loss": state.best_val_loss,
         "config": dataclasses.asdict(cfg),
         "meta": meta,
-        "rng": ranks,
+        "rng": ranks,  # each rank's RNG (dropout)
+        "data": batches.state_before_last,  # where the next step's draw starts: the prefetched batch is its first
+        **({"sharded": sharded} if sharded else {}),
     }
 
 
@@ -552,7 +603,10 @@ def save_and_exit_on_signal(state: TrainState, batches: Batches, meta: dict) -> 
 def train(cfg: TrainConfig) -> int:
     """Train until max_iters (exit code 0; 1 if the last state is not finite), a signal (saves, then 0) or
     max_bad_steps non-finite steps in a row (1). out_dir is this run's alone until it returns."""
-    runtime = setup_runtime(cfg.device, cfg.dtype, cfg.dist_backend, cfg.gradient_accumulation_steps)
+    cfg = resolve_init_from(cfg)
+    runtime = setup_runtime(
+        cfg.device, cfg.dtype, cfg.dist_backend, cfg.gradient_accumulation_steps, timeout_s=cfg.dist_timeout_s
+    )
     if runtime.master:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", force=True)
     with contextlib.ExitStack() as hold:
