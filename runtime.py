@@ -162,6 +162,38 @@ def agree(runtime: Runtime, error: Exception | None) -> None:
         raise error
 
 
+@contextlib.contextmanager
+def naming_the_failed_rank(runtime: Runtime):
+    """Around the training loop: when a rank fails, the others' next collective fails too (the connection
+    closes, or dist_timeout_s passes). The first rank to fail writes its one line in the job's key-value store
+    (torchrun's, which outlives the workers); a rank that fails after it prints `error: rank R failed: ...` (one
+    rank prints, the others exit quietly) instead of the traceback of its broken collective."""
+    try:
+        yield
+    except PeerFailed:
+        raise
+    except Exception as error:
+        if not runtime.ddp:
+            raise
+        mine = f"{runtime.rank}\t{one_line(error)}"
+        key = f"train/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # one key per (re)start
+        try:
+            first = dist.distributed_c10d._get_default_store().compare_set(key, "", mine).decode()  # first wins
+        except (RuntimeError, ValueError):  # no store to ask: say what happened here
+            raise error from None
+        if first == mine:
+            raise
+        rank, line = first.split("\t", 1)
+        if runtime.rank == (1 if rank == "0" else 0):
+            emit(f"error: rank {rank} failed: {line}", file=sys.stderr)
+        raise PeerFailed(f"rank {rank} failed: {line}") from None
+
+
+def one_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
+
+
 def available_memory(device: torch.device) -> tuple[int, str]:
     """(bytes a run on `device` can use at most, what they are), or (0, '') where that is not known."""
     if device.type == "cuda":

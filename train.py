@@ -63,6 +63,7 @@ from runtime import (
     agree,
     emit,
     model_flops_utilization,
+    naming_the_failed_rank,
     peak_flops_for,
     peak_memory_gib,
     setup_runtime,
@@ -613,7 +614,7 @@ def train(cfg: TrainConfig) -> int:
         state, batches, meta = setup_or_resume(cfg, runtime, hold)
         wandb = start_wandb(cfg) if cfg.wandb_log and runtime.master else None
         throughput = Throughput(state)
-        with state.stop.handling_signals():
+        with state.stop.handling_signals(), naming_the_failed_rank(runtime):
             while True:
                 if evaluation_due(state) and not evaluate_and_maybe_save(state, batches, meta, wandb):
                     return 1
