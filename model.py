@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from attention import (
     FLASH_ATTN_2,
@@ -43,6 +44,7 @@ from attention import (
     sdpa_kernel_problem,
     sdpa_problem,
 )
+from cross_entropy import chunked_cross_entropy
 from kv_cache import (
     FLEX_DECODE,
     MANUAL_DECODE,
@@ -74,6 +76,8 @@ class GPTConfig:
     attention_backend: str = "auto"  # a name or alias in BACKENDS, or auto; see resolve
     sdpa_kernel: str = "auto"  # restrict the sdpa backend to one PyTorch kernel: auto|flash|cudnn|efficient|math
     auto_measure: bool = True  # auto on a GPU the table does not know times the candidates once (cached)
+    cross_entropy: str = "chunked"  # chunked: lm_head + loss a chunk of rows at a time, no full logits | plain
+    activation_checkpointing: str = "none"  # recompute in backward to save memory: none | mlp | block
     use_flash_attention: bool | None = None  # deprecated: True means attention_backend="flash_attn_2"
 
     def __post_init__(self):
@@ -96,6 +100,9 @@ class GPTConfig:
         self.attention_backend = canonical_backend(self.attention_backend)
         if self.sdpa_kernel not in SDPA_KERNELS:
             raise ValueError(f"unknown sdpa_kernel {self.sdpa_kernel!r}; choose one of {', '.join(SDPA_KERNELS)}")
+        for name, allowed in (("cross_entropy", CROSS_ENTROPY), ("activation_checkpointing", CHECKPOINTING)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
 
     @property
     def head_dim(self) -> int:
@@ -118,6 +125,8 @@ class AttentionBackend:
 
 BACKENDS: dict[str, AttentionBackend] = {}
 SDPA_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")
+CROSS_ENTROPY = ("chunked", "plain")
+CHECKPOINTING = ("none", "mlp", "block")  # mlp keeps attention's outputs: at long T, attention is the costly part
 
 
 def register(backend: AttentionBackend) -> AttentionBackend:
@@ -262,10 +271,16 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
+        self.recompute_mlp = config.activation_checkpointing == "mlp"
 
     def forward(self, x, attend: Callable, mask: AttentionMask):
         x = x + self.attn(self.ln_1(x), attend, mask)
-        return x + self.mlp(self.ln_2(x))
+        if self.recompute_mlp and self.training and torch.is_grad_enabled():
+            return x + checkpoint(self.feed_forward, x, use_reentrant=False)
+        return x + self.feed_forward(x)
+
+    def feed_forward(self, x):
+        return self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):
@@ -392,6 +407,9 @@ class GPT(nn.Module):
     # -- forward, loss and generation --
 
     def forward(self, idx, targets=None, doc_ids=None):
+        """(logits, loss). Without targets: the last position's logits (B, 1, V) and None. With targets: the mean
+        cross-entropy, and the logits (B, T, V) under cross_entropy="plain"; "chunked" never builds them (None).
+        doc_ids (B, T): packed documents, attention kept inside each run of equal ids."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
@@ -401,13 +419,17 @@ class GPT(nn.Module):
         mask = AttentionMask(T, idx.device, doc_ids)
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        recompute_blocks = self.config.activation_checkpointing == "block" and self.training and torch.is_grad_enabled()
         for block in self.transformer.h:
-            x = block(x, attend, mask)
+            x = checkpoint(block, x, attend, mask, use_reentrant=False) if recompute_blocks else block(x, attend, mask)
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None  # only the last position is needed to sample
+        if self.config.cross_entropy == "chunked":  # the logits are never built whole: none to return
+            return None, chunked_cross_entropy(x, self.lm_head.weight, targets)
         logits = self.lm_head(x)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
+        wide = torch.promote_types(logits.dtype, torch.float32)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).to(wide), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
     def forward_cached(self, idx, step: Step, attends: Sequence[Callable]) -> torch.Tensor:

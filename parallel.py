@@ -33,18 +33,14 @@ def wrap_model(
     parallelism: str,
     *,
     use_compile: bool,
-    checkpoint_blocks: bool = False,
+    compile_mode: str = "default",
     bucket_cap_mb: float = 25.0,
 ) -> tuple[nn.Module, nn.Module]:
     """(eval_model, train_model) of a model already on its device: compiled when use_compile, sharded in place
-    (FSDP) or wrapped (DDP) under torchrun. checkpoint_blocks recomputes each block's activations in backward
-    instead of keeping them. Build the optimizer after this call: FSDP replaces the parameters."""
-    if checkpoint_blocks:
-        for block in model.transformer.h:
-            checkpoint_forward(block)
+    (FSDP) or wrapped (DDP) under torchrun. Build the optimizer after this call: FSDP replaces the parameters."""
     if runtime.ddp and parallelism == "fsdp":
         shard_model(model, runtime)
-    eval_model = torch.compile(model) if use_compile else model
+    eval_model = torch.compile(model, mode=compile_mode) if use_compile else model
     if not runtime.ddp or parallelism == "fsdp":
         return eval_model, eval_model
     from torch.nn.parallel import DistributedDataParallel
@@ -72,19 +68,6 @@ def shard_model(model: nn.Module, runtime: Runtime) -> None:
     for block in model.transformer.h:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-
-
-def checkpoint_forward(module: nn.Module) -> None:
-    """Keep none of `module`'s activations in forward; backward runs its forward again to get them. The
-    module's own forward is wrapped, so parameter names (and checkpoints) stay the same."""
-    from torch.utils.checkpoint import checkpoint
-
-    forward = module.forward
-
-    def forward_recomputed_in_backward(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    module.forward = forward_recomputed_in_backward
 
 
 def is_sharded(model: nn.Module) -> bool:

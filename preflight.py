@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from train import TrainConfig
 
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "vocab_size", "bias")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
 
 
 def check_config(cfg: TrainConfig) -> None:
@@ -73,6 +74,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"unknown dtype {cfg.dtype!r}; choose one of {', '.join(DTYPES)}")
     if cfg.dist_backend not in DIST_BACKENDS:
         raise ValueError(f"unknown dist_backend {cfg.dist_backend!r}; choose nccl or gloo")
+    if cfg.compile_mode not in COMPILE_MODES:
+        raise ValueError(f"unknown compile_mode {cfg.compile_mode!r}; choose one of {', '.join(COMPILE_MODES)}")
     if cfg.peak_flops is not None and not cfg.peak_flops > 0:
         raise ValueError(f"peak_flops must be > 0, got {cfg.peak_flops}")
     if not cfg.out_dir:
@@ -186,8 +189,11 @@ def check_memory(cfg: TrainConfig, vocab_size: int, runtime: Runtime) -> None:
     the device's memory (a lower bound of what it needs)."""
     params = parameter_count(cfg.model_config(vocab_size=vocab_size))
     bytes_per_param = 4 if cfg.eval_only else 16  # float32 weights (+ gradients, AdamW's two moments)
-    # per token: the logits and their gradient, and a floor of 8 floats per layer and width kept for backward
-    activation_bytes = cfg.batch_size * cfg.block_size * 4 * (2 * vocab_size + 8 * cfg.n_layer * cfg.n_embd)
+    # per token: the logits and their gradient (unless chunked), and a floor of floats per layer and width kept
+    # for backward (8; fewer when activations are recomputed)
+    logits = 2 * vocab_size if cfg.cross_entropy == "plain" else 0
+    kept = {"none": 8, "mlp": 4, "block": 1}[cfg.activation_checkpointing]
+    activation_bytes = cfg.batch_size * cfg.block_size * 4 * (logits + kept * cfg.n_layer * cfg.n_embd)
     need = params * bytes_per_param + activation_bytes
     available, where = available_memory(runtime.device)
     if available and need > available:

@@ -52,6 +52,7 @@ from runtime import (
     peak_flops_for,
     peak_memory_gib,
     setup_runtime,
+    synchronize,
 )
 from train_checkpoint import restore_progress, write_checkpoint
 
@@ -91,6 +92,8 @@ class TrainConfig:
         "auto"  # auto | flash_attn_4 | flash_attn_3 | flash_attn_2 | flex_attention | sdpa | manual
     )
     sdpa_kernel: str = "auto"  # pin one PyTorch SDPA kernel: auto | flash | cudnn | efficient | math
+    cross_entropy: str = "chunked"  # chunked: lm_head + loss a chunk of rows at a time, no full logits | plain
+    activation_checkpointing: str = "none"  # recompute in backward to save memory: none | mlp | block
     # ---- optimizer ----
     learning_rate: float = 2e-3  # peak learning rate
     max_iters: int = 2000  # total optimizer steps
@@ -108,6 +111,7 @@ class TrainConfig:
         "auto"  # auto (bfloat16 where supported, else float16 on GPUs, float32 on CPU) | bfloat16 | float16 | float32
     )
     compile: bool | None = None  # torch.compile the model; None: on for CUDA, off elsewhere
+    compile_mode: str = "default"  # torch.compile mode: default | max-autotune-no-cudagraphs | max-autotune | ...
     dist_backend: str = "nccl"  # DDP backend under torchrun: nccl | gloo
     parallelism: str = "ddp"  # under torchrun: ddp (a model copy per GPU) | fsdp (weights and optimizer sharded)
     ddp_bucket_cap_mb: float = 25.0  # DDP all-reduces gradients in buckets of this size, overlapping backward
@@ -241,7 +245,12 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     )
     use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
     eval_model, train_model = wrap_model(
-        model, runtime, cfg.parallelism, use_compile=use_compile, bucket_cap_mb=cfg.ddp_bucket_cap_mb
+        model,
+        runtime,
+        cfg.parallelism,
+        use_compile=use_compile,
+        compile_mode=cfg.compile_mode,
+        bucket_cap_mb=cfg.ddp_bucket_cap_mb,
     )
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
     return TrainState(
@@ -431,20 +440,36 @@ def too_many_bad_steps(state: TrainState, bad_streak: int) -> bool:
 
 
 class Throughput:
-    """Time per iteration, tokens/s and MFU, averaged over the iterations since the previous log line."""
+    """Time per iteration, tokens/s and MFU, averaged over the iterations since the previous log line. Kept out
+    of the averages: the run's first step (it compiles and allocates) and evaluations with their checkpoints."""
 
     def __init__(self, state: TrainState):
         cfg, runtime = state.cfg, state.runtime
         self.tokens_per_iter = tokens_per_iter(cfg)
         self.flops_per_iter = state.model.flops_per_token() * self.tokens_per_iter
         self.peak_flops, _ = peak_flops_for(runtime.device, runtime.dtype, cfg.peak_flops)
-        self.devices = runtime.world_size
+        self.devices, self.device = runtime.world_size, runtime.device
         self.last_time, self.last_iter = time.time(), state.iter_num
+        self.first_iter, self.first_step_s = state.iter_num + 1, 0.0
+
+    def step_done(self, iter_num: int) -> None:
+        if iter_num == self.first_iter:  # wait for the first step once, and start the clock after it
+            synchronize(self.device)
+            now = time.time()
+            self.first_step_s, self.last_time, self.last_iter = now - self.last_time, now, iter_num
+
+    @contextlib.contextmanager
+    def paused(self):
+        synchronize(self.device)
+        start = time.time()
+        yield
+        self.last_time += time.time() - start
 
     def lap(self, iter_num: int) -> tuple[float, float, float | None]:
-        """(seconds per iteration, tokens/s, MFU or None) since the previous lap."""
+        """(seconds per iteration, tokens/s, MFU or None) since the previous lap; the first step's own
+        time when it is the only one."""
         now = time.time()
-        dt = (now - self.last_time) / max(1, iter_num - self.last_iter)
+        dt = (now - self.last_time) / (iter_num - self.last_iter) if iter_num > self.last_iter else self.first_step_s
         self.last_time, self.last_iter = now, iter_num
         return (
             dt,
@@ -517,11 +542,14 @@ def train(cfg: TrainConfig) -> int:
         throughput = Throughput(state)
         with state.stop.handling_signals(), naming_the_failed_rank(runtime):
             while True:
-                if evaluation_due(state) and not evaluate_and_maybe_save(state, batches, meta, wandb):
-                    return 1
+                if evaluation_due(state):
+                    with throughput.paused():
+                        if not evaluate_and_maybe_save(state, batches, meta, wandb):
+                            return 1
                 if state.iter_num >= cfg.max_iters or cfg.eval_only:
                     return 0
                 step = train_step(state)
+                throughput.step_done(state.iter_num)
                 if step.bad_streak and too_many_bad_steps(state, step.bad_streak):
                     return 1
                 if state.iter_num % cfg.log_interval == 0 or step.stop_requested:

@@ -41,10 +41,10 @@ from bench.report import (  # noqa: E402
     median_ms,
     plot_lines,
     results_header,
-    synchronize,
     write_results,
 )
 from model import BACKENDS, resolve  # noqa: E402
+from runtime import synchronize  # noqa: E402
 
 SDPA_VARIANTS = ("sdpa:auto", "sdpa:flash", "sdpa:cudnn", "sdpa:efficient", "sdpa:math")
 ALL_BACKENDS = ("manual", *SDPA_VARIANTS, "flex_attention", "flash_attn_2", "flash_attn_3", "flash_attn_4", "auto")

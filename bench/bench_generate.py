@@ -36,10 +36,10 @@ from bench.report import (  # noqa: E402
     free_device_memory,
     plot_lines,
     results_header,
-    synchronize,
     write_results,
 )
 from model import GPT, GPTConfig  # noqa: E402
+from runtime import synchronize  # noqa: E402
 
 GPT2_124M = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, bias=True, dropout=0.0)
 TINY = dict(n_layer=2, n_head=2, n_embd=64, vocab_size=512, bias=True, dropout=0.0)

@@ -35,10 +35,9 @@ from bench.report import (  # noqa: E402
     free_device_memory,
     plot_lines,
     results_header,
-    synchronize,
     write_results,
 )
-from runtime import model_flops_utilization, peak_flops_for, setup_runtime  # noqa: E402
+from runtime import model_flops_utilization, peak_flops_for, setup_runtime, synchronize  # noqa: E402
 from train import TrainConfig, TrainState, build_model, build_train_state, train_step  # noqa: E402
 
 GPT2_124M = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, bias=False, dropout=0.0)
@@ -47,11 +46,34 @@ BACKENDS = ("auto", "sdpa", "flash_attn_2", "flash_attn_4", "flex_attention", "m
 MANUAL_MAX_SEQ_LEN = 1024
 
 
+# Switches compared in one run (--variants). "plain" is nanoGPT's step: SDPA, compile, fused AdamW, the full
+# logits; "default" is TrainConfig's defaults; the others are the default with one switch changed.
+VARIANTS = {
+    "plain": dict(attention_backend="sdpa", cross_entropy="plain"),
+    "default": {},
+    "plain-ce": dict(cross_entropy="plain"),
+    "sdpa": dict(attention_backend="sdpa"),
+    "autotune": dict(compile_mode="max-autotune-no-cudagraphs"),
+    "cudagraphs": dict(compile_mode="max-autotune"),
+    "ckpt-mlp": dict(activation_checkpointing="mlp"),
+    "ckpt-block": dict(activation_checkpointing="block"),
+}
+
+
 @dataclass(frozen=True)
 class Case:
     backend: str
     seq_len: int
     batch_size: int
+    variant: str = ""  # a key of VARIANTS: its switches apply over the backend
+
+
+def variant_cases(variants, batch_sizes, long_seq_lens, seq_len: int = 1024) -> list[Case]:
+    def backend(variant):
+        return VARIANTS[variant].get("attention_backend", "auto")
+
+    cases = [Case(backend(v), seq_len, bs, v) for bs in batch_sizes for v in variants]
+    return cases + [Case(backend(v), t, 1, v) for t in long_seq_lens for v in variants]
 
 
 def default_cases(backends, batch_sizes, long_seq_lens) -> list[Case]:
@@ -95,8 +117,7 @@ def random_batches(cfg: TrainConfig, device: torch.device, count: int = 4):
 
 
 def case_config(case: Case, args) -> TrainConfig:
-    model = TINY if args.quick else GPT2_124M
-    return TrainConfig(
+    settings = dict(
         out_dir="bench-unused",
         batch_size=case.batch_size,
         block_size=case.seq_len,
@@ -104,8 +125,9 @@ def case_config(case: Case, args) -> TrainConfig:
         compile=args.compile,
         dtype=args.dtype,
         device=args.device,
-        **model,
+        **(TINY if args.quick else GPT2_124M),
     )
+    return TrainConfig(**{**settings, **VARIANTS.get(case.variant, {})})
 
 
 def skip_reason(case: Case, cfg: TrainConfig) -> str:
@@ -120,6 +142,7 @@ def skip_reason(case: Case, cfg: TrainConfig) -> str:
 
 def empty_row(case: Case, cfg: TrainConfig, dtype: torch.dtype) -> dict:
     return {
+        "variant": case.variant,
         "backend": case.backend,
         "resolved": None,
         "seq_len": case.seq_len,
@@ -135,6 +158,7 @@ def empty_row(case: Case, cfg: TrainConfig, dtype: torch.dtype) -> dict:
         "first_step_s": None,
         "compile_s": None,
         "loss": None,
+        "vs_plain": None,
     }
 
 
@@ -208,7 +232,17 @@ def run_cases(cases: list[Case], args, dtype: torch.dtype) -> list[dict]:
             row = measure_case(case, args, dtype)
         rows.append(row)
         print(progress_line(row, budget.elapsed()), flush=True)
+    add_ratios(rows)
     return rows
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """vs_plain: tokens/s over the plain variant's at the same T and batch, measured in this run."""
+    plain = {(r["seq_len"], r["batch_size"]): r["tokens_per_sec"] for r in rows if r["variant"] == "plain"}
+    for row in rows:
+        base = plain.get((row["seq_len"], row["batch_size"]))
+        if base and row["tokens_per_sec"]:
+            row["vs_plain"] = row["tokens_per_sec"] / base
 
 
 def progress_line(row: dict, elapsed: float) -> str:
@@ -216,7 +250,7 @@ def progress_line(row: dict, elapsed: float) -> str:
         return fmt.format(row[key]) if row.get(key) is not None else "-"
 
     return (
-        f"[{elapsed:6.1f}s] T={row['seq_len']:<5} B={row['batch_size']:<3} {row['backend']:<15} "
+        f"[{elapsed:6.1f}s] T={row['seq_len']:<6} B={row['batch_size']:<3} {row['variant'] or row['backend']:<15} "
         f"{num('ms_per_iter', '{:.1f}'):>7} ms  {num('tokens_per_sec', '{:,.0f}'):>10} tok/s  "
         f"MFU {num('mfu', '{:.1%}'):>6}  mem {num('peak_mem_mib', '{:,.0f}'):>7} MiB  "
         f"compile {num('compile_s', '{:.1f}'):>5} s  {row['status'] if row['status'] != 'ok' else ''}"
@@ -224,6 +258,7 @@ def progress_line(row: dict, elapsed: float) -> str:
 
 
 COLUMNS = [
+    Column("variant", "variant"),
     Column("backend", "backend"),
     Column("resolved", "runs"),
     Column("seq_len", "T"),
@@ -236,6 +271,7 @@ COLUMNS = [
     Column("peak_mem_mib", "peak MiB", "{:,.0f}"),
     Column("compile_s", "compile s", "{:.1f}"),
     Column("loss", "loss", "{:.3f}"),
+    Column("vs_plain", "vs plain", "{:.2f}x"),
     Column("status", "status"),
 ]
 
@@ -248,7 +284,7 @@ def plot(rows: list[dict], path: Path):
         y="tokens_per_sec",
         y_label="tokens/s",
         panel="seq_len",
-        series=lambda r: r["backend"],
+        series=lambda r: r["variant"] or r["backend"],
         title=f"train step, {rows[0]['dtype']}",
     )
 
@@ -277,9 +313,16 @@ def parse_args(argv=None):
     )
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        choices=VARIANTS,
+        help="rows per switch set instead of per backend (e.g. plain default: their ratio is vs_plain)",
+    )
+    parser.add_argument(
         "--batch-sizes",
         type=int,
-        nargs="+",
+        nargs="*",
         default=None,
         help="at T=1024; the first runs for every backend first (default 16 32 8)",
     )
@@ -332,6 +375,10 @@ def main(argv=None) -> int:
     if args.quick:
         torch.set_num_threads(1)  # a tiny model gains nothing from threads, and a shared CPU makes them crawl
         cases = [Case(b, 64, bs) for bs in args.batch_sizes for b in args.backends]
+        if args.variants:
+            cases = variant_cases(args.variants, args.batch_sizes, [], seq_len=64)
+    elif args.variants:
+        cases = variant_cases(args.variants, args.batch_sizes, args.long_seq_lens)
     else:
         cases = default_cases(args.backends, args.batch_sizes, args.long_seq_lens)
     probe = setup_runtime(args.device, args.dtype)  # the device and dtype every row will use
@@ -343,7 +390,12 @@ def main(argv=None) -> int:
         probe.device,
         model=model,
         wall_s=round(time.perf_counter() - start, 1),
-        grid={"backends": args.backends, "cases": [vars(c) for c in cases], "dtype": str(probe.dtype)},
+        grid={
+            "backends": args.backends,
+            "variants": {v: VARIANTS[v] for v in args.variants or ()},
+            "cases": [vars(c) for c in cases],
+            "dtype": str(probe.dtype),
+        },
         flop_convention="MFU = runtime.model_flops_utilization: model.flops_per_token(T) * tokens / time / "
         "runtime.peak_flops_for(card): "
         "6N + 12*L*H*D*T per token (PaLM, nanoGPT), dense bf16 datasheet peak",

@@ -178,11 +178,6 @@ def cuda_graph(fn: Callable[[], object], grads: Sequence[torch.Tensor], device: 
     return graph
 
 
-def synchronize(device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 # ----------------------------------------------------------------------------------------------
 # Writing results: JSON, markdown table, plot
 

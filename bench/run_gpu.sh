@@ -5,6 +5,7 @@
 #   bash bench/run_gpu.sh smoke compare       # a short train.py run per backend; bench/compare_backends.sh
 #   bash bench/run_gpu.sh scan attention      # fit auto's flash-attn-4 lengths (sm90) first, then measure them
 #   bash bench/run_gpu.sh generate            # generation: prefill and decode tok/s per backend and KV cache
+#   bash bench/run_gpu.sh speed profile long curves   # train-step speed: plain vs default, profile, long T, loss
 #
 # On a GPU machine without network, the flash packages can come with the repo, in either form:
 # - .whl/flash_attn-*.whl: a flash-attn 2 wheel built for that machine's torch, CUDA and Python, installed
@@ -91,6 +92,20 @@ for stage in "$@"; do
         python3 bench/bench_generate.py --out "$OUT" --name "${GEN_NAME:-generate}" --budget "${GEN_BUDGET:-480}" \
             ${GEN_BACKENDS:+--backends $GEN_BACKENDS} | tail -40
         ;;
-    *) echo "unknown stage $stage; stages: tests smoke scan attention float16 train compare generate"; exit 2 ;;
+    speed)  # the plain path (nanoGPT's step) against the default and single switches, one call, ratios in vs_plain
+        python3 bench/bench_train.py --out "$OUT" --name "${SPEED_NAME:-train-speed}" --budget 0 --long-seq-lens \
+            --variants ${SPEED_VARIANTS:-plain default plain-ce} --batch-sizes ${SPEED_BATCH_SIZES:-16 32} | tail -14
+        ;;
+    profile)  # where the step's time goes, plain and default
+        python3 bench/profile_train.py --out "$OUT" --variants ${PROFILE_VARIANTS:-plain default} | grep -E "^(##|wall|\| [a-z])"
+        ;;
+    long)  # the longest context GPT-2 124M trains at batch 1
+        python3 bench/bench_train.py --out "$OUT" --name "${LONG_NAME:-train-long}" --budget 0 --batch-sizes \
+            --variants ${LONG_VARIANTS:-default ckpt-mlp} --long-seq-lens ${LONG_SEQ_LENS:-32768 65536 131072} | tail -10
+        ;;
+    curves)  # 300 iterations of plain and default on Shakespeare (GPT-2 BPE; data/shakespeare prepared beforehand)
+        python3 bench/loss_curves.py --out "$OUT" ${CURVE_ITERS:+--iters $CURVE_ITERS} | tail -12
+        ;;
+    *) echo "unknown stage $stage; stages: tests smoke scan attention float16 train compare generate speed profile long curves"; exit 2 ;;
     esac
 done

@@ -1,0 +1,79 @@
+"""The training step's speed switches change the speed, never the math: each against the plain path (full
+logits, nothing recomputed) on a tiny model, losses and gradients, in float64 and float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cross_entropy
+from cross_entropy import chunked_cross_entropy
+from model import GPT, GPTConfig
+
+TOLERANCES = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-6)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_chunked_cross_entropy_is_linear_then_cross_entropy(dtype, monkeypatch):
+    monkeypatch.setattr(cross_entropy, "CHUNK_ELEMENTS", 29 * 5)  # 5 rows a chunk: 8 chunks, the last short
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 16, dtype=dtype, generator=generator, requires_grad=True)
+    weight = torch.randn(29, 16, dtype=dtype, generator=generator, requires_grad=True)
+    targets = torch.randint(29, (37,), generator=generator)
+    targets[[3, 11, 12]] = -1  # ignored rows
+    loss = chunked_cross_entropy(x, weight, targets)
+    grads = torch.autograd.grad(2.5 * loss, (x, weight))  # backward scales by the incoming gradient
+    reference = F.cross_entropy(F.linear(x, weight), targets, ignore_index=-1)
+    expected = torch.autograd.grad(2.5 * reference, (x, weight))
+    torch.testing.assert_close(loss, reference, **TOLERANCES[dtype])
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, **TOLERANCES[dtype])
+    with torch.no_grad():  # evaluation: the loss alone
+        torch.testing.assert_close(chunked_cross_entropy(x, weight, targets), reference, **TOLERANCES[dtype])
+
+
+def model_loss_and_grads(dtype, **switches):
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=24, vocab_size=71, n_layer=2, n_head=2, n_embd=32, dropout=0.0, **switches)
+    model = GPT(config).to(dtype).train()
+    model.setup_attention("cpu", dtype)
+    generator = torch.Generator().manual_seed(1)
+    idx, targets = (torch.randint(71, (3, 24), generator=generator) for _ in range(2))
+    targets[0, :4] = -1
+    _, loss = model(idx, targets)
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "switches",
+    [
+        dict(cross_entropy="chunked"),
+        dict(activation_checkpointing="mlp"),
+        dict(activation_checkpointing="block"),
+        dict(cross_entropy="chunked", activation_checkpointing="block", attention_backend="manual"),
+    ],
+    ids=["chunked-ce", "recompute-mlp", "recompute-block", "all-manual"],
+)
+def test_each_switch_gives_the_plain_paths_loss_and_gradients(dtype, switches):
+    plain_loss, plain_grads = model_loss_and_grads(
+        dtype, cross_entropy="plain", attention_backend=switches.get("attention_backend", "sdpa")
+    )
+    loss, grads = model_loss_and_grads(dtype, **switches)
+    torch.testing.assert_close(loss, plain_loss, **TOLERANCES[dtype])
+    assert grads.keys() == plain_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], **TOLERANCES[dtype], msg=name)
+
+
+@pytest.mark.parametrize(
+    "field, value", [("cross_entropy", "fused"), ("activation_checkpointing", "all"), ("compile_mode", "fast")]
+)
+def test_an_unknown_switch_value_is_one_line_listing_the_allowed(field, value, capsys):
+    import train
+
+    assert train.main([f"--{field}={value}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and value in err and "choose one of" in err, err
