@@ -27,6 +27,14 @@ from runtime import Runtime, UsageError
 PARALLELISMS = ("ddp", "fsdp")
 
 
+def place_model(model: nn.Module, runtime: Runtime, parallelism: str) -> nn.Module:
+    """The model on its device; under FSDP each rank's shard only, so a model too large for one GPU fits."""
+    if runtime.ddp and parallelism == "fsdp":
+        shard_model(model, runtime)  # fully_shard moves each shard to the rank's device
+        return model
+    return model.to(runtime.device)
+
+
 def wrap_model(
     model: nn.Module,
     runtime: Runtime,
@@ -36,10 +44,8 @@ def wrap_model(
     compile_mode: str = "default",
     bucket_cap_mb: float = 25.0,
 ) -> tuple[nn.Module, nn.Module]:
-    """(eval_model, train_model) of a model already on its device: compiled when use_compile, sharded in place
-    (FSDP) or wrapped (DDP) under torchrun. Build the optimizer after this call: FSDP replaces the parameters."""
-    if runtime.ddp and parallelism == "fsdp":
-        shard_model(model, runtime)
+    """(eval_model, train_model) of a model placed by place_model: compiled when use_compile, and wrapped in
+    DDP under torchrun unless sharded. Build the optimizer after place_model: FSDP replaces the parameters."""
     eval_model = torch.compile(model, mode=compile_mode) if use_compile else model
     if not runtime.ddp or parallelism == "fsdp":
         return eval_model, eval_model

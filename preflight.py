@@ -194,7 +194,8 @@ def check_memory(cfg: TrainConfig, vocab_size: int, runtime: Runtime) -> None:
     logits = 2 * vocab_size if cfg.cross_entropy == "plain" else 0
     kept = {"none": 8, "mlp": 4, "block": 1}[cfg.activation_checkpointing]
     activation_bytes = cfg.batch_size * cfg.block_size * 4 * (logits + kept * cfg.n_layer * cfg.n_embd)
-    need = params * bytes_per_param + activation_bytes
+    shards = runtime.world_size if cfg.parallelism == "fsdp" else 1  # FSDP: each rank holds 1/N of the state
+    need = params * bytes_per_param // shards + activation_bytes
     available, where = available_memory(runtime.device)
     if available and need > available:
         raise UsageError(

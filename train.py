@@ -31,7 +31,7 @@ from configurator import ConfigError, load_config, parse_bool
 from data.common import DataError
 from data.loader import Batches
 from model import GPT, GPTConfig
-from parallel import gradient_sync, replicated, wrap_model
+from parallel import gradient_sync, place_model, replicated, wrap_model
 from preflight import (
     check_before_training,
     check_checkpoint_shape,
@@ -235,7 +235,7 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     """Place the model, resolve its attention for this device and dtype (before torch.compile, which then
     sees one backend), and build the compiled and DDP-wrapped (or FSDP-sharded) views, optimizer, GradScaler."""
     device = runtime.device
-    model = model.to(device)
+    model = place_model(model, runtime, cfg.parallelism)
     attention = model.setup_attention(device, runtime.dtype, training=True, seq_len=cfg.block_size)
     # The GradScaler finds inf/NaN gradients on the device and skips that optimizer step without a host
     # sync (with fused AdamW). float16 needs its loss scaling; other dtypes keep the scale at exactly 1.

@@ -93,7 +93,8 @@ def test_fsdp_on_two_ranks_trains_like_one_process_and_resumes_on_one(reference,
     ref_out, ref_losses = reference
     out = tmp_path / "out"
     args = torchrun("--standalone", "--nproc_per_node=2")
-    args += run_args(char_data, out, "--parallelism=fsdp", "--max_iters=20", "--eval_interval=10")
+    args += run_args(char_data, out, "--parallelism=fsdp", "--activation_checkpointing=block", "--max_iters=20")
+    args += ["--eval_interval=10"]
     with Child("-m", args) as child:
         code, output = child.finish(timeout=300)
     assert code == 0, output
