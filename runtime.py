@@ -163,11 +163,12 @@ def agree(runtime: Runtime, error: Exception | None) -> None:
 
 
 @contextlib.contextmanager
-def naming_the_failed_rank(runtime: Runtime):
+def naming_the_failed_rank(runtime: Runtime, wait_s: float = 3.0):
     """Around the training loop: when a rank fails, the others' next collective fails too (the connection
-    closes, or dist_timeout_s passes). The first rank to fail writes its one line in the job's key-value store
-    (torchrun's, which outlives the workers); a rank that fails after it prints `error: rank R failed: ...` (one
-    rank prints, the others exit quietly) instead of the traceback of its broken collective."""
+    closes, or dist_timeout_s passes). A rank that fails by itself writes its one line in the job's key-value
+    store (torchrun's, which outlives the workers); the others, whose collective broke, look there (for up to
+    wait_s) and one of them prints `error: rank R failed: ...`, or, when no rank said why (one was killed or
+    hangs), that it lost contact with the others; they exit quietly, without the traceback of the collective."""
     try:
         yield
     except PeerFailed:
@@ -175,18 +176,33 @@ def naming_the_failed_rank(runtime: Runtime):
     except Exception as error:
         if not runtime.ddp:
             raise
-        mine = f"{runtime.rank}\t{one_line(error)}"
         key = f"train/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # one key per (re)start
         try:
-            first = dist.distributed_c10d._get_default_store().compare_set(key, "", mine).decode()  # first wins
-        except (RuntimeError, ValueError):  # no store to ask: say what happened here
-            raise error from None
-        if first == mine:
-            raise
-        rank, line = first.split("\t", 1)
+            store = dist.distributed_c10d._get_default_store()
+            if not is_communication_error(error):  # this rank's own failure: the first to say so is named
+                mine = f"{runtime.rank}\t{one_line(error)}"
+                if store.compare_set(key, "", mine).decode() == mine:
+                    raise error
+            store.wait([key], datetime.timedelta(seconds=wait_s))
+            rank, line = store.get(key).decode().split("\t", 1)
+        except (RuntimeError, ValueError) as lookup:  # RuntimeError covers DistStoreError: nobody said why
+            if lookup is error:
+                raise
+            rank, line = None, one_line(error)
+        if rank is None:
+            emit(
+                f"error: rank {runtime.rank} lost contact with the other ranks ({line}); one died or hangs",
+                file=sys.stderr,
+            )
+            raise PeerFailed(line) from None
         if runtime.rank == (1 if rank == "0" else 0):
             emit(f"error: rank {rank} failed: {line}", file=sys.stderr)
         raise PeerFailed(f"rank {rank} failed: {line}") from None
+
+
+def is_communication_error(error: BaseException) -> bool:
+    """A collective that broke because a peer is gone or timed out (NCCL's DistError, gloo's RuntimeError)."""
+    return isinstance(error, dist.DistError) or "third_party/gloo" in str(error)
 
 
 def one_line(error: BaseException) -> str:
