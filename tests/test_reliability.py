@@ -23,6 +23,7 @@ import torch
 
 import model
 import train
+import train_checkpoint
 from checkpoint import load_checkpoint
 from helpers import REPO, Child, subprocess_env, tiny_args, tree_digest
 from runtime import Runtime, StopFlags
@@ -136,14 +137,14 @@ def test_persistent_nan_stops_with_exit_1(monkeypatch, char_data, tmp_path, caps
     first_bad, max_bad = 4, 3  # step index 4 makes iter 5; the checkpoint at iter 4 is the last good one
     seen = inject_nan(monkeypatch, range(first_bad, 10_000))
     digest = {}
-    real_save = train.save_checkpoint
+    real_save = train_checkpoint.save_checkpoint
 
     def save_and_fingerprint(*args, **kwargs):
         path = real_save(*args, **kwargs)
         digest.update({name: value for name, value in tree_digest(out).items() if not name.endswith("/.lock")})
         return path
 
-    monkeypatch.setattr(train, "save_checkpoint", save_and_fingerprint)
+    monkeypatch.setattr(train_checkpoint, "save_checkpoint", save_and_fingerprint)
     code = train.main(
         tiny_args(
             char_data,
