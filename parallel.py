@@ -154,5 +154,5 @@ def load_sharded_optimizer(model: nn.Module, optimizer, folder: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # the layout to fill, on this rank
-    dcp.load(state, checkpoint_id=folder)
+    dcp.load(state, checkpoint_id=folder, no_dist=not (dist.is_available() and dist.is_initialized()))
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
