@@ -9,6 +9,7 @@ import os
 import resource
 import signal
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -183,8 +184,10 @@ def naming_the_failed_rank(runtime: Runtime, wait_s: float = 3.0):
                 mine = f"{runtime.rank}\t{one_line(error)}"
                 if store.compare_set(key, "", mine).decode() == mine:
                     raise error
-            store.wait([key], datetime.timedelta(seconds=wait_s))
-            rank, line = store.get(key).decode().split("\t", 1)
+            deadline = time.monotonic() + wait_s
+            while not store.check([key]) and time.monotonic() < deadline:  # check: no timeout warnings
+                time.sleep(0.1)
+            rank, line = store.get(key).decode().split("\t", 1) if store.check([key]) else (None, one_line(error))
         except (RuntimeError, ValueError) as lookup:  # RuntimeError covers DistStoreError: nobody said why
             if lookup is error:
                 raise
