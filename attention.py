@@ -2,10 +2,11 @@
 The attention kernels behind model.py's backends, and what `auto` knows about them.
 
 Every kernel has one signature, (q, k, v, mask, dropout_p) -> y on (B, H, T, D) tensors, always causal,
-and a `problem(need)` that says why it cannot run for a use ('' when it can). model.py holds one record per
-backend (name, aliases, kernel, problem, fallback); this file holds the kernels themselves: the explicit
-reference, PyTorch's SDPA and flex_attention, and adapters for the flash-attn packages (flash-attn-4's
-kernels wrapped as PyTorch custom ops so torch.compile keeps one graph). Last, auto's per-card table
+and a `problem(need)` that says why it cannot run for a use ('' when it can). k and v may have fewer heads than
+q, each shared by a group of query heads (GQA; MQA with one): every kernel takes that, natively where it can.
+model.py holds one record per backend (name, aliases, kernel, problem, fallback); this file holds the kernels
+themselves: the explicit reference, PyTorch's SDPA and flex_attention, and adapters for the flash-attn packages
+(flash-attn-4's kernels wrapped as PyTorch custom ops so torch.compile keeps one graph). Last, auto's per-card table
 (config/attention_auto.json) and, for a card the table does not know, a one-time timing of the candidates.
 """
 
@@ -49,6 +50,7 @@ class Need:
     training: bool = True  # gradients are needed
     seq_len: int = 0  # the longest sequence this use runs (0: unknown); only auto's order depends on it
     kv_cache: str = "none"  # generation: the KV cache decode steps read (none | contiguous | paged, kv_cache.py)
+    mps_fix: bool = True  # keep SDPA away from explicit masks on MPS (sdpa_problem); GPTConfig.disable_mps_fix
 
     def __post_init__(self):
         object.__setattr__(self, "device", torch.device(self.device))
@@ -143,8 +145,18 @@ def _run_ids(doc_ids: torch.Tensor) -> torch.Tensor:
 # The reference, SDPA and flex_attention
 
 
+def repeat_kv(q, k, v):
+    """k and v (B, n_kv, S, D) with each head repeated for the n_head/n_kv query heads that share it (GQA/MQA):
+    for kernels that take no fewer key/value heads than query heads."""
+    group = q.size(1) // k.size(1)
+    if group == 1:
+        return k, v
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, S, D)
+
+
 def manual_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
     """The reference: explicit scores, mask and a float32 (or wider) softmax. O(T^2) memory."""
+    k, v = repeat_kv(q, k, v)
     scores = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.size(-1)))  # (B, H, T, T)
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
     scores = scores.masked_fill(~mask.dense(), float("-inf"))
@@ -173,15 +185,34 @@ def sdpa_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0, kernel:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         context = sdpa_kernel(getattr(SDPBackend, SDPA_KERNELS[kernel]))
+    attn_mask = mask.dense() if mask.has_documents else None
+    k, v, gqa = sdpa_kv(q, k, v, attn_mask, kernel)
     with context:
-        if mask.has_documents:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(), dropout_p=dropout_p)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=attn_mask is None, **gqa
+        )
+
+
+def sdpa_kv(q, k, v, attn_mask, kernel: str = "auto"):
+    """(k, v, keywords) for SDPA when k and v may have fewer heads than q. enable_gqa where the kernel that
+    will run reads grouped heads itself: PyTorch's flash kernel on CUDA (half precision, no mask; a GPU older
+    than sm80 has none and runs the math kernel instead) and the math kernel. Elsewhere k and v are repeated to
+    q's heads: the efficient kernel and the CPU kernels take no grouped heads, so enable_gqa with a mask
+    (documents, decode steps) could leave only the math kernel."""
+    if k.size(1) == q.size(1):
+        return k, v, {}
+    if kernel == "math" or (q.is_cuda and q.dtype in HALF and attn_mask is None and kernel in ("auto", "flash")):
+        return k, v, {"enable_gqa": True}
+    return *repeat_kv(q, k, v), {}
+
+
+MPS_MASK_PROBLEM = "SDPA on MPS can return NaN for masked rows with an explicit mask (pytorch#107616)"
 
 
 def sdpa_problem(need: Need) -> str:
-    if need.device.type == "mps" and need.documents:
-        return "SDPA on MPS returns NaN for masked rows with an explicit mask (pytorch#107616)"
+    # document masks and KV-cache decode steps pass SDPA an explicit mask; plain causal attention does not
+    if need.device.type == "mps" and need.mps_fix and (need.documents or need.kv_cache != "none"):
+        return MPS_MASK_PROBLEM + "; disable_mps_fix=true keeps SDPA"
     return ""
 
 
@@ -207,7 +238,7 @@ def flex_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
     from torch.nn.attention.flex_attention import flex_attention as flex
 
     run = flex if torch.compiler.is_compiling() else compiled_flex_attention()
-    return run(q, k, v, block_mask=mask.block_mask())
+    return run(q, k, v, block_mask=mask.block_mask(), enable_gqa=k.size(1) != q.size(1))
 
 
 @functools.cache
@@ -323,10 +354,10 @@ class FlashAttention:
         package = self._package.module if self._package is not None else self.package().module
         kwargs = {"dropout_p": dropout_p} if self.dropout else {}
         B, H, T, D = q.shape
-        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, T, H, D)
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, T, H, D); k, v may have fewer heads (GQA)
         if mask.has_documents:
             cu_seqlens, max_len = mask.varlen()
-            q, k, v = (x.reshape(B * T, H, D) for x in (q, k, v))
+            q, k, v = (x.reshape(B * T, x.size(2), D) for x in (q, k, v))
             y = package.flash_attn_varlen_func(
                 q,
                 k,

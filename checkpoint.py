@@ -18,6 +18,7 @@ Checkpoints that survive a kill, load without running code, and never overwrite 
   checkpoint is checked against the schema below; every problem is one CheckpointError line.
 
     python checkpoint.py export out/ckpt.pt out/model.safetensors   # weights only, for other tools
+    python checkpoint.py merge out-lora/ckpt.pt out/merged.pt       # LoRA adapters merged into their base (lora.py)
 """
 
 from __future__ import annotations
@@ -295,8 +296,19 @@ def load_checkpoint(path, map_location="cpu", *, resume: bool = False) -> dict:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}; train first (python train.py) or point at another out_dir")
+    state = read_torch_file(path, map_location)
+    if isinstance(state, dict) and "model_args" in state and "model_config" not in state:
+        from interop import from_nanogpt  # interop imports this module
+
+        state = from_nanogpt(state, path)
+    check_schema(state, path, resume=resume)
+    return state
+
+
+def read_torch_file(path: Path, map_location="cpu"):
+    """torch.load(weights_only=True): tensors and plain containers only; CheckpointError (one line) otherwise."""
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True)
     except (
         pickle.UnpicklingError,
         RuntimeError,
@@ -310,8 +322,6 @@ def load_checkpoint(path, map_location="cpu", *, resume: bool = False) -> dict:
         AttributeError,
     ) as error:  # what torch's loader raises on garbage
         raise CheckpointError(_load_failure(path, error)) from None
-    check_schema(state, path, resume=resume)
-    return state
 
 
 def _load_failure(path: Path, error: Exception) -> str:
@@ -475,17 +485,24 @@ def _to_tuples(value):
 
 def export_safetensors(checkpoint_path, out_path) -> Path:
     """Model weights only (no optimizer, no pickle), with the model config in the file's metadata."""
-    from safetensors.torch import save_file
-
     checkpoint_path, out_path = Path(checkpoint_path), Path(out_path)
     if out_path.resolve() == checkpoint_path.resolve() or is_checkpoint_name(out_path.name):
         raise CheckpointError(f"refusing to write the export over the checkpoint {out_path}; name another file")
     if not out_path.parent.is_dir():
         raise CheckpointError(f"cannot write {out_path}: folder {out_path.parent} does not exist")
     state = load_checkpoint(checkpoint_path)
+    if "lora" in state:
+        raise CheckpointError(f"{checkpoint_path} holds LoRA adapters; first run: python checkpoint.py merge CKPT OUT")
     # lm_head.weight is tied to transformer.wte.weight; safetensors stores shared tensors only once
     weights = {k: v.contiguous() for k, v in state["model"].items() if k != "lm_head.weight"}
     metadata = {"model_config": json.dumps(state["model_config"]), "tied": "lm_head.weight=transformer.wte.weight"}
+    return write_safetensors(weights, out_path, metadata)
+
+
+def write_safetensors(weights: dict[str, torch.Tensor], out_path: Path, metadata: dict[str, str]) -> Path:
+    """Write `weights` (no tensor stored twice) atomically; an OSError is one CheckpointError line."""
+    from safetensors.torch import save_file
+
     try:
         with atomic_path(out_path) as tmp:
             save_file(weights, str(tmp), metadata=metadata)
@@ -496,11 +513,18 @@ def export_safetensors(checkpoint_path, out_path) -> Path:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 3 or argv[0] != "export":
-        print("usage: python checkpoint.py export CKPT.pt OUT.safetensors", file=sys.stderr)
+    if len(argv) != 3 or argv[0] not in ("export", "merge"):
+        print(
+            "usage: python checkpoint.py export CKPT.pt OUT.safetensors | merge ADAPTER_CKPT.pt OUT.pt", file=sys.stderr
+        )
         return 2
     try:
-        out = export_safetensors(argv[1], argv[2])
+        if argv[0] == "export":
+            out = export_safetensors(argv[1], argv[2])
+        else:
+            from lora import merge_checkpoint  # lora.py imports this module
+
+            out = merge_checkpoint(argv[1], argv[2])
     except CheckpointError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -1,11 +1,16 @@
 """Fill a config dataclass from Python config files and --key=value overrides.
 
     python train.py config/train_shakespeare_char.py --batch_size=32 --learning_rate=1e-3
+    python train.py --batch_size 32 --compile          # --key value works too; a bare bool flag means true
 
 Positional arguments are config files: plain Python assignments, run in a fresh namespace of their own
 (never in this module's globals), applied in order. Then every --key=value override is applied in order.
+`--key value` is the same as `--key=value`, except for bools: `--flag` alone is true, and the word after it
+is its value only if it is a bool word (true/false/...), so `--compile config.py` still reads config.py.
 Every value is checked against the field's declared type, so `--learning_rate=1` is 1.0 and
 `--max_iters=1.5` is an error instead of a surprise. Range checks belong to the dataclass's __post_init__.
+Names from Hugging Face guides: --attn_implementation is attention_backend; for others (--max_steps, ...) an
+unknown-setting error names ours and what it means.
 """
 
 from __future__ import annotations
@@ -26,6 +31,23 @@ _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
 _BOOL_FORMS = "/".join(t + "/" + f for t, f in zip(_TRUE, _FALSE))  # true/false/1/0/yes/no/on/off
 _SECTION = re.compile(r"#\s*-{2,}\s*(.*?)\s*-*\s*$")  # a standalone `# ---- data ----` line
+
+ALIASES = {"attn_implementation": "attention_backend"}  # other names for a field, e.g. the guides' (same values)
+# Names the guides use -> (ours, what it means); the first whose field the config has is suggested
+GUIDE_NAMES = {
+    "max_steps": [("max_iters", "optimizer steps in total")],
+    "max_length": [
+        ("block_size", "context length in tokens"),
+        ("max_new_tokens", "tokens generated per sample, not counting the prompt"),
+    ],
+    "fp16": [("dtype=float16", "float16 mixed precision")],
+    "bf16": [("dtype=bfloat16", "bfloat16 mixed precision")],
+    "eval_steps": [("eval_interval", "evaluate every this many iterations")],
+    "warmup_steps": [("warmup_iters", "linear warmup steps")],
+    "logging_steps": [("log_interval", "one log line every this many iterations")],
+    "output_dir": [("out_dir", "where checkpoints go")],
+    "per_device_train_batch_size": [("batch_size", "sequences per micro-step on each rank")],
+}
 
 
 class ConfigError(ValueError):
@@ -67,6 +89,7 @@ def load_config(defaults, argv: list[str], deprecated: dict | None = None):
                 raise ConfigError(f"{where}: {e}") from None
             notices.append(f"'{key}' is deprecated; use {new_key}={value!r}")
             key, from_text = new_key, False
+        key = ALIASES.get(key, key) if ALIASES.get(key) in types_ else key
         if key not in types_:
             raise ConfigError((f"{source}: " if source else "") + _unknown(key, [*types_, *deprecated]))
         try:
@@ -74,7 +97,11 @@ def load_config(defaults, argv: list[str], deprecated: dict | None = None):
         except ValueError:
             raise ConfigError(f"{where}: expected {_expected(types_[key], from_text)}") from None
 
-    files, overrides = _split_argv(argv, types_)  # the whole command line is checked before any file runs
+    files, overrides = _split_argv(argv, {**types_, **{a: types_[k] for a, k in ALIASES.items() if k in types_}})
+    # the whole command line is checked before any file runs
+    for key, _ in overrides:
+        if key not in types_ and key not in deprecated and ALIASES.get(key) not in types_:
+            raise ConfigError(_unknown(key, [*types_, *deprecated]))
     for path in files:
         for key, value in _read_file(path).items():
             set_key(key, value, path, from_text=False)
@@ -102,7 +129,9 @@ def format_help(defaults, prog: str = "train.py") -> str:
         "",
         "Config files (Python assignments) apply in order, then --key=value overrides.",
         f"Bools take {_BOOL_FORMS} (a bare --flag means true); Optional fields take None.",
+        "--key value works as --key=value (a bool takes the next word only if it is one of those).",
     ]
+    lines += [f"--{alias} is another name for --{key}." for alias, key in ALIASES.items() if key in fields]
     for i, name in enumerate(fields):
         if name in sections or i == 0:
             lines += ["", f"{sections.get(name, 'options')}:"]
@@ -115,22 +144,32 @@ def format_help(defaults, prog: str = "train.py") -> str:
 
 
 def _split_argv(argv: list[str], types_: dict) -> tuple[list[str], list[tuple[str, str]]]:
-    """argv -> (config files, [(key, text), ...]); rejects anything not a file or --key=value."""
+    """argv -> (config files, [(key, text), ...]); --key=value and --key value (see the module doc)."""
     files, overrides = [], []
-    for i, arg in enumerate(argv):
-        previous = argv[i - 1] if i > 0 else ""
+    i = 0
+    while i < len(argv):
+        arg, following = argv[i], argv[i + 1] if i + 1 < len(argv) else None
+        i += 1
         if not arg.startswith("-"):
-            if not arg.endswith(".py") and previous.startswith("--") and "=" not in previous:
-                raise ConfigError(f"'{previous} {arg}' is not supported; use {previous}={arg}")
             files.append(arg)
             continue
         key, has_value, text = arg[2:].partition("=")  # split on the first `=` only: --x=a=b gives a=b
         if not arg.startswith("--") or not key:
             raise ConfigError(f"unexpected argument {arg!r}; use .py config files and --key=value overrides")
         if not has_value:
-            if key in types_ and not _takes_bool(types_[key]):
-                raise ConfigError(f"{arg} needs a value: use --{key}=VALUE ('--key value' is not supported)")
-            text = "true"  # a bare --flag switches a bool on
+            takes_bool = key in types_ and _takes_bool(types_[key])
+            if key not in types_ and following is not None and not following.startswith("--"):  # deprecated
+                text, i = (following, i + 1) if not following.endswith(".py") else ("true", i)
+            elif key not in types_:
+                text = "true"
+            elif takes_bool and following is not None and following.strip().lower() in _TRUE + _FALSE:
+                text, i = following, i + 1
+            elif takes_bool:
+                text = "true"  # a bare --flag switches a bool on
+            elif following is None or following.startswith("--"):
+                raise ConfigError(f"{arg} needs a value: use --{key}=VALUE or --{key} VALUE")
+            else:
+                text, i = following, i + 1
         overrides.append((key, text))
     return files, overrides
 
@@ -188,6 +227,10 @@ def _expected(tp, from_text: bool) -> str:
 
 
 def _unknown(key: str, known: list[str]) -> str:
+    guide = [(ours, meaning) for ours, meaning in GUIDE_NAMES.get(key, []) if ours.split("=")[0] in known]
+    if guide:
+        ours, meaning = guide[0]
+        return f"unknown setting --{key}; did you mean --{ours} ({meaning})?"
     close = difflib.get_close_matches(key, known, n=3)
     return f"unknown config key {key!r}; " + (
         f"did you mean: {', '.join(close)}?" if close else "see --help for all keys"

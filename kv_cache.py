@@ -10,6 +10,9 @@ and values it has computed, so a decode step computes only the new token's. Two 
   table (its pages in order), filled from a free list as it grows, so prompts of different lengths hold only
   the pages they need.
 
+H is the model's key/value heads (n_kv_head): with grouped query heads (GQA, MQA) the cache is n_head/n_kv_head
+times smaller, and every decode kernel reads it as it is, each group of query heads sharing one cached head.
+
 Every sequence has its own length, so prompts of different lengths share a batch without padding in the cache:
 row b's next token sits at position length_b (its position embedding too) and sees keys [0, length_b].
 Attention over a cache is causal aligned to the end of the cache (bottom-right), whatever the number of new
@@ -46,7 +49,7 @@ import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attention import AttentionMask, FlashAttention, Need, compiled_flex_attention, manual_attention
+from attention import AttentionMask, FlashAttention, Need, compiled_flex_attention, manual_attention, sdpa_kv
 
 log = logging.getLogger("model")
 
@@ -116,9 +119,9 @@ class KVCache:
     `static`: decode steps read every slot up to the capacity, masked, so a step's shapes never change (for
     torch.compile with CUDA graphs)."""
 
-    def __init__(self, n_layer, batch_size, capacity, n_head, head_dim, dtype, device, *, static=False):
+    def __init__(self, n_layer, batch_size, capacity, n_kv_head, head_dim, dtype, device, *, static=False):
         self.n_layer, self.batch_size, self.capacity = n_layer, batch_size, capacity
-        self.n_head, self.head_dim, self.dtype = n_head, head_dim, dtype
+        self.n_kv_head, self.head_dim, self.dtype = n_kv_head, head_dim, dtype
         self.device, self.static = torch.device(device), static
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self.host_lengths = [0] * batch_size  # the same on the host: sizes and pages need no device sync
@@ -188,9 +191,9 @@ class KVCache:
 class ContiguousKVCache(KVCache):
     """Per layer (B, H, capacity, D) keys and values, preallocated (as gpt-fast does)."""
 
-    def __init__(self, n_layer, batch_size, capacity, n_head, head_dim, dtype, device, *, static=False):
-        super().__init__(n_layer, batch_size, capacity, n_head, head_dim, dtype, device, static=static)
-        shape = (batch_size, n_head, capacity, head_dim)
+    def __init__(self, n_layer, batch_size, capacity, n_kv_head, head_dim, dtype, device, *, static=False):
+        super().__init__(n_layer, batch_size, capacity, n_kv_head, head_dim, dtype, device, static=static)
+        shape = (batch_size, n_kv_head, capacity, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n_layer)]
 
@@ -248,12 +251,12 @@ class PagedKVCache(KVCache):
     from a free list as a sequence grows (`reserve`) and go back when the cache is cleared."""
 
     def __init__(
-        self, n_layer, batch_size, capacity, n_head, head_dim, dtype, device, *, page_size, num_pages, static=False
+        self, n_layer, batch_size, capacity, n_kv_head, head_dim, dtype, device, *, page_size, num_pages, static=False
     ):
-        super().__init__(n_layer, batch_size, capacity, n_head, head_dim, dtype, device, static=static)
+        super().__init__(n_layer, batch_size, capacity, n_kv_head, head_dim, dtype, device, static=static)
         self.page_size, self.num_pages = page_size, num_pages
         self.max_pages = -(-capacity // page_size)  # per sequence
-        shape = (num_pages, page_size, n_head, head_dim)
+        shape = (num_pages, page_size, n_kv_head, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n_layer)]
         # Unused entries point at page 0: every kernel reads a row's table only up to its length
@@ -311,22 +314,23 @@ class PagedKVCache(KVCache):
     def write(self, layer: int, k, v, step: Step):
         slots, which = self.slots(step)
         for pool, new in ((self.k[layer], k), (self.v[layer], v)):
-            new = new.transpose(1, 2).reshape(-1, self.n_head, self.head_dim)  # (B*T, H, D)
-            pool.view(-1, self.n_head, self.head_dim)[slots] = new if which is None else new[which]
+            new = new.transpose(1, 2).reshape(-1, self.n_kv_head, self.head_dim)  # (B*T, H, D)
+            pool.view(-1, self.n_kv_head, self.head_dim)[slots] = new if which is None else new[which]
 
     def dense_kv(self, layer: int, step: Step):
         """(B, H, span, D) keys and values: the pages of each row gathered, in order, into a copy."""
         pages = self.block_table[:, : -(-step.span // self.page_size)].long()  # (B, n)
         B = pages.size(0)
         return tuple(
-            pool[pages].reshape(B, -1, self.n_head, self.head_dim)[:, : step.span].transpose(1, 2)
+            pool[pages].reshape(B, -1, self.n_kv_head, self.head_dim)[:, : step.span].transpose(1, 2)
             for pool in (self.k[layer], self.v[layer])
         )
 
     def flex_kv(self, layer: int, step: Step):
         """The pools as one (1, H, num_pages * page_size, D) sequence of physical slots: a view, no copy."""
         return tuple(
-            pool.view(-1, self.n_head, self.head_dim).permute(1, 0, 2)[None] for pool in (self.k[layer], self.v[layer])
+            pool.view(-1, self.n_kv_head, self.head_dim).permute(1, 0, 2)[None]
+            for pool in (self.k[layer], self.v[layer])
         )
 
     def flex_block_mask(self, step: Step):
@@ -377,8 +381,10 @@ _DECODE_SDPA_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTI
 def sdpa_decode(q, cache: KVCache, layer: int, step: Step):
     k, v = cache.dense_kv(layer, step)
     # A one-token step that sees every slot needs no mask (is_causal would align top-left: wrong for T < S)
+    attn_mask = None if step.sees_all else step.dense()
+    k, v, gqa = sdpa_kv(q, k, v, attn_mask)
     with sdpa_kernel(_DECODE_SDPA_KERNELS):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=None if step.sees_all else step.dense())
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **gqa)
 
 
 def manual_decode(q, cache: KVCache, layer: int, step: Step):
@@ -393,7 +399,7 @@ def flex_decode(q, cache: KVCache, layer: int, step: Step):
         step.memo["flex"] = cache.flex_block_mask(step)
     k, v = cache.flex_kv(layer, step)
     run = flex if torch.compiler.is_compiling() else compiled_flex_attention()
-    return run(q, k, v, block_mask=step.memo["flex"])
+    return run(q, k, v, block_mask=step.memo["flex"], enable_gqa=k.size(1) != q.size(1))
 
 
 class FlashDecode:
@@ -595,7 +601,7 @@ def make_cache(
     """A cache for these prompts: capacity for the longest sequence generation can reach (block_size at most);
     a paged pool with exactly the pages all rows together can need."""
     lengths = [min(p.numel() + max_new_tokens, config.block_size) for p in prompts]
-    shape = (config.n_layer, len(prompts), max(lengths), config.n_head, config.head_dim, dtype, device)
+    shape = (config.n_layer, len(prompts), max(lengths), config.kv_heads, config.head_dim, dtype, device)
     if kind == "contiguous":
         return ContiguousKVCache(*shape, static=static)
     page_size = page_size or decode.page_size

@@ -1,11 +1,13 @@
 """
-A GPT-2 language model in one file, with a choice of attention kernels.
+A GPT-2 language model, with a choice of attention kernels and switches for a modern block (RoPE, RMSNorm,
+SwiGLU, grouped key/value heads, q/k norm; all off is GPT-2 exactly).
 
 Read top-down: the config; the attention backends, one record each (kernel, when it cannot run, what to
 fall back to, how it decodes from a KV cache); `resolve`, which turns a requested backend into the one that
 runs; the model, which resolves once when it is set up for a device, dtype and use (`setup_attention`),
 never inside forward; and `python model.py`, which prints what this machine can run. The kernels live in
-attention.py; generation's KV caches and the kernels that read them in kv_cache.py.
+attention.py; generation's KV caches and the kernels that read them in kv_cache.py; the block's switchable
+pieces (norms, MLPs, RoPE) in layers.py.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from attention import (
     FLASH_ATTN_2,
     FLASH_ATTN_3,
     FLASH_ATTN_4,
+    MPS_MASK_PROBLEM,
     AttentionMask,
     FlashAttention,
     Need,
@@ -57,6 +60,7 @@ from kv_cache import (
     next_token,
     paged_problem,
 )
+from layers import Rotary, apply_rotary, check_block, make_mlp, make_norm, mlp_hidden_size
 
 log = logging.getLogger("model")
 
@@ -73,12 +77,21 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm, as GPT-2 has them
+    # The modern block: each switch off is GPT-2 (layers.py)
+    rope: bool = False  # rotary position embedding on q and k, in place of learned positions (no wpe)
+    rope_theta: float = 10000.0  # RoPE's base: the slowest pair of dimensions turns once in ~2π·rope_theta tokens
+    norm: str = "layernorm"  # layernorm (GPT-2) | rmsnorm (no bias)
+    mlp: str = "gelu"  # gelu (GPT-2: c_fc, GELU, c_proj) | swiglu (c_gate, c_fc, c_proj)
+    mlp_hidden: int | None = None  # MLP hidden width; None: 4·n_embd (gelu), 8/3·n_embd rounded up to 64s (swiglu)
+    n_kv_head: int | None = None  # key/value heads, each shared by n_head/n_kv_head query heads; None: n_head
+    qk_norm: bool = False  # normalize q and k per head (with `norm`) before RoPE and attention
     attention_backend: str = "auto"  # a name or alias in BACKENDS, or auto; see resolve
     sdpa_kernel: str = "auto"  # restrict the sdpa backend to one PyTorch kernel: auto|flash|cudnn|efficient|math
     auto_measure: bool = True  # auto on a GPU the table does not know times the candidates once (cached)
-    cross_entropy: str = "chunked"  # chunked: lm_head + loss a chunk of rows at a time, no full logits | plain
+    cross_entropy: str = "auto"  # plain (full logits) | chunked (lm_head + loss by rows) | auto: chunked if big
     activation_checkpointing: str = "none"  # recompute in backward to save memory: none | mlp | block
     use_flash_attention: bool | None = None  # deprecated: True means attention_backend="flash_attn_2"
+    disable_mps_fix: bool = False  # on MPS, let SDPA run with explicit masks (documents, KV cache), NaN risk
 
     def __post_init__(self):
         if self.use_flash_attention is not None:
@@ -97,6 +110,7 @@ class GPTConfig:
             raise ValueError(f"head dim n_embd/n_head = {self.head_dim} must be even")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        check_block(self)  # the modern block's switches
         self.attention_backend = canonical_backend(self.attention_backend)
         if self.sdpa_kernel not in SDPA_KERNELS:
             raise ValueError(f"unknown sdpa_kernel {self.sdpa_kernel!r}; choose one of {', '.join(SDPA_KERNELS)}")
@@ -107,6 +121,14 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def mlp_width(self) -> int:
+        return self.mlp_hidden or mlp_hidden_size(self.mlp, self.n_embd)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,7 +147,8 @@ class AttentionBackend:
 
 BACKENDS: dict[str, AttentionBackend] = {}
 SDPA_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")
-CROSS_ENTROPY = ("chunked", "plain")
+CROSS_ENTROPY = ("auto", "plain", "chunked")
+AUTO_CHUNKED_LOGITS = 2**31  # auto chunks the loss past this many logits a micro-batch (8 GiB in float32)
 CHECKPOINTING = ("none", "mlp", "block")  # mlp keeps attention's outputs: at long T, attention is the costly part
 
 
@@ -220,61 +243,58 @@ class Attention(NamedTuple):
 
 
 # ----------------------------------------------------------------------------------------------
-# The model (GPT-2: learned positions, pre-LayerNorm, tanh GELU, tied embeddings)
+# The model (GPT-2: learned positions, pre-LayerNorm, tanh GELU, tied embeddings; GPTConfig's switches
+# change the block: RoPE, RMSNorm, SwiGLU, grouped key/value heads, q/k norm)
 
 
-class LayerNorm(nn.Module):
-    """LayerNorm with an optional bias (PyTorch's has no bias=False before 2.1)."""
-
-    def __init__(self, ndim: int, bias: bool):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(ndim))
-        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
-
-    def forward(self, x):
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) position of each token within its document (runs of equal ids): packed documents each start at 0,
+    as they would alone."""
+    T = doc_ids.size(1)
+    index = torch.arange(T, device=doc_ids.device).expand_as(doc_ids)  # (B, T)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values  # minus where its document starts
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head, self.dropout = config.n_head, config.dropout
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.n_head, self.n_kv_head, self.dropout = config.n_head, config.kv_heads, config.dropout
+        head_dim = config.head_dim  # q: n_head heads; k and v: n_kv_head heads each
+        self.c_attn = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * head_dim, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        self.q_norm = self.k_norm = None  # qk_norm: one weight per head dim, shared by the heads (as Qwen3's)
+        if config.qk_norm:
+            self.q_norm, self.k_norm = (make_norm(config.norm, head_dim, config.bias) for _ in "qk")
 
-    def forward(self, x, attend: Callable, mask: AttentionMask):
+    def forward(self, x, attend: Callable, mask: AttentionMask, rope=None):
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).unbind(2)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        y = attend(q, k, v, mask, self.dropout if self.training else 0.0)
+        hs = C // self.n_head
+        q, k, v = self.c_attn(x).split((self.n_head * hs, self.n_kv_head * hs, self.n_kv_head * hs), dim=-1)
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k, v = (t.view(B, T, self.n_kv_head, hs).transpose(1, 2) for t in (k, v))  # (B, n_kv, T, hs)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)  # autocast may give the norm float32
+        if rope is not None:
+            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        y = attend(q, k, v, mask, self.dropout if self.training else 0.0)  # k, v may have fewer heads than q
         y = y.transpose(1, 2).reshape(B, T, C)  # re-assemble all head outputs side by side
         return self.resid_dropout(self.c_proj(y))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU(approximate="tanh")
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x):
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
 class Block(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = make_norm(config.norm, config.n_embd, config.bias)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.ln_2 = make_norm(config.norm, config.n_embd, config.bias)
+        self.mlp = make_mlp(config.mlp, config.n_embd, config.mlp_width, config.bias, config.dropout)
         self.recompute_mlp = config.activation_checkpointing == "mlp"
 
-    def forward(self, x, attend: Callable, mask: AttentionMask):
-        x = x + self.attn(self.ln_1(x), attend, mask)
+    def forward(self, x, attend: Callable, mask: AttentionMask, rope=None):
+        x = x + self.attn(self.ln_1(x), attend, mask, rope)
         if self.recompute_mlp and self.training and torch.is_grad_enabled():
             return x + checkpoint(self.feed_forward, x, use_reentrant=False)
         return x + self.feed_forward(x)
@@ -290,14 +310,16 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(
             dict(
                 wte=nn.Embedding(config.vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
+                # RoPE turns q and k by their positions inside attention: no position embedding then
+                **({} if config.rope else {"wpe": nn.Embedding(config.block_size, config.n_embd)}),
                 drop=nn.Dropout(config.dropout),
                 h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-                ln_f=LayerNorm(config.n_embd, bias=config.bias),
+                ln_f=make_norm(config.norm, config.n_embd, config.bias),
             )
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied, as in GPT-2
+        self.rotary = Rotary(config.head_dim, config.block_size, config.rope_theta) if config.rope else None
         self.apply(self._init_weights)
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2 scales residual projections by depth
@@ -305,6 +327,14 @@ class GPT(nn.Module):
         self.attention: dict[bool, Attention] = {}  # documents or not -> kernel; set by setup_attention
         self.attention_device: torch.device | None = None
         self._logged: set[str] = set()  # say each fallback and backend line once per model
+
+    @classmethod
+    def from_pretrained(cls, path_or_name, **overrides) -> GPT:
+        """GPT-2 weights: a hub name (gpt2 ... gpt2-xl, from the Hugging Face cache), a Hugging Face GPT-2 folder,
+        or a checkpoint of this repo or nanoGPT; overrides set GPTConfig fields such as attention_backend."""
+        from interop import from_pretrained  # interop imports this module
+
+        return from_pretrained(path_or_name, **overrides)
 
     @staticmethod
     def _init_weights(module):
@@ -339,7 +369,8 @@ class GPT(nn.Module):
         seq_len = seq_len or self.config.block_size
         self.attention = {}
         for docs in (False, True):
-            need = Need(device, dtype, self.config.head_dim, docs, dropout, training, seq_len, kv_cache)
+            mps_fix = not self.config.disable_mps_fix
+            need = Need(device, dtype, self.config.head_dim, docs, dropout, training, seq_len, kv_cache, mps_fix)
             self.attention[docs] = self._resolve(need, measure=docs == documents)
         self.attention_device = device
         self._log(self.attention[documents])
@@ -375,6 +406,8 @@ class GPT(nn.Module):
 
     def _log(self, attention: Attention):
         requested, resolution, kernel = self.config.attention_backend, attention.resolution, attention.kernel
+        if requested == "auto" and MPS_MASK_PROBLEM in resolution.reason:  # an explicit request warns below
+            self._log_once(logging.WARNING, f"auto: {MPS_MASK_PROBLEM}; using {resolution.used}")
         if requested != "auto" and resolution.used != requested:
             self._log_once(
                 logging.WARNING, f"{requested} requested but {resolution.reason}; falling back to {resolution.used}"
@@ -408,7 +441,7 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, doc_ids=None):
         """(logits, loss). Without targets: the last position's logits (B, 1, V) and None. With targets: the mean
-        cross-entropy, and the logits (B, T, V) under cross_entropy="plain"; "chunked" never builds them (None).
+        cross-entropy, and the logits (B, T, V), or None where the loss was chunked (cross_entropy; never built whole).
         doc_ids (B, T): packed documents, attention kept inside each run of equal ids."""
         B, T = idx.shape
         if T > self.config.block_size:
@@ -417,27 +450,42 @@ class GPT(nn.Module):
             self.setup_attention(idx.device, self.compute_dtype(idx.device))
         attend = self.attention[doc_ids is not None].kernel
         mask = AttentionMask(T, idx.device, doc_ids)
-        pos = torch.arange(T, dtype=torch.long, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        pos = torch.arange(T, device=idx.device) if doc_ids is None else document_positions(doc_ids)  # (T,)|(B, T)
+        x, rope = self.embed(idx, pos)
+        x = self.transformer.drop(x)  # (B, T, C)
         recompute_blocks = self.config.activation_checkpointing == "block" and self.training and torch.is_grad_enabled()
         for block in self.transformer.h:
-            x = checkpoint(block, x, attend, mask, use_reentrant=False) if recompute_blocks else block(x, attend, mask)
+            if recompute_blocks:
+                x = checkpoint(block, x, attend, mask, rope, use_reentrant=False)
+            else:
+                x = block(x, attend, mask, rope)
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None  # only the last position is needed to sample
-        if self.config.cross_entropy == "chunked":  # the logits are never built whole: none to return
+        chunked = self.config.cross_entropy == "chunked" or (
+            self.config.cross_entropy == "auto" and targets.numel() * self.config.vocab_size > AUTO_CHUNKED_LOGITS
+        )  # plain is faster where the logits fit (bench/results/h100-train-speed.md)
+        if chunked:  # the logits are never built whole: none to return
             return None, chunked_cross_entropy(x, self.lm_head.weight, targets)
         logits = self.lm_head(x)
         wide = torch.promote_types(logits.dtype, torch.float32)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).to(wide), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
+    def embed(self, idx, pos) -> tuple[torch.Tensor, tuple | None]:
+        """Token embeddings (B, T, C), plus the position embeddings at `pos` ((T,) or (B, T)); with RoPE
+        instead, the rotary angles at `pos` that every layer's attention applies to q and k."""
+        x = self.transformer.wte(idx)
+        if self.rotary is not None:
+            return x, self.rotary(pos)
+        return x + self.transformer.wpe(pos), None
+
     def forward_cached(self, idx, step: Step, attends: Sequence[Callable]) -> torch.Tensor:
         """Logits (B, vocab) at each row's newest token, for generation: idx (B, T) sits at positions
         step.q_pos, continuing each sequence in its cache, and layer i attends through attends[i] (kv_cache.py)."""
-        x = self.transformer.wte(idx) + self.transformer.wpe(step.q_pos)  # (B, T, C)
+        x, rope = self.embed(idx, step.q_pos)
         for block, attend in zip(self.transformer.h, attends):
-            x = block(x, attend, step)
+            x = block(x, attend, step, rope)
         x = x[torch.arange(idx.size(0), device=idx.device), step.last]  # (B, C): the rest works per token
         return self.lm_head(self.transformer.ln_f(x))
 
@@ -520,10 +568,10 @@ class GPT(nn.Module):
     # -- helpers for training --
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count. Position embeddings are left out by default; token embeddings stay in,
+        """Parameter count. Position embeddings (wpe) are left out by default; token embeddings stay in,
         because they are tied to the output layer and so do real work."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+        return n - self.transformer.wpe.weight.numel() if non_embedding and "wpe" in self.transformer else n
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token (forward + backward), PaLM appendix B as nanoGPT uses it:
@@ -547,7 +595,8 @@ class GPT(nn.Module):
         if not 0 < block_size <= self.config.block_size:
             raise ValueError(f"block_size must be in 1..{self.config.block_size}, got {block_size}")
         self.config.block_size = block_size
-        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+        if "wpe" in self.transformer:  # RoPE's tables only ever get read below block_size
+            self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
 
 
 # ----------------------------------------------------------------------------------------------

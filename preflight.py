@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import os
 from pathlib import Path
@@ -20,14 +21,23 @@ from typing import TYPE_CHECKING
 from checkpoint import LATEST, check_same_tokenizer, claim_out_dir, load_checkpoint
 from data.common import read_meta
 from data.loader import ensure_dataset
-from model import GPT, GPTConfig
+from interop import load_weights
+from lora import check_targets
+from model import AUTO_CHUNKED_LOGITS, GPT, GPTConfig
 from parallel import PARALLELISMS
 from runtime import DIST_BACKENDS, DTYPES, Runtime, UsageError, available_memory, format_bytes
 
 if TYPE_CHECKING:
     from train import TrainConfig
 
-SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "vocab_size", "bias")
+log = logging.getLogger("train")
+
+# The settings a checkpoint's weights depend on: field name -> the GPTConfig attribute compared (n_kv_head=None
+# and n_kv_head=n_head are the same model)
+SHAPE_FIELDS = {
+    **{name: name for name in ("n_layer", "n_head", "n_embd", "vocab_size", "bias", "rope", "rope_theta", "norm")},
+    **{"mlp": "mlp", "mlp_hidden": "mlp_width", "n_kv_head": "kv_heads", "qk_norm": "qk_norm"},
+}
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
 
 
@@ -90,6 +100,14 @@ def check_config(cfg: TrainConfig) -> None:
             raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
     if not 0 <= cfg.seed < 2**64:
         raise ValueError(f"seed must be in [0, 2**64), got {cfg.seed}")
+    if cfg.document_separator is not None and (cfg.document_separator < 0 or not cfg.packed_documents):
+        raise ValueError(f"document_separator={cfg.document_separator} needs packed_documents=True and a token id >= 0")
+    if cfg.lora_rank < 0:
+        raise ValueError(f"lora_rank must be >= 0 (0 turns LoRA off), got {cfg.lora_rank}")
+    if not (math.isfinite(cfg.lora_alpha) and cfg.lora_alpha > 0 and 0 <= cfg.lora_dropout < 1):
+        raise ValueError(f"need lora_alpha > 0 and 0 <= lora_dropout < 1, got {cfg.lora_alpha}, {cfg.lora_dropout}")
+    if cfg.lora_rank:
+        check_targets(cfg.model_config(), cfg.lora_targets)
     cfg.model_config()  # the model's own checks (head dim, backend names, ...)
 
 
@@ -99,6 +117,11 @@ def check_before_training(cfg: TrainConfig, runtime: Runtime) -> tuple[dict | No
     memory. Returns (checkpoint or None, data_dir, the dataset's meta, the model's vocab_size)."""
     check_wandb(cfg)
     checkpoint = read_checkpoint(cfg)
+    shaped = with_weights_shape(cfg, checkpoint)
+    if shaped is not cfg:
+        shape = " ".join(f"--{key}={getattr(shaped, key)}" for key in SHAPE_FIELDS)
+        log.info(f"init_from={cfg.init_from}: the model's shape is its weights' ({shape}; resuming needs the same)")
+        cfg = shaped
     data_dir = ensure_dataset(cfg.dataset, cfg.data_dir, master=runtime.master, distributed=runtime.ddp)
     meta = read_meta(data_dir)
     if checkpoint is not None:
@@ -123,12 +146,17 @@ def resolve_init_from(cfg: TrainConfig) -> TrainConfig:
 def read_checkpoint(cfg: TrainConfig) -> dict | None:
     if cfg.init_from == "scratch":
         return None
-    path = checkpoint_path(cfg)
-    if cfg.init_from != "resume" and not path.is_file():
-        raise UsageError(
-            f"init_from={cfg.init_from!r}: allowed are scratch, resume, auto, or the path of a .pt checkpoint"
-        )
-    return load_checkpoint(path, resume=cfg.init_from == "resume")
+    if cfg.init_from == "resume":
+        return load_checkpoint(checkpoint_path(cfg), resume=True)
+    return load_weights(cfg.init_from, also=("scratch", "resume", "auto"))[0]
+
+
+def with_weights_shape(cfg: TrainConfig, checkpoint: dict | None) -> TrainConfig:
+    """cfg with the model shape of a Hugging Face checkpoint's weights (as nanoGPT's init_from=gpt2 does), so
+    that --init_from=gpt2 needs no shape settings; other checkpoints must match cfg (check_checkpoint_shape)."""
+    if checkpoint is None or checkpoint.get("source") != "huggingface":
+        return cfg
+    return dataclasses.replace(cfg, **{key: checkpoint["model_config"][key] for key in SHAPE_FIELDS})
 
 
 def claim_run_out_dir(cfg: TrainConfig, runtime: Runtime, model: GPT, hold: contextlib.ExitStack) -> None:
@@ -163,10 +191,11 @@ def model_vocab_size(cfg: TrainConfig, meta: dict) -> int:
 def check_checkpoint_shape(model_config: GPTConfig, saved: dict) -> None:
     """Refuse a checkpoint whose model (saved: its model_config) has another shape than the config's, or a
     shorter context."""
+    saved_config = GPTConfig(**saved)  # a checkpoint of an older version: the fields it lacks at their defaults
     differ = [
-        f"{k}={saved[k]} (config says {getattr(model_config, k)})"
-        for k in SHAPE_FIELDS
-        if saved.get(k) != getattr(model_config, k)
+        f"{name}={getattr(saved_config, attr)} (config says {getattr(model_config, attr)})"
+        for name, attr in SHAPE_FIELDS.items()
+        if getattr(saved_config, attr) != getattr(model_config, attr)
     ]
     if differ:
         raise UsageError(
@@ -179,9 +208,16 @@ def check_checkpoint_shape(model_config: GPTConfig, saved: dict) -> None:
 
 def parameter_count(config: GPTConfig) -> int:
     """GPT's parameter count from its config alone, so that sizes are checked before anything is allocated."""
-    width, bias = config.n_embd, int(config.bias)
-    per_block = 12 * width * width + 2 * width + 11 * width * bias  # attention 4E², MLP 8E², 2 LayerNorms, biases
-    return (config.vocab_size + config.block_size) * width + config.n_layer * per_block + width * (1 + bias)
+    width, bias, hidden = config.n_embd, int(config.bias), config.mlp_width
+
+    def norm(n: int) -> int:  # LayerNorm: weight and bias; RMSNorm: weight only
+        return n * (1 + bias) if config.norm == "layernorm" else n
+
+    qkv = (config.n_head + 2 * config.kv_heads) * config.head_dim
+    attention = (width + bias) * qkv + (width + bias) * width + (2 * norm(config.head_dim) if config.qk_norm else 0)
+    mlp = (2 if config.mlp == "swiglu" else 1) * (width + bias) * hidden + (hidden + bias) * width
+    positions = 0 if config.rope else config.block_size * width
+    return config.vocab_size * width + positions + config.n_layer * (attention + mlp + 2 * norm(width)) + norm(width)
 
 
 def check_memory(cfg: TrainConfig, vocab_size: int, runtime: Runtime) -> None:
@@ -191,7 +227,10 @@ def check_memory(cfg: TrainConfig, vocab_size: int, runtime: Runtime) -> None:
     bytes_per_param = 4 if cfg.eval_only else 16  # float32 weights (+ gradients, AdamW's two moments)
     # per token: the logits and their gradient (unless chunked), and a floor of floats per layer and width kept
     # for backward (8; fewer when activations are recomputed)
-    logits = 2 * vocab_size if cfg.cross_entropy == "plain" else 0
+    chunked = cfg.cross_entropy == "chunked" or (
+        cfg.cross_entropy == "auto" and cfg.batch_size * cfg.block_size * vocab_size > AUTO_CHUNKED_LOGITS
+    )
+    logits = 0 if chunked else 2 * vocab_size
     kept = {"none": 8, "mlp": 4, "block": 1}[cfg.activation_checkpointing]
     activation_bytes = cfg.batch_size * cfg.block_size * 4 * (logits + kept * cfg.n_layer * cfg.n_embd)
     shards = runtime.world_size if cfg.parallelism == "fsdp" else 1  # FSDP: each rank holds 1/N of the state

@@ -4,6 +4,7 @@ Sample text from a trained checkpoint.
     python sample.py --out_dir=out-shakespeare-char --start="ROMEO:" --num_samples=3 --max_new_tokens=300
     python sample.py --start=FILE:prompt.txt --temperature=0.8 --top_k=200 --seed=7
     python sample.py --start=FILE:prompts.txt --batch_size=8 --kv_cache=paged   # one prompt per line, 8 at a time
+    python sample.py --init_from=gpt2 --start="Hello"      # Hugging Face GPT-2 weights (cached), or a folder of them
 
 Generation reads each prompt once, then decodes one token per step from a KV cache (--kv_cache; none re-reads the
 whole context every step); --compile compiles the decode step with CUDA graphs. Each sample is printed whole, then
@@ -27,12 +28,13 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import CheckpointError, check_model_weights, load_checkpoint
+from checkpoint import CheckpointError, load_checkpoint
 from configurator import ConfigError, load_config
 from data.common import DataError
 from data.tokenizer import load_tokenizer, tokenizer_vocab_size
+from interop import load_weights, model_from_checkpoint
 from kv_cache import check_generation
-from model import GPT, GPTConfig
+from model import GPT, canonical_backend
 from runtime import Runtime, UsageError, pick_device, pick_dtype
 
 SEPARATOR = "---------------"
@@ -42,6 +44,7 @@ SEPARATOR = "---------------"
 class SampleConfig:
     out_dir: str = "out-shakespeare-char"  # folder with ckpt.pt (from train.py)
     checkpoint: str = ""  # a .pt file to use instead of out_dir/ckpt.pt
+    init_from: str = ""  # instead of out_dir: a .pt, an out_dir, a Hugging Face GPT-2 folder, or gpt2 ... gpt2-xl
     start: str = "\n"  # the prompt; FILE:path reads it from a file
     num_samples: int = 3  # how many samples
     max_new_tokens: int = 500  # tokens generated per sample
@@ -52,10 +55,13 @@ class SampleConfig:
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     attention_backend: str = "auto"  # attention kernel for sampling (see python model.py)
     kv_cache: str = "contiguous"  # none | contiguous | paged: the KV cache decoding reads (see kv_cache.py)
+    disable_mps_fix: bool = False  # on MPS, let SDPA decode from the KV cache (explicit masks) despite the NaN risk
     batch_size: int = 1  # samples generated together; above 1, a --start=FILE:path holds one prompt per line
     compile: bool = False  # torch.compile the decode step with CUDA graphs (on CUDA; elsewhere it runs eagerly)
 
     def __post_init__(self):
+        if self.init_from and self.checkpoint:
+            raise ValueError("set init_from or checkpoint, not both")
         if self.num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
         if self.max_new_tokens < 1:
@@ -64,6 +70,7 @@ class SampleConfig:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
+        self.attention_backend = canonical_backend(self.attention_backend)  # eager, flash_attention_2, ...
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         check_generation(self.max_new_tokens, self.temperature, self.top_k, self.kv_cache, self.compile)
@@ -144,11 +151,13 @@ class Timing:
 
 def load_model(cfg: SampleConfig, device: torch.device):
     """The checkpoint's model on `device`, its tokenizer (encode, decode) and the tokenizer's vocabulary size."""
-    path = cfg.checkpoint or Path(cfg.out_dir) / "ckpt.pt"
-    state = load_checkpoint(path)
-    model = GPT(GPTConfig(**{**state["model_config"], "attention_backend": cfg.attention_backend, "dropout": 0.0}))
-    check_model_weights(model.state_dict(), state["model"], path)  # a mismatch is one line, not a traceback
-    model.load_state_dict(state["model"])
+    if cfg.init_from:
+        state, path = load_weights(cfg.init_from)
+    else:
+        path = cfg.checkpoint or Path(cfg.out_dir) / "ckpt.pt"
+        state = load_checkpoint(path)
+    overrides = {"attention_backend": cfg.attention_backend, "disable_mps_fix": cfg.disable_mps_fix, "dropout": 0.0}
+    model = model_from_checkpoint(state, path, **overrides)
     model.eval().to(device)  # the attention backend is resolved when generation starts, for its KV cache
     encode, decode = load_tokenizer(state["meta"])
     vocab_size = tokenizer_vocab_size(state["meta"])

@@ -26,10 +26,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checkpoint import BEST, LATEST, CheckpointError, check_model_weights
+from checkpoint import BEST, LATEST, CheckpointError
 from configurator import ConfigError, load_config, parse_bool
 from data.common import DataError
 from data.loader import Batches
+from lora import load_model_weights, setup_lora
 from model import GPT, GPTConfig
 from parallel import gradient_sync, place_model, replicated, wrap_model
 from preflight import (
@@ -39,6 +40,7 @@ from preflight import (
     checkpoint_path,
     claim_run_out_dir,
     resolve_init_from,
+    with_weights_shape,
 )
 from runtime import (
     PeerFailed,
@@ -63,7 +65,7 @@ log = logging.getLogger("train")
 class TrainConfig:
     # ---- I/O ----
     out_dir: str = "out-shakespeare-char"  # checkpoints go here
-    init_from: str = "scratch"  # scratch | resume (out_dir/ckpt.pt) | auto (resume if out_dir has one) | a .pt path
+    init_from: str = "scratch"  # scratch | resume | auto (resume if out_dir has a ckpt.pt) | weights: .pt, HF, gpt2..
     overwrite_out_dir: bool = False  # let a scratch or fine-tune run replace the checkpoints already in out_dir
     eval_interval: int = 250  # evaluate, and maybe checkpoint, every this many iterations
     eval_iters: int = 20  # batches per split in each evaluation
@@ -81,19 +83,33 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1  # micro-steps per optimizer step, over all ranks together
     batch_size: int = 12  # sequences per micro-step on each rank
     block_size: int = 64  # context length in tokens
+    packed_documents: bool = False  # attention and positions stay inside each document of a batch's rows
+    document_separator: int | None = None  # the token that ends each document; None: meta.json's eot_token
     # ---- model ----
     n_layer: int = 4  # transformer blocks
     n_head: int = 4  # attention heads
     n_embd: int = 128  # embedding width
     dropout: float = 0.0  # dropout rate; 0 for pretraining, 0.1+ for fine-tuning
+    lora_rank: int = 0  # > 0: train only LoRA adapters of this rank on the frozen model (lora.py); 0: off
+    lora_alpha: float = 16.0  # LoRA scaling: the adapters' update is multiplied by lora_alpha / lora_rank
+    lora_targets: str = "c_attn,c_proj"  # layers that get adapters: comma-separated module-name suffixes
+    lora_dropout: float = 0.0  # dropout on the adapters' input
     bias: bool = False  # biases in Linear and LayerNorm layers (GPT-2 has them)
     vocab_size: int | None = None  # None: from meta.json (GPT-2's 50257 is padded up to 50304)
+    rope: bool = False  # rotary position embedding on q and k instead of learned positions (no wpe)
+    rope_theta: float = 10000.0  # RoPE's base
+    norm: str = "layernorm"  # layernorm (GPT-2) | rmsnorm
+    mlp: str = "gelu"  # gelu (GPT-2) | swiglu
+    mlp_hidden: int | None = None  # MLP hidden width; None: 4·n_embd for gelu, 8/3·n_embd (up to 64s) for swiglu
+    n_kv_head: int | None = None  # key/value heads (GQA; 1 = MQA); None: n_head
+    qk_norm: bool = False  # normalize q and k per head before attention
     attention_backend: str = (
         "auto"  # auto | flash_attn_4 | flash_attn_3 | flash_attn_2 | flex_attention | sdpa | manual
     )
     sdpa_kernel: str = "auto"  # pin one PyTorch SDPA kernel: auto | flash | cudnn | efficient | math
-    cross_entropy: str = "chunked"  # chunked: lm_head + loss a chunk of rows at a time, no full logits | plain
+    cross_entropy: str = "auto"  # plain (full logits) | chunked (lm_head + loss by rows) | auto: chunked if big
     activation_checkpointing: str = "none"  # recompute in backward to save memory: none | mlp | block
+    disable_mps_fix: bool = False  # on MPS, let SDPA run with explicit (document) masks despite the NaN risk
     # ---- optimizer ----
     learning_rate: float = 2e-3  # peak learning rate
     max_iters: int = 2000  # total optimizer steps
@@ -144,17 +160,16 @@ DEPRECATED = {  # old key: (new key, old value -> new value); configurator warns
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, checkpoint: dict | None) -> GPT:
-    model_config = cfg.model_config(vocab_size=vocab_size)
+    model_config = with_weights_shape(cfg, checkpoint).model_config(vocab_size=vocab_size)
     if checkpoint is None:
-        return GPT(model_config)
+        return setup_lora(GPT(model_config), cfg, None, "")
     saved = checkpoint["model_config"]
     check_checkpoint_shape(model_config, saved)
     model = GPT(dataclasses.replace(model_config, block_size=saved["block_size"]))
-    check_model_weights(model.state_dict(), checkpoint["model"], checkpoint_path(cfg))
-    model.load_state_dict(checkpoint["model"])
+    load_model_weights(model, checkpoint, checkpoint_path(cfg), keep_adapters=cfg.init_from == "resume")
     if cfg.block_size < saved["block_size"]:
         model.crop_block_size(cfg.block_size)
-    return model
+    return setup_lora(model, cfg, checkpoint, checkpoint_path(cfg))
 
 
 def learning_rate_at(it: int, cfg: TrainConfig) -> float:
@@ -179,9 +194,9 @@ def evaluate(model, batches: Batches, cfg: TrainConfig, runtime: Runtime) -> dic
         generator = torch.Generator().manual_seed((cfg.seed + 7919 * (runtime.rank + 1) + offset) % 2**64)
         total = torch.zeros((), device=runtime.device)
         for _ in range(cfg.eval_iters):
-            x, y = batches.get(split, generator)
+            batch = batches.get(split, generator)  # (x, y) or, packed, (x, y, doc_ids)
             with runtime.autocast():
-                _, loss = model(x, y)
+                _, loss = model(*batch)
             total += loss.float()
         if runtime.ddp:
             dist.all_reduce(total)
@@ -206,13 +221,13 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     stop: StopFlags
-    next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # the training stream: (x, y) on the device
+    next_batch: Callable[[], tuple[torch.Tensor, ...]]  # the training stream: model arguments, (x, y[, doc_ids])
     attention: object  # what model.setup_attention resolved: .used (the backend that runs) and .reason
     iter_num: int = 0  # optimizer steps done
     best_val_loss: float = math.inf
     ckpt_iter: int | None = None  # the iteration out_dir/ckpt.pt holds, saved or resumed from by this run
     resumed_iter: int | None = None
-    batch: tuple[torch.Tensor, torch.Tensor] | None = None  # the next step's first micro-batch, prefetched
+    batch: tuple[torch.Tensor, ...] | None = None  # the next step's first micro-batch, prefetched
 
     @property
     def accum(self) -> int:
@@ -236,7 +251,9 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     sees one backend), and build the compiled and DDP-wrapped (or FSDP-sharded) views, optimizer, GradScaler."""
     device = runtime.device
     model = place_model(model, runtime, cfg.parallelism)
-    attention = model.setup_attention(device, runtime.dtype, training=True, seq_len=cfg.block_size)
+    attention = model.setup_attention(
+        device, runtime.dtype, training=True, seq_len=cfg.block_size, documents=cfg.packed_documents
+    )
     # The GradScaler finds inf/NaN gradients on the device and skips that optimizer step without a host
     # sync (with fused AdamW). float16 needs its loss scaling; other dtypes keep the scale at exactly 1.
     scaled = runtime.dtype == torch.float16
@@ -265,19 +282,19 @@ def train_step(state: TrainState) -> Step:
     lr = learning_rate_at(state.iter_num, cfg)
     for group in state.optimizer.param_groups:
         group["lr"] = lr
-    x, y = state.batch if state.batch is not None else state.next_batch()
+    batch = state.batch if state.batch is not None else state.next_batch()  # the model's arguments
     loss_sum = torch.zeros((), device=runtime.device)
     for micro_step in range(state.accum):
         last_micro_step = micro_step == state.accum - 1
         # gradients are averaged over ranks on the last micro-step only
         with gradient_sync(state.model, state.train_model, enabled=last_micro_step):
             with runtime.autocast():
-                _, loss = state.train_model(x, y)
+                _, loss = state.train_model(*batch)
                 loss = loss / state.accum
-            x, y = state.next_batch()  # prefetch while the GPU works
+            batch = state.next_batch()  # prefetch while the GPU works
             state.scaler.scale(loss).backward()
         loss_sum += loss.detach()
-    state.batch = (x, y)
+    state.batch = batch
     state.scaler.unscale_(state.optimizer)
     grad_clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     grad_norm = replicated(torch.nn.utils.clip_grad_norm_(state.model.parameters(), grad_clip))
@@ -316,6 +333,8 @@ def setup_or_resume(cfg: TrainConfig, runtime: Runtime, hold: contextlib.ExitSta
             rank=runtime.rank,
             world_size=runtime.world_size,
             accum=cfg.gradient_accumulation_steps // runtime.world_size,
+            packed_documents=cfg.packed_documents,
+            document_separator=cfg.document_separator,
         )
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         model = build_model(cfg, vocab_size, checkpoint)

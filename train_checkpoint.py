@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from checkpoint import LATEST, CheckpointError, capture_rng, restore_rng, save_checkpoint
 from data.loader import Batches
-from parallel import full_model_state, load_sharded_optimizer, save_sharded_optimizer
+from lora import checkpoint_entries
+from parallel import full_model_state, is_sharded, load_sharded_optimizer, save_sharded_optimizer
 from preflight import checkpoint_path
 from runtime import agree
 
@@ -72,7 +73,10 @@ def write_checkpoint(state: TrainState, batches: Batches, meta: dict, is_best: b
         ranks = gathered
     error, sharded = None, None
     try:
-        model_state = full_model_state(state.model)  # every rank takes part under FSDP; rank 0 gets the weights
+        # the weights: under FSDP gathered from every rank to rank 0; else as checkpoint_entries says (LoRA)
+        entries = (
+            {"model": full_model_state(state.model)} if is_sharded(state.model) else checkpoint_entries(state.model)
+        )
         if cfg.parallelism == "fsdp" and runtime.ddp:
             sharded = f"ckpt-{state.iter_num:07d}.dcp"
             save_sharded_optimizer(state.model, state.optimizer, Path(cfg.out_dir) / sharded, runtime)
@@ -81,7 +85,7 @@ def write_checkpoint(state: TrainState, batches: Batches, meta: dict, is_best: b
         error = CheckpointError(f"could not save iter {state.iter_num}: {reason}; {LATEST} is unchanged")
     if runtime.master and error is None:
         try:
-            checkpoint = state_dict(state, meta, ranks, batches, model_state, sharded)
+            checkpoint = state_dict(state, meta, ranks, batches, entries, sharded)
             save_checkpoint(checkpoint, cfg.out_dir, state.iter_num, cfg.keep_last_k, is_best)
         except CheckpointError as failure:
             error = failure
@@ -91,13 +95,14 @@ def write_checkpoint(state: TrainState, batches: Batches, meta: dict, is_best: b
 
 
 def state_dict(
-    state: TrainState, meta: dict, ranks: list[dict], batches: Batches, model_state: dict, sharded: str | None
+    state: TrainState, meta: dict, ranks: list[dict], batches: Batches, entries: dict, sharded: str | None
 ) -> dict:
-    """What a checkpoint holds (checkpoint.py's REQUIRED_KEYS and RESUME_KEYS, and the run's config). `sharded`:
-    the DCP folder beside it that holds the optimizer state instead, under FSDP."""
+    """What a checkpoint holds (checkpoint.py's REQUIRED_KEYS and RESUME_KEYS, and the run's config). `entries`:
+    "model" (with LoRA, the adapters, and "lora"); `sharded`: the DCP folder beside it that holds the optimizer
+    state instead, under FSDP."""
     cfg = state.cfg
     return {
-        "model": model_state,
+        **entries,
         "model_config": dataclasses.asdict(state.model.config),
         "optimizer": {} if sharded else state.optimizer.state_dict(),
         "scaler": state.scaler.state_dict(),

@@ -57,6 +57,7 @@ VARIANTS = {
     "cudagraphs": dict(compile_mode="max-autotune"),
     "ckpt-mlp": dict(activation_checkpointing="mlp"),
     "ckpt-block": dict(activation_checkpointing="block"),
+    "docs": dict(packed_documents=True),  # 4 documents a row: attention and positions kept inside each
 }
 
 
@@ -103,13 +104,18 @@ def fallback_reason(state: TrainState) -> str:
 
 
 def random_batches(cfg: TrainConfig, device: torch.device, count: int = 4):
-    """Synthetic tokens: uniform random ids, a few batches used in turn (no data loading in the timing)."""
+    """Synthetic tokens: uniform random ids, a few batches used in turn (no data loading in the timing); with
+    packed_documents, each row holds 4 documents (doc_ids, as data/loader.py gives them)."""
     generator = torch.Generator().manual_seed(cfg.seed)
     shape = (cfg.batch_size, cfg.block_size)
-    return [
+    batches = [
         tuple(torch.randint(cfg.vocab_size, shape, generator=generator).to(device) for _ in range(2))
         for _ in range(count)
     ]
+    if cfg.packed_documents:
+        doc_ids = (torch.arange(cfg.block_size) // max(1, cfg.block_size // 4)).to(device, torch.int32).expand(shape)
+        batches = [(x, y, doc_ids) for x, y in batches]
+    return batches
 
 
 # ----------------------------------------------------------------------------------------------
@@ -148,7 +154,7 @@ def empty_row(case: Case, cfg: TrainConfig, dtype: torch.dtype) -> dict:
         "seq_len": case.seq_len,
         "batch_size": case.batch_size,
         "head_dim": cfg.n_embd // cfg.n_head,
-        "docs": False,
+        "docs": cfg.packed_documents,
         "dtype": str(dtype).removeprefix("torch."),
         "compile": None,
         "ms_per_iter": None,

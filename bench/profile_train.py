@@ -33,8 +33,8 @@ KINDS = [  # (kind, pattern on the kernel name), first match wins
     ("matmul", r"gemm|matmul|cutlass|xmma|nvjet|cublas|aten::(addmm|mm|bmm)$"),
     ("optimizer", r"adam|multi_tensor|foreach|norm_kernel|lerp"),
     ("communication", r"nccl|allreduce|all_reduce"),
-    ("copy/fill", r"copy|memcpy|memset|fill|cat|elementwise_kernel"),
     ("compiled pointwise/reduction", r"triton"),
+    ("copy/fill", r"copy|memcpy|memset|fill|cat|elementwise_kernel"),
 ]
 
 

@@ -53,13 +53,13 @@ for stage in "$@"; do
         python3 model.py
         python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests/ 2>&1 | tail -12
         ;;
-    smoke)  # every backend name trains a few steps on this GPU
+    smoke)  # every backend name trains a few steps on this GPU (SMOKE_ARGS: extra settings, e.g. the modern block)
         corpus /tmp/smoke_data
         for backend in ${SMOKE_BACKENDS:-auto sdpa flash_attn_2 flash_attn_3 flash_attn_4 flex_attention manual}; do
             echo "== train.py --attention_backend=$backend"
             python3 train.py --data_dir=/tmp/smoke_data --out_dir=/tmp/smoke_$backend --attention_backend=$backend \
-                --max_iters=20 --log_interval=10 --eval_interval=20 --eval_iters=2 --block_size=64 2>&1 \
-                | grep -E "^(iter|eval|WARNING|INFO|error)" | tail -3
+                --max_iters=${SMOKE_ITERS:-20} --log_interval=10 --eval_interval=${SMOKE_ITERS:-20} --eval_iters=2 \
+                --block_size=64 --overwrite_out_dir=true ${SMOKE_ARGS:-} 2>&1 | grep -E "^(iter|eval|WARNING|INFO|error)" | tail -3
         done
         ;;
     scan)  # sdpa against flash-attn-4, causal: fit_auto.py writes the lengths auto uses to config/attention_auto.json
@@ -102,7 +102,8 @@ for stage in "$@"; do
         ;;
     long)  # the longest context GPT-2 124M trains at batch 1
         python3 bench/bench_train.py --out "$OUT" --name "${LONG_NAME:-train-long}" --budget 0 --batch-sizes \
-            --variants ${LONG_VARIANTS:-default ckpt-mlp} --long-seq-lens ${LONG_SEQ_LENS:-32768 65536 131072} | tail -10
+            --variants ${LONG_VARIANTS:-default ckpt-mlp} --long-seq-lens ${LONG_SEQ_LENS:-32768 65536 131072} \
+            --steps 3 --chunks 2 --warmup-steps 1 | tail -10
         ;;
     curves)  # 300 iterations of plain and default on Shakespeare (GPT-2 BPE; data/shakespeare prepared beforehand)
         python3 bench/loss_curves.py --out "$OUT" ${CURVE_ITERS:+--iters $CURVE_ITERS} | tail -12

@@ -5,12 +5,14 @@ A prepared dataset is a folder with
     meta.json           {"vocab_size", "tokenizer", "dtype", "train_tokens", "val_tokens", "train_max_id",
                         "val_max_id", ...; char level: "itos"}
 meta.json is written last and removed before a rewrite starts, so a folder with meta.json is complete.
+A nanoGPT folder with meta.pkl ({"vocab_size", "itos", "stoi"} of a char dataset) instead of meta.json reads too.
 """
 
 import argparse
 import itertools
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -111,8 +113,11 @@ def write_dataset(out_dir: str | os.PathLike, train_ids, val_ids, meta: dict) ->
 
 
 def read_meta(data_dir: str | os.PathLike) -> dict:
-    """Load and validate data_dir/meta.json; DataError if it is missing, not JSON, or lacks a required key."""
+    """Load and validate data_dir/meta.json (or nanoGPT's meta.pkl where meta.json is missing); DataError if it is
+    missing, not JSON, or lacks a required key."""
     path = Path(data_dir) / "meta.json"
+    if not path.exists() and (Path(data_dir) / "meta.pkl").exists():
+        return read_meta_pkl(Path(data_dir) / "meta.pkl")
     _check_readable(path, f"run: {prepare_command(data_dir)}")
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
@@ -120,6 +125,35 @@ def read_meta(data_dir: str | os.PathLike) -> dict:
         raise DataError(f"{path} cannot be read ({e.strerror or e}); rerun: {prepare_command(data_dir)}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{path} is not valid JSON ({e}); rerun: {prepare_command(data_dir)}") from e
+    _check_meta(meta, path)
+    return meta
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Reads dicts, lists, strings and numbers only: a pickle that names any class or function (which could run
+    code when loaded) is refused."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"it names {module}.{name}")
+
+
+def read_meta_pkl(path: Path) -> dict:
+    """nanoGPT's char-level meta.pkl ({"vocab_size", "itos": {id: char}, "stoi"}) as our meta."""
+    fix = "write a meta.json instead (see data/common.py)"
+    try:
+        with open(path, "rb") as f:
+            pkl = _PlainUnpickler(f).load()
+    except OSError as e:
+        raise DataError(f"{path} cannot be read ({e.strerror or e})") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError) as e:
+        reason = str(e) or type(e).__name__
+        raise DataError(f"{path} refused: only plain dicts, lists, strings and numbers are read ({reason})") from None
+    itos = pkl.get("itos") if isinstance(pkl, dict) else None
+    vocab_size = pkl.get("vocab_size") if isinstance(pkl, dict) else None
+    if not isinstance(itos, dict) or not isinstance(vocab_size, int) or sorted(itos) != list(range(vocab_size)):
+        raise DataError(f"{path} is not a char-level meta.pkl (vocab_size, and itos for ids 0..vocab_size-1); {fix}")
+    meta = {"tokenizer": "char", "vocab_size": vocab_size, "itos": [itos[i] for i in range(vocab_size)]}
+    meta["dtype"] = np.dtype(DTYPE).name
     _check_meta(meta, path)
     return meta
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data.common import DATA_ROOT, DataError, open_split, prepare_command
+from data.common import DATA_ROOT, DataError, open_split, prepare_command, read_meta
 
 REQUIRED_FILES = ("train.bin", "val.bin", "meta.json")
 PREPARE_LOCK = ".prepare.lock"  # held while a dataset folder is auto-prepared; never removed (see prepare_once)
@@ -37,7 +37,8 @@ def ensure_dataset(dataset: str, data_dir: str = "", *, master: bool = True, dis
 
 
 def _missing_files(folder: Path) -> list[str]:
-    return [name for name in REQUIRED_FILES if not (folder / name).exists()]
+    missing = [name for name in REQUIRED_FILES if not (folder / name).exists()]
+    return [name for name in missing if name != "meta.json" or not (folder / "meta.pkl").exists()]  # nanoGPT's
 
 
 def prepare_once(folder: Path, prepare: Callable[[], object]) -> None:
@@ -80,11 +81,14 @@ class Batches:
         rank: int = 0,
         world_size: int = 1,
         accum: int = 1,
+        packed_documents: bool = False,
+        document_separator: int | None = None,
     ):
         self.data_dir, self.batch_size, self.block_size, self.device = Path(data_dir), batch_size, block_size, device
         self.rank, self.world_size, self.accum = rank, world_size, accum  # accum: micro-steps per step, this rank
         for split in ("train", "val"):
             open_split(data_dir, split, block_size, vocab_size)  # validates; DataError names the fix
+        self.separator = separator_token(data_dir, document_separator, vocab_size) if packed_documents else None
         self.generator = torch.Generator().manual_seed(seed)
         self.state_before_last = self.generator.get_state()  # before the draw of the step being trained on
         self.pending: list[list[int]] = []  # this rank's starts for the rest of the current step
@@ -95,8 +99,9 @@ class Batches:
         self.state_before_last, self.pending = self.generator.get_state(), []
 
     def get(self, split: str, generator: torch.Generator | None = None):
-        """(x, y) on the device, y shifted by one token; from `generator`, else the next micro-batch of the
-        training stream."""
+        """The model's arguments for one batch on the device: (x, y), y shifted by one token, and with packed
+        documents also doc_ids (see document_ids); from `generator`, else the next micro-batch of the training
+        stream."""
         # A fresh memmap per batch: a long-lived one grows the process's memory (numpy memmap leak).
         path = self.data_dir / f"{split}.bin"
         try:
@@ -110,8 +115,10 @@ class Batches:
         x = torch.from_numpy(np.stack([data[i : i + self.block_size] for i in starts]).astype(np.int64))
         y = torch.from_numpy(np.stack([data[i + 1 : i + 1 + self.block_size] for i in starts]).astype(np.int64))
         if self.device.type == "cuda":
-            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
-        return x.to(self.device), y.to(self.device)
+            x, y = x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        else:
+            x, y = x.to(self.device), y.to(self.device)
+        return (x, y) if self.separator is None else (x, y, document_ids(x, self.separator))
 
     def _next_train_starts(self, high: int) -> list[int]:
         if not self.pending:  # a new optimizer step: draw all of it; global micro-step m * world_size + rank
@@ -120,3 +127,27 @@ class Batches:
             step = torch.randint(high, shape, generator=self.generator)  # (micro-step, rank, sequence)
             self.pending = step[:, self.rank].tolist()
         return self.pending.pop(0)
+
+
+def document_ids(x: torch.Tensor, separator: int) -> torch.Tensor:
+    """(B, T) int: which document of its row each token belongs to, counting from 0.
+
+    The separator ENDS a document and belongs to it: the prepare scripts append end-of-text after each
+    document, so the document's own tokens are what the separator is predicted from; the token after it
+    starts the next document (position 0). A window that starts mid-document gives that part id 0."""
+    ends = (x == separator).to(torch.int32)  # (B, T)
+    return ends.cumsum(dim=1, dtype=torch.int32) - ends  # separators strictly before each token
+
+
+def separator_token(data_dir: Path, separator: int | None, vocab_size: int) -> int:
+    """The token that ends each document: `separator` if given, else meta.json's eot_token."""
+    if separator is None:
+        separator = read_meta(data_dir).get("eot_token")
+    if separator is None:
+        raise DataError(
+            f"packed_documents=True needs the token that ends each document, but {Path(data_dir) / 'meta.json'} "
+            f"names no eot_token (char-level datasets have none); set --document_separator=ID or turn packing off"
+        )
+    if not isinstance(separator, int) or isinstance(separator, bool) or not 0 <= separator < vocab_size:
+        raise DataError(f"document_separator {separator!r} must be a token id in [0, {vocab_size})")
+    return separator

@@ -205,3 +205,71 @@ def tiny_config(**overrides):
 
     base = dict(block_size=32, vocab_size=64, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True)
     return GPTConfig(**{**base, **overrides})
+
+
+def stand_in_flash_module(calls: list, table_keyword: str = "block_table"):
+    """A stand-in flash-attn module (B, T, H, D): flash_attn_func, flash_attn_varlen_func (packed documents) and
+    flash_attn_with_kvcache (contiguous or paged, causal aligned bottom-right), computed by explicit float64
+    formulas; k and v may have fewer heads than q (grouped query heads), as flash-attn allows."""
+    import math
+
+    import torch
+
+    def attend(q, k, v, q_positions):  # q (T, H, D), k/v (S, H_kv, D)
+        k, v = (t.repeat_interleave(q.size(1) // t.size(1), dim=1) for t in (k, v))
+        scores = torch.einsum("thd,shd->hts", q.double(), k.double()) / math.sqrt(q.size(-1))
+        allowed = torch.arange(k.size(0))[None] <= q_positions[:, None]
+        weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        return torch.einsum("hts,shd->thd", weights, v.double()).to(q.dtype)
+
+    def flash_attn_func(q, k, v, causal):
+        calls.append("prefill")
+        return torch.stack([attend(q[b], k[b], v[b], torch.arange(q.size(1))) for b in range(q.size(0))])
+
+    def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal):
+        calls.append("varlen")
+        bounds = cu_seqlens_q.tolist()
+        return torch.cat([attend(q[a:b], k[a:b], v[a:b], torch.arange(b - a)) for a, b in zip(bounds, bounds[1:])])
+
+    def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, causal=False, **table):
+        assert causal and cache_seqlens.dtype == torch.int32 and set(table) <= {table_keyword}
+        block_table = table.get(table_keyword)
+        calls.append("paged" if block_table is not None else "contiguous")
+        out = []
+        for b in range(q.size(0)):
+            n, T = int(cache_seqlens[b]), q.size(1)
+            if block_table is None:
+                k, v = k_cache[b, :n], v_cache[b, :n]
+            else:
+                pages = block_table[b, : -(-n // k_cache.size(1))].long()
+                k, v = (c[pages].reshape(-1, *c.shape[2:])[:n] for c in (k_cache, v_cache))
+            out.append(attend(q[b], k, v, torch.arange(n - T, n)))
+        return torch.stack(out)
+
+    function = {"block_table": flash_attn_with_kvcache}
+    if table_keyword == "page_table":  # flash-attn 3's spelling of the page table
+
+        def with_page_table(q, k_cache, v_cache, cache_seqlens=None, causal=False, page_table=None):
+            return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, causal, page_table=page_table)
+
+        function = {"page_table": with_page_table}
+    return type(
+        "FakeFlash",
+        (),
+        {"flash_attn_func": staticmethod(flash_attn_func)}
+        | {"flash_attn_varlen_func": staticmethod(flash_attn_varlen_func)}
+        | {"flash_attn_with_kvcache": staticmethod(function[table_keyword])},
+    )
+
+
+def stand_in_flash(monkeypatch, module):
+    """A flash kernel (attention.FlashAttention) over `module`, registered as flash_attn_2 and allowed on CPU."""
+    import attention
+    import kv_cache
+    import model
+
+    kernel = attention.FlashAttention("stand-in flash", (), (0, 0), "")
+    kernel._package = attention.Package(module, "0.0-fake", "")
+    record = model.AttentionBackend("flash_attn_2", kernel, lambda need: "", "sdpa", (), kv_cache.flash_decode(kernel))
+    monkeypatch.setitem(model.BACKENDS, "flash_attn_2", record)
+    return kernel

@@ -373,7 +373,9 @@ SCHEMA = [  # (change to a good checkpoint, load for resume?, words in the messa
     pytest.param(
         put("model_config", [1, 2]), False, ("model_config is a list, expected dict",), id="model_config-list"
     ),
-    pytest.param(put_in("model_config", "rope_theta", 1e4), False, ("rope_theta", "newer version"), id="newer-config"),
+    pytest.param(
+        put_in("model_config", "future_setting", 1), False, ("future_setting", "newer version"), id="newer-config"
+    ),
     pytest.param(put_in("model_config", "n_head", 3), False, ("invalid model_config", "n_head"), id="bad-config"),
     pytest.param(put_in("model", "lm_head.weight", [0.0]), False, ("not named tensors", "lm_head"), id="weight-list"),
     pytest.param(drop("model"), False, ("not a checkpoint of this repo",), id="no-model"),

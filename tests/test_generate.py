@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import re
 import warnings
 
@@ -19,7 +18,7 @@ import attention
 import kv_cache
 import model
 from attention import Package
-from helpers import REPO, tiny_config
+from helpers import REPO, stand_in_flash, stand_in_flash_module, tiny_config
 from kv_cache import ContiguousKVCache, PagedKVCache, Step
 from model import GPT
 
@@ -182,62 +181,9 @@ def test_flex_block_masks_list_each_rows_own_blocks_up_to_its_length():
     assert blocks.tolist() == [[1, 0, 0], [1, 1, 0]]  # 128-token blocks up to each length
 
 
-def fake_flash_module(calls: list, table_keyword: str = "block_table"):
-    """A stand-in flash-attn module (B, T, H, D): flash_attn_func for the prefill and flash_attn_with_kvcache
-    (contiguous or paged, causal aligned bottom-right) for decoding, computed by explicit float64 formulas."""
-
-    def attend(q, k, v, q_positions):  # q (T, H, D), k/v (S, H, D)
-        scores = torch.einsum("thd,shd->hts", q.double(), k.double()) / math.sqrt(q.size(-1))
-        allowed = torch.arange(k.size(0))[None] <= q_positions[:, None]
-        weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-        return torch.einsum("hts,shd->thd", weights, v.double()).to(q.dtype)
-
-    def flash_attn_func(q, k, v, causal):
-        calls.append("prefill")
-        return torch.stack([attend(q[b], k[b], v[b], torch.arange(q.size(1))) for b in range(q.size(0))])
-
-    def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, causal=False, **table):
-        assert causal and cache_seqlens.dtype == torch.int32 and set(table) <= {table_keyword}
-        block_table = table.get(table_keyword)
-        calls.append("paged" if block_table is not None else "contiguous")
-        out = []
-        for b in range(q.size(0)):
-            n, T = int(cache_seqlens[b]), q.size(1)
-            if block_table is None:
-                k, v = k_cache[b, :n], v_cache[b, :n]
-            else:
-                pages = block_table[b, : -(-n // k_cache.size(1))].long()
-                k, v = (c[pages].reshape(-1, *c.shape[2:])[:n] for c in (k_cache, v_cache))
-            out.append(attend(q[b], k, v, torch.arange(n - T, n)))
-        return torch.stack(out)
-
-    function = {"block_table": flash_attn_with_kvcache}
-    if table_keyword == "page_table":  # flash-attn 3's spelling of the page table
-
-        def with_page_table(q, k_cache, v_cache, cache_seqlens=None, causal=False, page_table=None):
-            return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, causal, page_table=page_table)
-
-        function = {"page_table": with_page_table}
-    return type(
-        "FakeFlash",
-        (),
-        {"flash_attn_func": staticmethod(flash_attn_func)}
-        | {"flash_attn_with_kvcache": staticmethod(function[table_keyword])},
-    )
-
-
-def stand_in_flash(monkeypatch, module) -> attention.FlashAttention:
-    """A flash kernel over `module`, registered as flash_attn_2 and allowed on CPU."""
-    kernel = attention.FlashAttention("stand-in flash", (), (0, 0), "")
-    kernel._package = Package(module, "0.0-fake", "")
-    record = model.AttentionBackend("flash_attn_2", kernel, lambda need: "", "sdpa", (), kv_cache.flash_decode(kernel))
-    monkeypatch.setitem(model.BACKENDS, "flash_attn_2", record)
-    return kernel
-
-
 def test_flash_decoding_through_a_stand_in_module(monkeypatch):
     calls = []
-    stand_in_flash(monkeypatch, fake_flash_module(calls))
+    stand_in_flash(monkeypatch, stand_in_flash_module(calls))
     gpt = tiny_model(block_size=8, attention_backend="flash_attn_2")
     prompts = [tokens(n, seed=n) for n in (2, 6)]
     expected = reference_tokens(with_backend(gpt, "sdpa"), prompts, 4)  # the 6-token prompt slides
@@ -250,7 +196,7 @@ def test_flash_decoding_through_a_stand_in_module(monkeypatch):
 
 def test_flash_attn_3_takes_its_page_table_as_page_table(monkeypatch):
     calls = []
-    kernel = stand_in_flash(monkeypatch, fake_flash_module(calls, "page_table"))
+    kernel = stand_in_flash(monkeypatch, stand_in_flash_module(calls, "page_table"))
     cache = PagedKVCache(1, 2, 8, 2, 16, torch.float32, "cpu", page_size=2, num_pages=8)
     for seed, pool in enumerate((*cache.k, *cache.v)):
         pool.normal_(generator=torch.Generator().manual_seed(seed))
@@ -266,7 +212,7 @@ def test_flash_attn_3_takes_its_page_table_as_page_table(monkeypatch):
 def test_the_static_decode_step_compiles_as_one_graph(monkeypatch):
     """What CUDA graphs need: no graph break in the step (fullgraph), traced by dynamo on CPU (backend eager),
     through both caches, with the stand-in flash kernel behind its custom op (sdpa's path traces the same)."""
-    stand_in_flash(monkeypatch, fake_flash_module([]))
+    stand_in_flash(monkeypatch, stand_in_flash_module([]))
     compiled = []
 
     def compile_step(step, device):

@@ -440,3 +440,24 @@ def test_flash_backends_compile_without_breaks_per_layer(name):
             return torch._dynamo.explain(gpt)(idx, idx).graph_count
 
     assert graph_count(name) == graph_count("sdpa")
+
+
+def test_mps_keeps_sdpa_away_from_explicit_masks(caplog):
+    """No MPS here: setup_attention only resolves for the device, which needs no MPS to name."""
+    mps = torch.device("mps")
+    for requested in ("auto", "sdpa"):
+        gpt = tiny_model(attention_backend=requested)
+        with caplog.at_level("WARNING", logger="model"):
+            caplog.clear()
+            gpt.setup_attention(mps, torch.float32, training=False, kv_cache="contiguous")
+            gpt.setup_attention(mps, torch.float32, training=False, kv_cache="contiguous")
+        assert gpt.attention[False].resolution.used == "manual"
+        assert len(caplog.records) == 1 and "pytorch#107616" in caplog.records[0].getMessage(), requested
+        gpt.setup_attention(mps, torch.float32, training=True)  # plain causal: no explicit mask, SDPA is fine
+        assert gpt.attention[False].resolution.used == "sdpa" and gpt.attention[True].resolution.used == "manual"
+    gpt = tiny_model(disable_mps_fix=True)
+    with caplog.at_level("WARNING", logger="model"):
+        caplog.clear()
+        gpt.setup_attention(mps, torch.float32, training=False, kv_cache="contiguous", documents=True)
+    assert gpt.attention[False].resolution.used == "sdpa" and gpt.attention[True].resolution.used == "sdpa"
+    assert not caplog.records

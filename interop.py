@@ -1,0 +1,324 @@
+"""
+GPT-2 weights in and out: Hugging Face GPT-2 checkpoints and nanoGPT checkpoints load into GPT, and our
+checkpoints export as Hugging Face GPT-2 folders.
+
+    python interop.py export out/ckpt.pt hf-model/   # config.json + model.safetensors, for GPT2LMHeadModel
+    model = GPT.from_pretrained("gpt2")              # or a folder with config.json + model.safetensors
+
+Hugging Face's GPT-2 keeps GPT-2's parameter names, as ours do, but stores its four projections as Conv1D with
+weights (in, out) where nn.Linear has (out, in): they are transposed on the way in and out. Hub names
+(gpt2 ... gpt2-xl) resolve through the Hugging Face cache; with HF_HUB_OFFLINE=1 only what is cached loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from checkpoint import CheckpointError, check_model_weights, load_checkpoint, read_torch_file, write_safetensors
+from data.common import DataError, make_out_dir, read_meta_pkl
+from data.tokenizer import gpt2_meta
+from lora import load_model_weights
+from model import GPT, GPTConfig
+
+HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # in order of preference
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")  # stored (in, out)
+BUFFERS = ("attn.bias", "attn.masked_bias")  # the causal mask, saved by older GPT-2 code: not weights
+SOURCES = (
+    "a .pt checkpoint, an out_dir with ckpt.pt, a Hugging Face GPT-2 folder (config.json + model.safetensors "
+    f"or pytorch_model.bin), or a hub name ({', '.join(HUB_NAMES)})"
+)
+# GPTConfig fields HF GPT-2 writes in config.json (bias=False exports as zero biases), and fields that only say
+# how the model runs here. Any other field must keep its default, GPT-2's architecture, to be exported.
+EXPRESSIBLE = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "bias")
+RUNTIME_ONLY = ("attention_backend", "sdpa_kernel", "auto_measure", "use_flash_attention", "disable_mps_fix")
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading: any source of weights -> a checkpoint dict of our format (model, model_config, meta)
+
+
+def load_weights(source, also: tuple[str, ...] = ()) -> tuple[dict, Path]:
+    """(checkpoint, its path) from `source`: see SOURCES. `also` names the caller's other allowed values, for
+    the error line."""
+    path = Path(source)
+    if path.is_file():
+        return load_checkpoint(path), path
+    if path.is_dir() and (path / "ckpt.pt").is_file():
+        return load_checkpoint(path / "ckpt.pt"), path / "ckpt.pt"
+    if (path.is_dir() and (path / "config.json").is_file()) or str(source) in HUB_NAMES:
+        return load_hf(source), path
+    allowed = ", ".join(also) + (", or " if also else "") + SOURCES
+    raise CheckpointError(f"init_from={str(source)!r}: allowed are {allowed}")
+
+
+def load_hf(name_or_dir) -> dict:
+    """A Hugging Face GPT-2 checkpoint (a folder, or a hub name from the local cache) as our checkpoint dict."""
+    folder = Path(name_or_dir) if Path(name_or_dir).is_dir() else hub_folder(str(name_or_dir))
+    config = hf_model_config(folder / "config.json")
+    weights = hf_weights(folder)
+    meta = weights.pop("meta", None) or gpt2_meta()  # HF's GPT-2 folders carry no tokenizer we read
+    return {"model": weights["model"], "model_config": config, "meta": meta, "source": "huggingface"}
+
+
+def hub_folder(name: str) -> Path:
+    """The cached snapshot of a hub model (downloaded first unless HF_HUB_OFFLINE=1); one line if it is not there."""
+    try:
+        from huggingface_hub import constants, snapshot_download
+    except ImportError:
+        raise CheckpointError(f"loading {name} by name needs huggingface_hub: pip install huggingface_hub") from None
+    patterns = ["config.json", "model.safetensors"]
+    try:
+        return Path(snapshot_download(name, allow_patterns=patterns, local_files_only=True))
+    except (OSError, ValueError):  # not cached (LocalEntryNotFoundError is an OSError)
+        pass
+    try:
+        if constants.HF_HUB_OFFLINE:
+            raise OSError("offline")
+        return Path(snapshot_download(name, allow_patterns=patterns))
+    except (OSError, ValueError):  # no network, offline mode, a failed download: all HfHubHTTPError/OSError
+        raise CheckpointError(
+            f"{name} is not in the local Hugging Face cache and the hub cannot be reached; download it with "
+            f"`hf download {name} config.json model.safetensors` or pass a local directory"
+        ) from None
+
+
+def hf_model_config(path: Path) -> dict:
+    """config.json -> GPTConfig fields; a setting our GPT cannot reproduce exactly is one CheckpointError line."""
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path} cannot be read as JSON ({error})") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    if hf.get("model_type", "gpt2") != "gpt2":
+        raise CheckpointError(f"{path}: model_type {hf['model_type']!r} is not gpt2; only GPT-2 models load")
+    required = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12}  # HF's defaults
+    config = {key: hf.get(key, default) for key, default in required.items()}
+    # what GPT-2's math would need that ours does not do: (setting, HF's default, what is allowed)
+    exact = [
+        ("layer_norm_epsilon", 1e-5, "1e-05"),
+        ("activation_function", "gelu_new", "gelu_new (tanh GELU)"),
+        ("n_inner", None, f"null or 4*n_embd = {4 * config['n_embd']}"),
+        ("scale_attn_weights", True, "true"),
+        ("scale_attn_by_inverse_layer_idx", False, "false"),
+        ("add_cross_attention", False, "false"),
+    ]
+    for key, default, allowed in exact:
+        value = hf.get(key, default)
+        if value != default and not (key == "n_inner" and value == 4 * config["n_embd"]):
+            raise CheckpointError(f"{path}: {key}={value!r} is not supported; allowed: {allowed}")
+    model_config = {
+        "block_size": config["n_positions"],
+        "vocab_size": config["vocab_size"],  # as is, never padded: the logits must be HF's
+        "n_layer": config["n_layer"],
+        "n_head": config["n_head"],
+        "n_embd": config["n_embd"],
+        "dropout": 0.0,  # the run's own setting applies
+        "bias": True,
+    }
+    try:
+        return dataclasses.asdict(GPTConfig(**model_config))  # every field, as our checkpoints hold them
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{path}: {error}") from None
+
+
+def hf_weights(folder: Path) -> dict:
+    """{"model": our state dict, "meta": the tokenizer written by export_hf or None} from a folder's weights."""
+    path = next((folder / name for name in WEIGHT_FILES if (folder / name).is_file()), None)
+    if path is None:
+        raise CheckpointError(f"{folder} has config.json but no {' or '.join(WEIGHT_FILES)}")
+    meta = None
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                saved = {key: f.get_tensor(key) for key in f.keys()}
+                meta = json.loads((f.metadata() or {}).get("meta", "null"))
+        except (SafetensorError, OSError, json.JSONDecodeError) as error:
+            raise CheckpointError(f"{path} is not a readable safetensors file ({error})") from None
+    else:
+        saved = read_torch_file(path)
+        if not isinstance(saved, dict):
+            raise CheckpointError(f"{path} is not a state dict")
+    model = {}
+    for key, tensor in saved.items():
+        name = key.removeprefix("transformer.")  # older files (the hub's gpt2) have no prefix
+        if is_mask_buffer(name) or name == "lm_head.weight":  # lm_head is tied to wte
+            continue
+        model["transformer." + name] = tensor.t() if name.endswith(CONV1D) and tensor.dim() == 2 else tensor
+    if "transformer.wte.weight" in model:
+        model["lm_head.weight"] = model["transformer.wte.weight"]
+    return {"model": model, "meta": meta if isinstance(meta, dict) else None}
+
+
+def is_mask_buffer(name: str) -> bool:
+    return ".".join(name.split(".")[-2:]) in BUFFERS  # h.0.attn.bias is; h.0.attn.c_attn.bias is not
+
+
+def from_nanogpt(state: dict, path: Path) -> dict:
+    """A nanoGPT checkpoint (model_args, model) as ours: `_orig_mod.` prefixes (torch.compile's) and the causal
+    mask buffers dropped; the tokenizer is GPT-2's for a GPT-2-sized vocabulary, else the char vocabulary of
+    its dataset's meta.pkl (data/<dataset>/meta.pkl, or beside the checkpoint)."""
+    args, weights = state.get("model_args"), state.get("model")
+    if not isinstance(args, dict) or not isinstance(weights, dict):
+        raise CheckpointError(f"{path}: a nanoGPT checkpoint needs model_args and model dicts")
+    known = {f.name for f in dataclasses.fields(GPTConfig)}
+    model_config = {key: value for key, value in args.items() if key in known}
+    model = {
+        str(key).removeprefix("_orig_mod."): value for key, value in weights.items() if not is_mask_buffer(str(key))
+    }
+    return {"model": model, "model_config": model_config, "meta": nanogpt_meta(state, path), "source": "nanoGPT"}
+
+
+def nanogpt_meta(state: dict, path: Path) -> dict:
+    vocab_size = state["model_args"].get("vocab_size")
+    if isinstance(vocab_size, int) and vocab_size >= 50257:
+        return gpt2_meta()
+    dataset = (state.get("config") or {}).get("dataset", "")
+    places = ([Path("data") / str(dataset) / "meta.pkl"] if dataset else []) + [path.parent / "meta.pkl"]
+    found = next((place for place in places if place.is_file()), None)
+    if found is None:
+        raise CheckpointError(
+            f"{path}: a nanoGPT checkpoint of vocab_size {vocab_size} needs its dataset's meta.pkl for the "
+            f"tokenizer; put it at {' or '.join(map(str, places))}"
+        )
+    try:
+        return read_meta_pkl(found)
+    except DataError as error:
+        raise CheckpointError(str(error)) from None
+
+
+def model_from_checkpoint(state: dict, path, **overrides) -> GPT:
+    """A GPT with the checkpoint's weights; `overrides` set GPTConfig fields that do not change the weights'
+    shapes (attention_backend, dropout, ...); a smaller block_size crops the position embeddings."""
+    block_size = overrides.pop("block_size", None)
+    try:
+        model = GPT(GPTConfig(**{**state["model_config"], **overrides}))
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{path}: {error}") from None
+    load_model_weights(model, state, path)  # a mismatch is one line, not a traceback; LoRA adapters merged in
+    if block_size is not None and block_size != model.config.block_size:
+        model.crop_block_size(block_size)
+    return model
+
+
+def from_pretrained(source, **overrides) -> GPT:
+    """GPT from a hub name (gpt2 ... gpt2-xl), a Hugging Face GPT-2 folder, or one of our or nanoGPT's
+    checkpoints; see model_from_checkpoint for `overrides`."""
+    state, path = load_weights(source)
+    return model_from_checkpoint(state, path, **{"dropout": 0.0, **overrides})
+
+
+# ----------------------------------------------------------------------------------------------
+# Export: our checkpoint -> a Hugging Face GPT-2 folder
+
+
+def export_hf(model_or_checkpoint, out_dir) -> Path:
+    """Write out_dir/config.json and out_dir/model.safetensors that GPT2LMHeadModel.from_pretrained loads with
+    the same logits. Takes a GPT, a checkpoint dict, or the path of a checkpoint; returns out_dir."""
+    meta = None
+    if isinstance(model_or_checkpoint, GPT):
+        config, weights = dataclasses.asdict(model_or_checkpoint.config), model_or_checkpoint.state_dict()
+    else:
+        state = model_or_checkpoint
+        if not isinstance(state, dict):
+            state = load_checkpoint(model_or_checkpoint)
+        config, weights, meta = state["model_config"], state["model"], state.get("meta")
+    check_expressible(config)
+    out_dir = Path(out_dir)
+    try:
+        make_out_dir(out_dir)
+    except DataError as error:
+        raise CheckpointError(str(error)) from None
+    with torch.device("meta"):  # names and shapes only, no memory: ours, and GPT-2's (which has biases)
+        ours, gpt2 = GPT(GPTConfig(**config)), GPT(GPTConfig(**{**config, "bias": True}))
+    check_model_weights(ours.state_dict(), weights, out_dir)
+    dtype = weights["lm_head.weight"].dtype
+    hf = {}
+    for name, tensor in gpt2.state_dict().items():
+        if name == "lm_head.weight":  # tied to wte; HF stores it once too
+            continue
+        tensor = weights[name] if name in weights else torch.zeros(tensor.shape, dtype=dtype)  # bias=False: exact
+        hf[name] = (tensor.t() if name.endswith(CONV1D) else tensor).contiguous()
+    metadata = {"format": "pt"} | ({"meta": json.dumps(meta)} if meta else {})  # transformers wants format=pt
+    write_safetensors(hf, out_dir / "model.safetensors", metadata)
+    write_config_json(config, meta, out_dir / "config.json")
+    return out_dir
+
+
+def check_expressible(config: dict) -> None:
+    """Refuse, in one line, a model HF GPT-2 cannot express: a field other than EXPRESSIBLE/RUNTIME_ONLY that
+    differs from GPTConfig's default (GPT-2's architecture)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    differ = [
+        f"{key}={value!r}"
+        for key, value in config.items()
+        if key not in EXPRESSIBLE + RUNTIME_ONLY and key in defaults and value != defaults[key]
+    ]
+    if differ:
+        raise CheckpointError(
+            f"this model cannot be exported as Hugging Face GPT-2, which has no {', '.join(differ)}; "
+            f"only models with GPT-2's architecture export"
+        )
+
+
+def write_config_json(config: dict, meta: dict | None, path: Path) -> None:
+    gpt2_tokens = config["vocab_size"] >= 50257 and (meta is None or meta.get("tokenizer") == "gpt2")
+    hf = {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": config["vocab_size"],
+        "n_positions": config["block_size"],
+        "n_embd": config["n_embd"],
+        "n_layer": config["n_layer"],
+        "n_head": config["n_head"],
+        "n_inner": None,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "resid_pdrop": config.get("dropout", 0.0),
+        "embd_pdrop": config.get("dropout", 0.0),
+        "attn_pdrop": config.get("dropout", 0.0),
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "tie_word_embeddings": True,
+        "bos_token_id": 50256 if gpt2_tokens else None,  # <|endoftext|>
+        "eos_token_id": 50256 if gpt2_tokens else None,
+    }
+    try:
+        path.write_text(json.dumps(hf, indent=2) + "\n", encoding="utf-8")
+    except OSError as error:
+        raise CheckpointError(f"cannot write {path}: {error.strerror or error}") from None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="interop.py", description="Export a checkpoint of this repo as a Hugging Face GPT-2 folder."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    export = commands.add_parser(
+        "export",
+        help="write OUT_DIR/config.json and OUT_DIR/model.safetensors (GPT2LMHeadModel.from_pretrained(OUT_DIR))",
+    )
+    export.add_argument("checkpoint", help="a .pt checkpoint (out_dir/ckpt.pt) or an out_dir")
+    export.add_argument("out_dir", help="folder to write (created if missing)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        source = Path(args.checkpoint)
+        out = export_hf(source / "ckpt.pt" if source.is_dir() else source, args.out_dir)
+    except CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
