@@ -95,6 +95,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"out_dir has a folder name of {len(os.fsencode(too_long[0]))} bytes; 255 is the most")
     if cfg.parallelism not in PARALLELISMS:
         raise ValueError(f"unknown parallelism {cfg.parallelism!r}; choose one of {', '.join(PARALLELISMS)}")
+    if cfg.parallelism == "fsdp" and cfg.lora_rank:
+        raise ValueError("LoRA (lora_rank > 0) trains with parallelism ddp, not fsdp; its frozen base is not sharded")
     for name in ("ddp_bucket_cap_mb", "dist_timeout_s"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")

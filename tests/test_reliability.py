@@ -408,6 +408,9 @@ BAD_INPUTS = [
     case("unknown-dtype", "--dtype=float64", expect=("float64", "auto, bfloat16, float16, float32")),
     case("unknown-dist_backend", "--dist_backend=ddp", expect=("ddp", "nccl or gloo")),
     case("unknown-backend-deprecated-key", "--backend=ddp", expect=("dist_backend 'ddp'", "nccl or gloo")),
+    case("unknown-parallelism", "--parallelism=zero3", expect=("zero3", "ddp, fsdp")),
+    case("fsdp-with-lora", "--parallelism=fsdp", "--lora_rank=4", expect=("LoRA", "parallelism ddp")),
+    case("zero-dist_timeout_s", "--dist_timeout_s=0", expect=("dist_timeout_s must be > 0",)),
     case(
         "unknown-attention_backend",
         "--attention_backend=flash3",
