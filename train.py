@@ -65,7 +65,7 @@ log = logging.getLogger("train")
 class TrainConfig:
     # ---- I/O ----
     out_dir: str = "out-shakespeare-char"  # checkpoints go here
-    init_from: str = "scratch"  # scratch | resume | auto (resume if out_dir has a ckpt.pt) | weights: .pt, HF, gpt2..
+    init_from: str = "scratch"  # scratch | resume | auto (resume if out_dir has a ckpt.pt) | fine-tune: .pt, HF, gpt2
     overwrite_out_dir: bool = False  # let a scratch or fine-tune run replace the checkpoints already in out_dir
     eval_interval: int = 250  # evaluate, and maybe checkpoint, every this many iterations
     eval_iters: int = 20  # batches per split in each evaluation
