@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -81,6 +82,18 @@ def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
+
+
+def grad_scaler(model: nn.Module, device_type: str, *, init_scale: float, enabled: bool) -> torch.amp.GradScaler:
+    """torch's GradScaler; for a sharded model its FSDP variant: each rank checks only its shards of the
+    gradients for inf/NaN, and that one agrees over the ranks, so that every rank skips the same steps."""
+    if is_sharded(model):
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        # its one-element inf flag meets the DTensor gradients, which DTensor accepts with a warning per process
+        warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1", category=UserWarning)
+        return ShardedGradScaler(device_type, init_scale=init_scale, enabled=enabled)
+    return torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=enabled)
 
 
 def gradient_sync(model: nn.Module, train_model: nn.Module, enabled: bool):

@@ -32,7 +32,7 @@ from data.common import DataError
 from data.loader import Batches
 from lora import load_model_weights, setup_lora
 from model import GPT, GPTConfig
-from parallel import gradient_sync, place_model, replicated, wrap_model
+from parallel import grad_scaler, gradient_sync, place_model, replicated, wrap_model
 from preflight import (
     check_before_training,
     check_checkpoint_shape,
@@ -257,8 +257,8 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     # The GradScaler finds inf/NaN gradients on the device and skips that optimizer step without a host
     # sync (with fused AdamW). float16 needs its loss scaling; other dtypes keep the scale at exactly 1.
     scaled = runtime.dtype == torch.float16
-    scaler = torch.amp.GradScaler(
-        device.type, init_scale=2.0**16 if scaled else 1.0, enabled=device.type in ("cuda", "cpu")
+    scaler = grad_scaler(
+        model, device.type, init_scale=2.0**16 if scaled else 1.0, enabled=device.type in ("cuda", "cpu")
     )
     use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
     eval_model, train_model = wrap_model(
