@@ -167,5 +167,8 @@ def load_sharded_optimizer(model: nn.Module, optimizer, folder: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # the layout to fill, on this rank
-    dcp.load(state, checkpoint_id=folder, no_dist=not (dist.is_available() and dist.is_initialized()))
+    one_process = not (dist.is_available() and dist.is_initialized())
+    with warnings.catch_warnings():  # DCP warns that it loads in one process, even when told so by no_dist
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, checkpoint_id=folder, no_dist=one_process)
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
