@@ -10,6 +10,9 @@ Checkpoints that survive a kill, load without running code, and never overwrite 
 - `out_dir/ckpt-0001000.pt` per save; `ckpt.pt` (latest) and `best.pt` (lowest val loss) are copies of it,
   files of their own, so `cp ckpt-0000500.pt ckpt.pt` (a rollback) changes nothing else. Rotation and the
   clean-up of a killed writer's temporary files touch only these names, never a user's own files.
+- An FSDP run (parallel.py) also writes its sharded optimizer state as a torch.distributed.checkpoint folder,
+  `ckpt-<iter>.dcp`, renamed into place once complete and before the files that name it; it goes when its
+  `ckpt-<iter>.pt` is rotated away. ckpt.pt itself holds the full weights, so it loads like any other.
 - Loading uses `torch.load(weights_only=True)`: only tensors and plain containers are read back, so a
   malicious file cannot run code. Everything saved (RNG states too) is stored in such types. A loaded
   checkpoint is checked against the schema below; every problem is one CheckpointError line.
@@ -41,6 +44,7 @@ from runtime import format_bytes
 
 LATEST, BEST = "ckpt.pt", "best.pt"
 NUMBERED = re.compile(r"ckpt-\d{7,}\.pt")  # f"ckpt-{iter_num:07d}.pt"
+SHARDED = re.compile(r"ckpt-\d{7,}\.dcp")  # an FSDP run's optimizer state (a DCP folder) beside ckpt-<iter>.pt
 LOCK = ".lock"
 PROBE = "write-probe"  # written (as .write-probe.tmp.<pid>) and deleted at start-up: is out_dir writable?
 
@@ -61,8 +65,8 @@ def os_reason(error: OSError) -> str:
 
 
 def is_checkpoint_name(name: str) -> bool:
-    """ckpt.pt, best.pt, ckpt-<7+ digits>.pt: the only names saves write, rotate or clean up after."""
-    return name in (LATEST, BEST) or NUMBERED.fullmatch(name) is not None
+    """ckpt.pt, best.pt, ckpt-<7+ digits>.pt and .dcp: the only names saves write, rotate or clean up after."""
+    return name in (LATEST, BEST) or NUMBERED.fullmatch(name) is not None or SHARDED.fullmatch(name) is not None
 
 
 def checkpoint_names(out_dir) -> list[str]:
@@ -265,7 +269,9 @@ def _remove_leftovers(out_dir: Path) -> None:
     """Temporary files of a writer killed mid-save; only ours (.ckpt.pt.tmp.<pid>, ...), never a user's."""
     for path in out_dir.iterdir():
         target = tmp_target(path.name)
-        if target is not None and (is_checkpoint_name(target) or target == PROBE):
+        if target is not None and SHARDED.fullmatch(target) and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif target is not None and (is_checkpoint_name(target) or target == PROBE):
             path.unlink(missing_ok=True)
 
 
@@ -274,6 +280,9 @@ def _rotate(out_dir: Path, keep_last_k: int) -> None:
     by_age = sorted(numbered, key=lambda p: (p.stat().st_mtime_ns, p.name))  # save order, not iteration order:
     for old in by_age[:-keep_last_k]:  # a resumed run may save a lower iteration again
         old.unlink()
+    for folder in out_dir.iterdir():  # optimizer states whose ckpt-<iter>.pt is gone
+        if SHARDED.fullmatch(folder.name) and not folder.with_suffix(".pt").exists():
+            shutil.rmtree(folder)
     fsync_dir(out_dir)
 
 
@@ -357,9 +366,17 @@ def check_schema(state, path, *, resume: bool = False) -> None:
     meta = state["meta"]
     if not isinstance(meta.get("tokenizer"), str) or not isinstance(meta.get("vocab_size"), int):
         raise CheckpointError(f"{path}: meta lacks tokenizer or vocab_size; this checkpoint's tokenizer is unknown")
-    if resume:
-        if not all(isinstance(r, dict) and isinstance(r.get("rng"), dict) and "data" in r for r in state["rng"]):
-            raise CheckpointError(f"{path}: rng is not a list of each rank's rng and data state")
+    if resume:  # the data stream's state: one for all ranks, or (earlier versions) one per rank
+        has_data = "data" in state or all(isinstance(r, dict) and "data" in r for r in state["rng"])
+        if not state["rng"] or not all(isinstance(r, dict) and isinstance(r.get("rng"), dict) for r in state["rng"]):
+            raise CheckpointError(f"{path}: rng is not a list of each rank's rng state")
+        if not has_data:
+            raise CheckpointError(f"{path}: lacks the data stream's state (data)")
+        sharded = state.get("sharded")
+        if sharded is not None and not (isinstance(sharded, str) and SHARDED.fullmatch(sharded)):
+            raise CheckpointError(f"{path}: sharded is {sharded!r}, not the name of a ckpt-<iter>.dcp folder")
+        if sharded is not None and not (Path(path).parent / sharded).is_dir():
+            raise CheckpointError(f"{path}: its optimizer state {Path(path).parent / sharded} is missing")
 
 
 def saved_model_config(state: dict, path):

@@ -24,6 +24,7 @@ from data.loader import ensure_dataset
 from interop import load_weights
 from lora import check_targets
 from model import AUTO_CHUNKED_LOGITS, GPT, GPTConfig
+from parallel import PARALLELISMS
 from runtime import DIST_BACKENDS, DTYPES, Runtime, UsageError, available_memory, format_bytes
 
 if TYPE_CHECKING:
@@ -92,6 +93,13 @@ def check_config(cfg: TrainConfig) -> None:
     too_long = [part for part in Path(cfg.out_dir).parts if len(os.fsencode(part)) > 255]
     if too_long:
         raise ValueError(f"out_dir has a folder name of {len(os.fsencode(too_long[0]))} bytes; 255 is the most")
+    if cfg.parallelism not in PARALLELISMS:
+        raise ValueError(f"unknown parallelism {cfg.parallelism!r}; choose one of {', '.join(PARALLELISMS)}")
+    if cfg.parallelism == "fsdp" and cfg.lora_rank:
+        raise ValueError("LoRA (lora_rank > 0) trains with parallelism ddp, not fsdp; its frozen base is not sharded")
+    for name in ("ddp_bucket_cap_mb", "dist_timeout_s"):
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
     if not 0 <= cfg.seed < 2**64:
         raise ValueError(f"seed must be in [0, 2**64), got {cfg.seed}")
     if cfg.document_separator is not None and (cfg.document_separator < 0 or not cfg.packed_documents):
@@ -129,12 +137,20 @@ def checkpoint_path(cfg: TrainConfig) -> Path:
     return Path(cfg.out_dir) / LATEST if cfg.init_from == "resume" else Path(cfg.init_from)
 
 
+def resolve_init_from(cfg: TrainConfig) -> TrainConfig:
+    """init_from=auto is resume when out_dir holds a ckpt.pt, else scratch: a job that torchrun restarts after a
+    crash (--max-restarts) continues from its last checkpoint, and its first start begins afresh."""
+    if cfg.init_from != "auto":
+        return cfg
+    return dataclasses.replace(cfg, init_from="resume" if (Path(cfg.out_dir) / LATEST).is_file() else "scratch")
+
+
 def read_checkpoint(cfg: TrainConfig) -> dict | None:
     if cfg.init_from == "scratch":
         return None
     if cfg.init_from == "resume":
         return load_checkpoint(checkpoint_path(cfg), resume=True)
-    return load_weights(cfg.init_from, also=("scratch", "resume"))[0]
+    return load_weights(cfg.init_from, also=("scratch", "resume", "auto"))[0]
 
 
 def with_weights_shape(cfg: TrainConfig, checkpoint: dict | None) -> TrainConfig:
@@ -219,7 +235,8 @@ def check_memory(cfg: TrainConfig, vocab_size: int, runtime: Runtime) -> None:
     logits = 0 if chunked else 2 * vocab_size
     kept = {"none": 8, "mlp": 4, "block": 1}[cfg.activation_checkpointing]
     activation_bytes = cfg.batch_size * cfg.block_size * 4 * (logits + kept * cfg.n_layer * cfg.n_embd)
-    need = params * bytes_per_param + activation_bytes
+    shards = runtime.world_size if cfg.parallelism == "fsdp" else 1  # FSDP: each rank holds 1/N of the state
+    need = params * bytes_per_param // shards + activation_bytes
     available, where = available_memory(runtime.device)
     if available and need > available:
         raise UsageError(

@@ -4,10 +4,12 @@ the hardware can do (peak FLOP/s, MFU, peak memory). train.py, sample.py and ben
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import resource
 import signal
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -91,9 +93,14 @@ def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
 
 
 def setup_runtime(
-    device: str = "auto", dtype: str = "auto", dist_backend: str = "nccl", gradient_accumulation_steps: int = 1
+    device: str = "auto",
+    dtype: str = "auto",
+    dist_backend: str = "nccl",
+    gradient_accumulation_steps: int = 1,
+    timeout_s: float | None = None,
 ) -> Runtime:
-    """This process's device and dtype; under torchrun (WORLD_SIZE > 1) also joins the process group."""
+    """This process's device and dtype; under torchrun (WORLD_SIZE > 1) also joins the process group, whose
+    collectives give up after timeout_s (None: torch's default)."""
     world_size = env_int("WORLD_SIZE", 1, low=1)
     rank, local_rank = env_int("RANK", 0, low=0), env_int("LOCAL_RANK", 0, low=0)
     if rank >= world_size:
@@ -110,7 +117,8 @@ def setup_runtime(
         if picked.type == "cuda":
             torch.cuda.set_device(picked)
         try:
-            dist.init_process_group(backend=dist_backend)
+            timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+            dist.init_process_group(backend=dist_backend, timeout=timeout)
         except (ValueError, RuntimeError) as error:  # no MASTER_ADDR, an unreachable or timed-out rendezvous
             reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
             raise UsageError(
@@ -153,6 +161,56 @@ def agree(runtime: Runtime, error: Exception | None) -> None:
             raise PeerFailed(first)
     if error is not None:
         raise error
+
+
+@contextlib.contextmanager
+def naming_the_failed_rank(runtime: Runtime, wait_s: float = 3.0):
+    """Around the training loop: when a rank fails, the others' next collective fails too (the connection
+    closes, or dist_timeout_s passes). A rank that fails by itself writes its one line in the job's key-value
+    store (torchrun's, which outlives the workers); the others, whose collective broke, look there (for up to
+    wait_s) and one of them prints `error: rank R failed: ...`, or, when no rank said why (one was killed or
+    hangs), that it lost contact with the others; they exit quietly, without the traceback of the collective."""
+    try:
+        yield
+    except PeerFailed:
+        raise
+    except Exception as error:
+        if not runtime.ddp:
+            raise
+        key = f"train/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # one key per (re)start
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            if not is_communication_error(error):  # this rank's own failure: the first to say so is named
+                mine = f"{runtime.rank}\t{one_line(error)}"
+                if store.compare_set(key, "", mine).decode() == mine:
+                    raise error
+            deadline = time.monotonic() + wait_s
+            while not store.check([key]) and time.monotonic() < deadline:  # check: no timeout warnings
+                time.sleep(0.1)
+            rank, line = store.get(key).decode().split("\t", 1) if store.check([key]) else (None, one_line(error))
+        except (RuntimeError, ValueError) as lookup:  # RuntimeError covers DistStoreError: nobody said why
+            if lookup is error:
+                raise
+            rank, line = None, one_line(error)
+        if rank is None:
+            emit(
+                f"error: rank {runtime.rank} lost contact with the other ranks ({line}); one died or hangs",
+                file=sys.stderr,
+            )
+            raise PeerFailed(line) from None
+        if runtime.rank == (1 if rank == "0" else 0):
+            emit(f"error: rank {rank} failed: {line}", file=sys.stderr)
+        raise PeerFailed(f"rank {rank} failed: {line}") from None
+
+
+def is_communication_error(error: BaseException) -> bool:
+    """A collective that broke because a peer is gone or timed out (NCCL's DistError, gloo's RuntimeError)."""
+    return isinstance(error, dist.DistError) or "third_party/gloo" in str(error)
+
+
+def one_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
 
 
 def available_memory(device: torch.device) -> tuple[int, str]:

@@ -26,25 +26,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checkpoint import (
-    BEST,
-    LATEST,
-    CheckpointError,
-    capture_rng,
-    restore_rng,
-    save_checkpoint,
-)
+from checkpoint import BEST, LATEST, CheckpointError
 from configurator import ConfigError, load_config, parse_bool
 from data.common import DataError
 from data.loader import Batches
-from lora import checkpoint_entries, load_model_weights, setup_lora
+from lora import load_model_weights, setup_lora
 from model import GPT, GPTConfig
+from parallel import grad_scaler, gradient_sync, place_model, replicated, wrap_model
 from preflight import (
     check_before_training,
     check_checkpoint_shape,
     check_config,
     checkpoint_path,
     claim_run_out_dir,
+    resolve_init_from,
     with_weights_shape,
 )
 from runtime import (
@@ -55,11 +50,13 @@ from runtime import (
     agree,
     emit,
     model_flops_utilization,
+    naming_the_failed_rank,
     peak_flops_for,
     peak_memory_gib,
     setup_runtime,
     synchronize,
 )
+from train_checkpoint import restore_progress, write_checkpoint
 
 log = logging.getLogger("train")
 
@@ -68,7 +65,7 @@ log = logging.getLogger("train")
 class TrainConfig:
     # ---- I/O ----
     out_dir: str = "out-shakespeare-char"  # checkpoints go here
-    init_from: str = "scratch"  # scratch | resume (out_dir/ckpt.pt) | weights to fine-tune: .pt, HF folder, gpt2...
+    init_from: str = "scratch"  # scratch | resume | auto (resume if out_dir has a ckpt.pt) | fine-tune: .pt, HF, gpt2
     overwrite_out_dir: bool = False  # let a scratch or fine-tune run replace the checkpoints already in out_dir
     eval_interval: int = 250  # evaluate, and maybe checkpoint, every this many iterations
     eval_iters: int = 20  # batches per split in each evaluation
@@ -132,7 +129,10 @@ class TrainConfig:
     compile: bool | None = None  # torch.compile the model; None: on for CUDA, off elsewhere
     compile_mode: str = "default"  # torch.compile mode: default | max-autotune-no-cudagraphs | max-autotune | ...
     dist_backend: str = "nccl"  # DDP backend under torchrun: nccl | gloo
-    seed: int = 1337  # base seed; each rank adds its rank
+    parallelism: str = "ddp"  # under torchrun: ddp (a model copy per GPU) | fsdp (weights and optimizer sharded)
+    ddp_bucket_cap_mb: float = 25.0  # DDP all-reduces gradients in buckets of this size, overlapping backward
+    dist_timeout_s: float = 600.0  # a rank waiting this long for the others in a collective gives up
+    seed: int = 1337  # seeds the weights and the data stream (the same on every rank); dropout adds the rank
     peak_flops: float | None = None  # per-device peak FLOP/s for MFU; None: look up the GPU's name
     max_bad_steps: int = 5  # stop after this many consecutive steps with non-finite loss or gradients
 
@@ -248,26 +248,28 @@ class Step:
 
 def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch: Callable) -> TrainState:
     """Place the model, resolve its attention for this device and dtype (before torch.compile, which then
-    sees one backend), and build the optimizer, GradScaler, compiled and DDP-wrapped views."""
+    sees one backend), and build the compiled and DDP-wrapped (or FSDP-sharded) views, optimizer, GradScaler."""
     device = runtime.device
-    model = model.to(device)
+    model = place_model(model, runtime, cfg.parallelism)
     attention = model.setup_attention(
         device, runtime.dtype, training=True, seq_len=cfg.block_size, documents=cfg.packed_documents
     )
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
     # The GradScaler finds inf/NaN gradients on the device and skips that optimizer step without a host
     # sync (with fused AdamW). float16 needs its loss scaling; other dtypes keep the scale at exactly 1.
     scaled = runtime.dtype == torch.float16
-    scaler = torch.amp.GradScaler(
-        device.type, init_scale=2.0**16 if scaled else 1.0, enabled=device.type in ("cuda", "cpu")
+    scaler = grad_scaler(
+        model, device.type, init_scale=2.0**16 if scaled else 1.0, enabled=device.type in ("cuda", "cpu")
     )
     use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
-    eval_model = torch.compile(model, mode=cfg.compile_mode) if use_compile else model
-    train_model = eval_model
-    if runtime.ddp:
-        from torch.nn.parallel import DistributedDataParallel
-
-        train_model = DistributedDataParallel(eval_model, device_ids=[device.index] if device.type == "cuda" else None)
+    eval_model, train_model = wrap_model(
+        model,
+        runtime,
+        cfg.parallelism,
+        use_compile=use_compile,
+        compile_mode=cfg.compile_mode,
+        bucket_cap_mb=cfg.ddp_bucket_cap_mb,
+    )
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
     return TrainState(
         cfg, runtime, model, eval_model, train_model, optimizer, scaler, StopFlags(runtime), next_batch, attention
     )
@@ -284,8 +286,8 @@ def train_step(state: TrainState) -> Step:
     loss_sum = torch.zeros((), device=runtime.device)
     for micro_step in range(state.accum):
         last_micro_step = micro_step == state.accum - 1
-        ddp_sync = contextlib.nullcontext() if (last_micro_step or not runtime.ddp) else state.train_model.no_sync()
-        with ddp_sync:  # gradients are all-reduced on the last micro-step only
+        # gradients are averaged over ranks on the last micro-step only
+        with gradient_sync(state.model, state.train_model, enabled=last_micro_step):
             with runtime.autocast():
                 _, loss = state.train_model(*batch)
                 loss = loss / state.accum
@@ -295,7 +297,7 @@ def train_step(state: TrainState) -> Step:
     state.batch = batch
     state.scaler.unscale_(state.optimizer)
     grad_clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), grad_clip)
+    grad_norm = replicated(torch.nn.utils.clip_grad_norm_(state.model.parameters(), grad_clip))
     if state.scaler.is_enabled():
         state.scaler.step(state.optimizer)  # skipped on the device when a gradient is inf/NaN
         if runtime.dtype == torch.float16:
@@ -321,13 +323,22 @@ def setup_or_resume(cfg: TrainConfig, runtime: Runtime, hold: contextlib.ExitSta
     error = None
     try:
         checkpoint, data_dir, meta, vocab_size = check_before_training(cfg, runtime)
-        seed = (cfg.seed + runtime.rank) % 2**64
-        packing = dict(packed_documents=cfg.packed_documents, document_separator=cfg.document_separator)
         batches = Batches(
-            data_dir, cfg.batch_size, cfg.block_size, runtime.device, seed=seed, vocab_size=vocab_size, **packing
+            data_dir,
+            cfg.batch_size,
+            cfg.block_size,
+            runtime.device,
+            seed=cfg.seed,
+            vocab_size=vocab_size,
+            rank=runtime.rank,
+            world_size=runtime.world_size,
+            accum=cfg.gradient_accumulation_steps // runtime.world_size,
+            packed_documents=cfg.packed_documents,
+            document_separator=cfg.document_separator,
         )
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         model = build_model(cfg, vocab_size, checkpoint)
+        torch.manual_seed((cfg.seed + runtime.rank) % 2**64)  # and each rank its own dropout
         claim_run_out_dir(cfg, runtime, model, hold)
     except (CheckpointError, DataError, UsageError) as failure:
         error = failure
@@ -339,29 +350,6 @@ def setup_or_resume(cfg: TrainConfig, runtime: Runtime, hold: contextlib.ExitSta
     if resuming:
         restore_progress(state, batches, checkpoint)
     return state, batches, meta
-
-
-def restore_progress(state: TrainState, batches: Batches, checkpoint: dict) -> None:
-    """Optimizer, scaler, counters, and (with the same number of ranks) each rank's RNG and data position."""
-    runtime = state.runtime
-    ranks = checkpoint["rng"]
-    try:
-        state.optimizer.load_state_dict(checkpoint["optimizer"])
-        state.scaler.load_state_dict(checkpoint["scaler"])
-        if len(ranks) == runtime.world_size:
-            restore_rng(ranks[runtime.rank]["rng"])
-            batches.generator.set_state(ranks[runtime.rank]["data"])
-    except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as error:
-        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-        path = checkpoint_path(state.cfg)
-        raise CheckpointError(f"{path}: its optimizer or RNG state cannot be restored ({reason})") from None
-    state.iter_num, state.best_val_loss = checkpoint["iter_num"], float(checkpoint["best_val_loss"])
-    state.ckpt_iter = state.resumed_iter = state.iter_num
-    if len(ranks) != runtime.world_size and runtime.master:
-        log.warning(
-            f"checkpoint was saved by {len(ranks)} ranks, this run has {runtime.world_size}: "
-            f"data order and RNG streams start fresh"
-        )
 
 
 def tokens_per_iter(cfg: TrainConfig) -> int:
@@ -449,42 +437,6 @@ def on_disk(state: TrainState) -> str:
     if state.ckpt_iter == state.resumed_iter:
         return f"{latest} still holds iter {state.ckpt_iter}, the checkpoint this run resumed from"
     return f"{latest} holds iter {state.ckpt_iter}, the last state this run saved"
-
-
-def write_checkpoint(state: TrainState, batches: Batches, meta: dict, is_best: bool) -> Path:
-    """Write a checkpoint from rank 0, with every rank's RNG and data position; returns out_dir/ckpt.pt. A failed
-    save (a full disk, ...) is a CheckpointError on every rank."""
-    cfg, runtime = state.cfg, state.runtime
-    ranks = [{"rng": capture_rng(), "data": batches.state_before_last}]  # draws the next step's batch
-    if runtime.ddp:
-        gathered = [None] * runtime.world_size
-        dist.all_gather_object(gathered, ranks[0])
-        ranks = gathered
-    error = None
-    if runtime.master:
-        try:
-            save_checkpoint(state_dict(state, meta, ranks), cfg.out_dir, state.iter_num, cfg.keep_last_k, is_best)
-        except CheckpointError as failure:
-            error = failure
-    agree(runtime, error)
-    state.ckpt_iter = state.iter_num
-    return Path(cfg.out_dir) / LATEST
-
-
-def state_dict(state: TrainState, meta: dict, ranks: list[dict]) -> dict:
-    """What a checkpoint holds (checkpoint.py's REQUIRED_KEYS and RESUME_KEYS, and the run's config)."""
-    cfg = state.cfg
-    return {
-        **checkpoint_entries(state.model),  # "model": its state_dict; with LoRA, the adapters and "lora"
-        "model_config": dataclasses.asdict(state.model.config),
-        "optimizer": state.optimizer.state_dict(),
-        "scaler": state.scaler.state_dict(),
-        "iter_num": state.iter_num,
-        "best_val_loss": state.best_val_loss,
-        "config": dataclasses.asdict(cfg),
-        "meta": meta,
-        "rng": ranks,
-    }
 
 
 def too_many_bad_steps(state: TrainState, bad_streak: int) -> bool:
@@ -597,14 +549,17 @@ def save_and_exit_on_signal(state: TrainState, batches: Batches, meta: dict) -> 
 def train(cfg: TrainConfig) -> int:
     """Train until max_iters (exit code 0; 1 if the last state is not finite), a signal (saves, then 0) or
     max_bad_steps non-finite steps in a row (1). out_dir is this run's alone until it returns."""
-    runtime = setup_runtime(cfg.device, cfg.dtype, cfg.dist_backend, cfg.gradient_accumulation_steps)
+    cfg = resolve_init_from(cfg)
+    runtime = setup_runtime(
+        cfg.device, cfg.dtype, cfg.dist_backend, cfg.gradient_accumulation_steps, timeout_s=cfg.dist_timeout_s
+    )
     if runtime.master:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", force=True)
     with contextlib.ExitStack() as hold:
         state, batches, meta = setup_or_resume(cfg, runtime, hold)
         wandb = start_wandb(cfg) if cfg.wandb_log and runtime.master else None
         throughput = Throughput(state)
-        with state.stop.handling_signals():
+        with state.stop.handling_signals(), naming_the_failed_rank(runtime):
             while True:
                 if evaluation_due(state):
                     with throughput.paused():

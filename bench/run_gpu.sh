@@ -6,6 +6,7 @@
 #   bash bench/run_gpu.sh scan attention      # fit auto's flash-attn-4 lengths (sm90) first, then measure them
 #   bash bench/run_gpu.sh generate            # generation: prefill and decode tok/s per backend and KV cache
 #   bash bench/run_gpu.sh speed profile long curves   # train-step speed: plain vs default, profile, long T, loss
+#   bash bench/run_gpu.sh ddp                 # 1, 2, 4 GPUs: DDP scaling, GPT-2 XL under FSDP, the largest model
 #
 # On a GPU machine without network, the flash packages can come with the repo, in either form:
 # - .whl/flash_attn-*.whl: a flash-attn 2 wheel built for that machine's torch, CUDA and Python, installed
@@ -107,6 +108,9 @@ for stage in "$@"; do
     curves)  # 300 iterations of plain and default on Shakespeare (GPT-2 BPE; data/shakespeare prepared beforehand)
         python3 bench/loss_curves.py --out "$OUT" ${CURVE_ITERS:+--iters $CURVE_ITERS} | tail -12
         ;;
-    *) echo "unknown stage $stage; stages: tests smoke scan attention float16 train compare generate speed profile long curves"; exit 2 ;;
+    ddp)  # the same global batch on 1 2 4 GPUs (GPT-2 124M, DDP), GPT-2 XL under FSDP, the largest GPT that trains
+        NCCL_NVLS_ENABLE=0 python3 bench/bench_ddp.py --out "$OUT" --gpus ${DDP_GPUS:-1 2 4} ${DDP_FLAGS:---fsdp --largest} | tail -24
+        ;;
+    *) echo "unknown stage $stage; stages: tests smoke scan attention float16 train compare generate speed profile long curves ddp"; exit 2 ;;
     esac
 done

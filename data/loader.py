@@ -63,8 +63,11 @@ def prepare_once(folder: Path, prepare: Callable[[], object]) -> None:
 
 
 class Batches:
-    """Random windows of a split's tokens; the training stream comes from a generator whose state goes into
-    checkpoints, so a resumed run draws the same batches."""
+    """Random windows of a split's tokens. The training stream is one generator, seeded alike on every rank and
+    saved in checkpoints: each optimizer step draws the start of every sequence of the step at once, for all
+    ranks and micro-steps, and each rank takes its own part. So the sequences of a step do not depend on how
+    the step is split over ranks and micro-steps (1 rank x 2 micro-steps trains on the same ones as 2 x 1), and
+    a resumed run continues the same stream, with any number of ranks."""
 
     def __init__(
         self,
@@ -75,24 +78,40 @@ class Batches:
         *,
         seed: int,
         vocab_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        accum: int = 1,
         packed_documents: bool = False,
         document_separator: int | None = None,
     ):
         self.data_dir, self.batch_size, self.block_size, self.device = Path(data_dir), batch_size, block_size, device
+        self.rank, self.world_size, self.accum = rank, world_size, accum  # accum: micro-steps per step, this rank
         for split in ("train", "val"):
             open_split(data_dir, split, block_size, vocab_size)  # validates; DataError names the fix
         self.separator = separator_token(data_dir, document_separator, vocab_size) if packed_documents else None
         self.generator = torch.Generator().manual_seed(seed)
-        self.state_before_last = self.generator.get_state()
+        self.state_before_last = self.generator.get_state()  # before the draw of the step being trained on
+        self.pending: list[list[int]] = []  # this rank's starts for the rest of the current step
+
+    def restore(self, generator_state: torch.Tensor) -> None:
+        """Continue the training stream from a checkpoint's state_before_last: the next batch starts a step."""
+        self.generator.set_state(generator_state)
+        self.state_before_last, self.pending = self.generator.get_state(), []
 
     def get(self, split: str, generator: torch.Generator | None = None):
         """The model's arguments for one batch on the device: (x, y), y shifted by one token, and with packed
-        documents also doc_ids (see document_ids); from `generator`, else from the training stream."""
-        if generator is None:  # the training stream: remember where this batch starts, for checkpoints
-            generator, self.state_before_last = self.generator, self.generator.get_state()
+        documents also doc_ids (see document_ids); from `generator`, else the next micro-batch of the training
+        stream."""
         # A fresh memmap per batch: a long-lived one grows the process's memory (numpy memmap leak).
-        data = np.memmap(self.data_dir / f"{split}.bin", dtype=np.uint16, mode="r")
-        starts = torch.randint(len(data) - self.block_size, (self.batch_size,), generator=generator).tolist()
+        path = self.data_dir / f"{split}.bin"
+        try:
+            data = np.memmap(path, dtype=np.uint16, mode="r")
+        except OSError as error:  # the file vanished or this process cannot open another file
+            raise DataError(f"cannot read {path}: {error.strerror or error}") from None
+        if generator is None:
+            starts = self._next_train_starts(len(data) - self.block_size)
+        else:
+            starts = torch.randint(len(data) - self.block_size, (self.batch_size,), generator=generator).tolist()
         x = torch.from_numpy(np.stack([data[i : i + self.block_size] for i in starts]).astype(np.int64))
         y = torch.from_numpy(np.stack([data[i + 1 : i + 1 + self.block_size] for i in starts]).astype(np.int64))
         if self.device.type == "cuda":
@@ -100,6 +119,14 @@ class Batches:
         else:
             x, y = x.to(self.device), y.to(self.device)
         return (x, y) if self.separator is None else (x, y, document_ids(x, self.separator))
+
+    def _next_train_starts(self, high: int) -> list[int]:
+        if not self.pending:  # a new optimizer step: draw all of it; global micro-step m * world_size + rank
+            self.state_before_last = self.generator.get_state()
+            shape = (self.accum, self.world_size, self.batch_size)
+            step = torch.randint(high, shape, generator=self.generator)  # (micro-step, rank, sequence)
+            self.pending = step[:, self.rank].tolist()
+        return self.pending.pop(0)
 
 
 def document_ids(x: torch.Tensor, separator: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 
 import model
 import train
+import train_checkpoint
 from checkpoint import load_checkpoint
 from helpers import Child, WarmProcess, tiny_args, tree_digest
 from runtime import Runtime, StopFlags
@@ -138,14 +139,14 @@ def test_persistent_nan_stops_with_exit_1(monkeypatch, char_data, tmp_path, caps
     first_bad, max_bad = 4, 3  # step index 4 makes iter 5; the checkpoint at iter 4 is the last good one
     seen = inject_nan(monkeypatch, range(first_bad, 10_000))
     digest = {}
-    real_save = train.save_checkpoint
+    real_save = train_checkpoint.save_checkpoint
 
     def save_and_fingerprint(*args, **kwargs):
         path = real_save(*args, **kwargs)
         digest.update({name: value for name, value in tree_digest(out).items() if not name.endswith("/.lock")})
         return path
 
-    monkeypatch.setattr(train, "save_checkpoint", save_and_fingerprint)
+    monkeypatch.setattr(train_checkpoint, "save_checkpoint", save_and_fingerprint)
     code = train.main(
         tiny_args(
             char_data,
@@ -409,6 +410,9 @@ BAD_INPUTS = [
     case("unknown-dtype", "--dtype=float64", expect=("float64", "auto, bfloat16, float16, float32")),
     case("unknown-dist_backend", "--dist_backend=ddp", expect=("ddp", "nccl or gloo")),
     case("unknown-backend-deprecated-key", "--backend=ddp", expect=("dist_backend 'ddp'", "nccl or gloo")),
+    case("unknown-parallelism", "--parallelism=zero3", expect=("zero3", "ddp, fsdp")),
+    case("fsdp-with-lora", "--parallelism=fsdp", "--lora_rank=4", expect=("LoRA", "parallelism ddp")),
+    case("zero-dist_timeout_s", "--dist_timeout_s=0", expect=("dist_timeout_s must be > 0",)),
     case(
         "unknown-attention_backend",
         "--attention_backend=flash3",

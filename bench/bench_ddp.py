@@ -1,0 +1,268 @@
+"""How train.py scales over the GPUs of one host: the same global batch on 1, 2 and 4 GPUs, per-GPU tokens/s and
+the scaling against one GPU (1.0 = perfect); optionally GPT-2 XL (1.5B) under FSDP, and the largest model that
+trains under DDP and under FSDP.
+
+    python bench/bench_ddp.py                  # GPT-2 124M, T=1024, micro-batch 16, DDP on 1 2 4 GPUs
+    python bench/bench_ddp.py --gpus 1 2 4 8
+    python bench/bench_ddp.py --fsdp           # also GPT-2 XL (48 layers, width 1600) under FSDP, same GPU counts
+    python bench/bench_ddp.py --largest        # also the deepest width-1600 GPT that trains, DDP and FSDP
+    python bench/bench_ddp.py --quick          # CPU, gloo, a tiny model on 1 and 2 processes: checks the script
+
+Each run is train.py itself under torchrun (--log_interval=1); its figures are train.py's own iter lines
+(bench.report.parse_log_line) after the first --warmup iterations, medians over the rest. Every run has the
+same tokens per optimizer step: gradient_accumulation_steps = (GPUs of the largest run) x --accum, split over
+the GPUs. The data is a char corpus of this repo's sources with GPT-2's vocabulary size (no download).
+NCCL_NVLS_ENABLE=0 in every launched process. Results: bench/results/<card>-ddp.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.report import DEFAULT_OUT, Column, parse_log_line, results_header, write_results  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT2 = {"n_layer": 12, "n_head": 12, "n_embd": 768}
+GPT2_XL = {"n_layer": 48, "n_head": 25, "n_embd": 1600}
+TINY = {"n_layer": 2, "n_head": 2, "n_embd": 64}
+LARGEST_LAYERS = (48, 96, 192, 384, 768)  # width 1600: about 1.5B, 3B, 6B, 12B, 24B parameters
+COLUMNS = [
+    Column("run", "run"),
+    Column("model", "model"),
+    Column("params_m", "params (M)", "{:,.0f}"),
+    Column("gpus", "GPUs"),
+    Column("micro_steps_per_gpu", "micro-steps / GPU"),
+    Column("tokens_per_step", "tokens / step", "{:,}"),
+    Column("ms_per_iter", "ms / iter", "{:.1f}"),
+    Column("tokens_per_sec", "tok/s", "{:,.0f}"),
+    Column("tokens_per_sec_per_gpu", "tok/s per GPU", "{:,.0f}"),
+    Column("scaling", "scaling vs 1 GPU", "{:.3f}"),
+    Column("mfu", "MFU", "{:.1%}"),
+    Column("mem_gib", "mem GiB", "{:.1f}"),
+    Column("status", "status"),
+]
+
+
+def params_millions(shape: dict, vocab_size: int | None, block_size: int) -> float:
+    width = shape["n_embd"]
+    return (((vocab_size or 256) + block_size) * width + shape["n_layer"] * 12 * width * width) / 1e6
+
+
+def corpus(folder: Path) -> Path:
+    """A char-level dataset of this repo's own sources: no network needed on the GPU host."""
+    from data.common import prepare_text
+
+    if not (folder / "meta.json").exists():
+        text = "".join(p.read_text(errors="replace") for p in sorted(ROOT.glob("**/*.py")) + sorted(ROOT.glob("*.md")))
+        prepare_text(text * 4, folder, "char")
+    return folder
+
+
+def launch(args, gpus: int, settings: list[str], out_dir: Path) -> tuple[int, str, float]:
+    """torchrun train.py on `gpus` processes; (exit code, output, seconds)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", "train.py"]
+    command += settings + [f"--out_dir={out_dir}", "--overwrite_out_dir=true"]
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
+    if args.quick:
+        env["OMP_NUM_THREADS"] = "1"
+    start = time.perf_counter()
+    try:
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+        code, output = result.returncode, result.stdout + result.stderr
+    except subprocess.TimeoutExpired as expired:
+        code, output = 124, f"{expired.stdout or ''}{expired.stderr or ''}\ntimed out after {args.timeout} s"
+    return code, output, time.perf_counter() - start
+
+
+def run_settings(args, shape: dict, parallelism: str, micro_batch: int, accum_total: int) -> list[str]:
+    settings = [f"--{key}={value}" for key, value in shape.items()]
+    settings += [
+        f"--data_dir={args.data}",
+        f"--parallelism={parallelism}",
+        f"--batch_size={micro_batch}",
+        f"--gradient_accumulation_steps={accum_total}",
+        f"--block_size={args.block_size}",
+        *([f"--vocab_size={args.vocab_size}"] if args.vocab_size else []),
+        f"--max_iters={args.iters}",
+        f"--lr_decay_iters={args.iters}",
+        "--warmup_iters=5",
+        "--learning_rate=3e-4",
+        "--min_lr=3e-5",
+        "--log_interval=1",
+        f"--eval_interval={args.iters}",
+        "--eval_iters=1",
+        "--eval_on_start=false",
+    ]
+    if args.quick:
+        settings += ["--device=cpu", "--dist_backend=gloo", "--compile=false"]
+    if parallelism == "fsdp":
+        settings += ["--activation_checkpointing=block"]
+    return settings + args.extra
+
+
+def measure(args, run: str, model: str, shape: dict, parallelism: str, gpus: int, micro_batch: int) -> dict:
+    accum_total = max(args.gpus) * args.accum
+    row = {
+        "run": run,
+        "model": model,
+        "params_m": params_millions(shape, args.vocab_size, args.block_size),
+        "gpus": gpus,
+        "micro_batch": micro_batch,
+        "micro_steps_per_gpu": accum_total // gpus,
+        "tokens_per_step": accum_total * micro_batch * args.block_size,
+    }
+    settings = run_settings(args, shape, parallelism, micro_batch, accum_total)
+    code, output, seconds = launch(args, gpus, settings, args.work / f"{run}-{model}-{gpus}")
+    lines = [parsed for line in output.splitlines() if (parsed := parse_log_line(line))]
+    steady = [line for line in lines if line["iter"] > args.warmup]
+    row["wall_s"] = round(seconds, 1)
+    if code != 0 or not steady:
+        last = [line for line in output.splitlines() if line.startswith("error:")] or output.strip().splitlines()[-1:]
+        row["status"] = f"exit {code}: {(last or ['(no output)'])[-1][:200]}"
+        return row
+    mfus = [line["mfu"] for line in steady if line["mfu"] is not None]
+    row.update(
+        ms_per_iter=statistics.median(line["ms_per_iter"] for line in steady),
+        tokens_per_sec=statistics.median(line["tokens_per_sec"] for line in steady),
+        mfu=statistics.median(mfus) if mfus else None,
+        mem_gib=max(line["mem_gib"] for line in steady),  # rank 0's peak
+        final_loss=steady[-1]["loss"],
+        status="ok",
+    )
+    row["tokens_per_sec_per_gpu"] = row["tokens_per_sec"] / gpus
+    return row
+
+
+def add_scaling(rows: list[dict]) -> None:
+    """Per-GPU tok/s over that of the same run and model on one GPU."""
+    single = {(r["run"], r["model"]): r.get("tokens_per_sec") for r in rows if r["gpus"] == 1}
+    for row in rows:
+        base = single.get((row["run"], row["model"]))
+        if base and row.get("tokens_per_sec"):
+            row["scaling"] = row["tokens_per_sec_per_gpu"] / base
+
+
+def largest(args, parallelism: str) -> list[dict]:
+    """Deeper and deeper width-1600 GPTs at micro-batch 1 on the most GPUs, until one does not train."""
+    rows = []
+    for layers in LARGEST_LAYERS:
+        shape = {**GPT2_XL, "n_layer": layers}
+        row = measure(args, f"{parallelism}-largest", f"{layers}L-1600", shape, parallelism, max(args.gpus), 1)
+        rows.append(row)
+        print(progress(row), flush=True)
+        if row["status"] != "ok":
+            break
+    return rows
+
+
+def progress(row: dict) -> str:
+    figures = (
+        f"{row['tokens_per_sec']:,.0f} tok/s, {row['tokens_per_sec_per_gpu']:,.0f} per GPU"
+        if row["status"] == "ok"
+        else row["status"]
+    )
+    return f"{row['run']} {row['model']} on {row['gpus']}: {figures} ({row['wall_s']} s)"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (speed, scaling) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for key in dict.fromkeys((r["run"], r["model"]) for r in rows if "largest" not in r["run"]):
+        points = sorted((r["gpus"], r) for r in rows if (r["run"], r["model"]) == key and r.get("tokens_per_sec"))
+        if not points:
+            continue
+        gpus = [g for g, _ in points]
+        speed.plot(gpus, [r["tokens_per_sec_per_gpu"] for _, r in points], marker="o", label=" ".join(key))
+        scaling.plot(gpus, [r.get("scaling") for _, r in points], marker="o", label=" ".join(key))
+    speed.set(xlabel="GPUs", ylabel="tokens/s per GPU", title="throughput per GPU, same global batch")
+    scaling.axhline(1.0, color="gray", linewidth=0.8)
+    scaling.set(xlabel="GPUs", ylabel="per-GPU tok/s / one GPU's", title="scaling (1.0 = perfect)")
+    for axis in (speed, scaling):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--gpus", type=int, nargs="+", default=None, help="GPU counts (default 1 2 4; --quick 1 2)")
+    parser.add_argument("--micro-batch", type=int, default=None, help="sequences per GPU and micro-step (16)")
+    parser.add_argument("--accum", type=int, default=2, help="micro-steps per GPU on the largest GPU count (2)")
+    parser.add_argument("--iters", type=int, default=None, help="iterations per run (default 30; --quick 6)")
+    parser.add_argument("--warmup", type=int, default=None, help="iterations left out of the medians (10; quick 2)")
+    parser.add_argument("--fsdp", action="store_true", help="also GPT-2 XL under FSDP on each GPU count")
+    parser.add_argument("--largest", action="store_true", help="also the deepest width-1600 GPT that trains")
+    parser.add_argument("--quick", action="store_true", help="CPU, gloo, tiny model: checks the script")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per train.py run (900)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
+    parser.add_argument("--work", type=Path, default=Path("out-bench-ddp"), help="folder for data and out_dirs")
+    parser.add_argument("--name", default=None, help="results name (default ddp; --quick ddp-quick)")
+    parser.add_argument("extra", nargs="*", help="more train.py --key=value settings for every run (after --)")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    args.gpus = args.gpus or ([1, 2] if quick else [1, 2, 4])
+    args.micro_batch = args.micro_batch or (4 if quick else 16)
+    args.iters = args.iters or (6 if quick else 30)
+    args.warmup = args.warmup if args.warmup is not None else (2 if quick else 10)
+    args.name = args.name or ("ddp-quick" if quick else "ddp")
+    args.block_size, args.vocab_size = (64, None) if quick else (1024, 50304)  # quick: the corpus's own vocabulary
+    args.data = corpus(args.work / "data")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not args.quick and torch.cuda.device_count() < max(args.gpus):
+        print(f"error: {max(args.gpus)} GPUs asked for, {torch.cuda.device_count()} here", file=sys.stderr)
+        return 2
+    start, rows = time.perf_counter(), []
+    small = ("tiny", TINY) if args.quick else ("gpt2-124M", GPT2)
+    runs = [("ddp", *small)] + ([("fsdp", "gpt2-xl-1.5B", GPT2_XL)] if args.fsdp else [])
+    if args.quick and args.fsdp:
+        runs[-1] = ("fsdp", *small)
+    for parallelism, model, shape in runs:
+        micro_batch = args.micro_batch if model != "gpt2-xl-1.5B" else max(1, args.micro_batch // 2)
+        for gpus in args.gpus:
+            rows.append(measure(args, parallelism, model, shape, parallelism, gpus, micro_batch))
+            print(progress(rows[-1]), flush=True)
+    add_scaling(rows)
+    if args.largest:
+        rows += largest(args, "ddp") + largest(args, "fsdp")
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
+    header = results_header(
+        args.name,
+        device,
+        wall_s=round(time.perf_counter() - start, 1),
+        notes={
+            "runs": "train.py under torchrun --standalone; iter lines after the first "
+            f"{args.warmup} of {args.iters}, medians",
+            "global batch": f"gradient_accumulation_steps = {max(args.gpus)} x {args.accum} over all GPUs",
+            "scaling": "tok/s per GPU over that of the same run on one GPU (which trains unsharded, without DDP)",
+            "environment": "NCCL_NVLS_ENABLE=0",
+            "largest": "width 1600, 25 heads, micro-batch 1; stops at the first failure" if args.largest else "-",
+        },
+    )
+    for path in write_results(args.out, args.name, header, rows, COLUMNS, plot):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""How the model is spread over the ranks of a torchrun job: DDP (every rank holds the whole model and its
+optimizer state; gradients are averaged) or FSDP2 (torch.distributed.fsdp.fully_shard: every rank holds 1/N of
+the weights, gradients and optimizer state, and gathers a block's weights just before that block runs).
+
+    torchrun --standalone --nproc_per_node=4 train.py config/train_gpt2_xl_fsdp.py    # parallelism = "fsdp"
+
+Checkpoints of an FSDP run: rank 0 writes ckpt.pt as always, with the full weights (gathered to its CPU), so
+sample.py, export and fine-tuning read it like any other; the optimizer state, sharded, goes to a
+torch.distributed.checkpoint (DCP) folder beside it, ckpt-<iter>.dcp, that ckpt.pt names. DCP reshards on
+load, so a run saved on 4 ranks resumes on 2, or on 1 process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from data.atomic import fsync_dir, tmp_path_for
+from runtime import Runtime, UsageError
+
+PARALLELISMS = ("ddp", "fsdp")
+
+
+def place_model(model: nn.Module, runtime: Runtime, parallelism: str) -> nn.Module:
+    """The model on its device; under FSDP each rank's shard only, so a model too large for one GPU fits."""
+    if runtime.ddp and parallelism == "fsdp":
+        shard_model(model, runtime)  # fully_shard moves each shard to the rank's device
+        return model
+    return model.to(runtime.device)
+
+
+def wrap_model(
+    model: nn.Module,
+    runtime: Runtime,
+    parallelism: str,
+    *,
+    use_compile: bool,
+    compile_mode: str = "default",
+    bucket_cap_mb: float = 25.0,
+) -> tuple[nn.Module, nn.Module]:
+    """(eval_model, train_model) of a model placed by place_model: compiled when use_compile, and wrapped in
+    DDP under torchrun unless sharded. Build the optimizer after place_model: FSDP replaces the parameters."""
+    eval_model = torch.compile(model, mode=compile_mode) if use_compile else model
+    if not runtime.ddp or parallelism == "fsdp":
+        return eval_model, eval_model
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = runtime.device
+    train_model = DistributedDataParallel(
+        eval_model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=bucket_cap_mb,
+        gradient_as_bucket_view=True,  # gradients live in DDP's buckets: no copy in and out of them per step
+        # static_graph stays off: with torch.compile and no_sync (accumulation) it fails an internal assert
+        # in DDP's reducer (torch 2.13)
+    )
+    return eval_model, train_model
+
+
+def shard_model(model: nn.Module, runtime: Runtime) -> None:
+    """fully_shard each Block, then the root, which holds the rest: wte and lm_head (one tied tensor, sharded
+    once), wpe, ln_f. On CUDA the gathered weights are in the run's dtype and gradients are reduced in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if runtime.dtype == torch.float16:
+        raise UsageError("parallelism fsdp trains in bfloat16 or float32, not float16; use --dtype=bfloat16")
+    low_precision = runtime.dtype if runtime.device.type == "cuda" else None
+    policy = MixedPrecisionPolicy(param_dtype=low_precision, reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def grad_scaler(model: nn.Module, device_type: str, *, init_scale: float, enabled: bool) -> torch.amp.GradScaler:
+    """torch's GradScaler; for a sharded model its FSDP variant: each rank checks only its shards of the
+    gradients for inf/NaN, and that one agrees over the ranks, so that every rank skips the same steps."""
+    if is_sharded(model):
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        # its one-element inf flag meets the DTensor gradients, which DTensor accepts with a warning per process
+        warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1", category=UserWarning)
+        return ShardedGradScaler(device_type, init_scale=init_scale, enabled=enabled)
+    return torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=enabled)
+
+
+def gradient_sync(model: nn.Module, train_model: nn.Module, enabled: bool):
+    """A context for one micro-step's backward: with enabled=False, gradients accumulate on each rank without
+    being averaged over ranks (every micro-step of an optimizer step but the last)."""
+    if enabled:
+        return contextlib.nullcontext()
+    if hasattr(train_model, "no_sync"):  # DDP
+        return train_model.no_sync()
+    if is_sharded(model):
+        return _fsdp_no_sync(model)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def replicated(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of a DTensor result (FSDP's gradient norm); other tensors as they are."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints of sharded models
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights as plain tensors, on rank 0's CPU ({} on the other ranks); a collective under FSDP,
+    so every rank calls it."""
+    if not is_sharded(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_sharded_optimizer(model: nn.Module, optimizer, folder: Path, runtime: Runtime) -> None:
+    """Every rank writes its shard of the optimizer state into a temporary folder beside `folder`; rank 0 renames
+    it to `folder` once all shards and DCP's metadata are written. OSError or DCP's CheckpointException on
+    failure (on every rank: DCP gathers each rank's outcome)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    names = [str(tmp_path_for(folder))]  # rank 0's pid names the temporary folder of every rank
+    dist.broadcast_object_list(names, src=0)
+    tmp = Path(names[0])
+    if runtime.master and tmp.exists():
+        shutil.rmtree(tmp)  # a leftover of an earlier process with this pid
+    dist.barrier()
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=tmp)
+    dist.barrier()  # every rank's shard is written; rank 0 wrote the metadata last
+    if runtime.master:
+        if folder.exists():  # the same iteration saved again (a resumed run)
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+        fsync_dir(folder.parent)
+
+
+def load_sharded_optimizer(model: nn.Module, optimizer, folder: Path) -> None:
+    """Fill `optimizer` from a DCP folder written by save_sharded_optimizer on any number of ranks (DCP
+    reshards); works sharded, under DDP, and in one process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # the layout to fill, on this rank
+    one_process = not (dist.is_available() and dist.is_initialized())
+    with warnings.catch_warnings():  # DCP warns that it loads in one process, even when told so by no_dist
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, checkpoint_id=folder, no_dist=one_process)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])

@@ -1,0 +1,172 @@
+"""Training over several ranks (parallel.py, and train.py's data stream and restarts), on CPU with gloo: the same
+steps whatever the number of ranks, micro-steps, launch agents, DDP or FSDP; FSDP checkpoints resume in one
+process; a failing rank is named by the others, and torchrun restarts a failed or killed job from its last
+checkpoint.
+
+Each torchrun launch costs several interpreters importing torch, so two launches serve all the assertions, and
+the single-process reference runs in-process."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import resource
+import shutil
+import signal
+import socket
+import time
+
+import pytest
+import torch
+
+import train
+from checkpoint import load_checkpoint
+from helpers import Child, one_torch_thread, tiny_args
+
+ACCUM = 4  # micro-steps per optimizer step over all ranks: 1 rank x 4, 2 x 2, 4 x 1
+MAX_ITERS = 60
+
+
+def run_args(data_dir, out_dir, *extra) -> list[str]:
+    return tiny_args(
+        data_dir,
+        out_dir,
+        "--n_layer=1",
+        f"--gradient_accumulation_steps={ACCUM}",
+        "--dist_backend=gloo",
+        "--eval_on_start=false",
+        "--always_save_checkpoint=true",
+        "--keep_last_k=20",
+        *extra,
+    )
+
+
+def torchrun(*launcher: str) -> list[str]:
+    """Child's arguments after `python -m`: torchrun with these options, then train.py's arguments."""
+    return ["torch.distributed.run", *launcher, "train.py"]
+
+
+def losses(output: str) -> dict[int, str]:
+    """{iter: logged loss}; a restarted run logs some iterations twice, the later ones count."""
+    return {int(it): loss for it, loss in re.findall(r"^iter (\d+) \| loss (\S+) ", output, re.M)}
+
+
+def assert_same_weights(saved, expected, atol=1e-6):
+    assert sorted(saved) == sorted(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(saved[name], tensor, rtol=0, atol=atol, msg=name)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pid_of_rank(launcher_pid: int, rank: int, timeout: float = 60) -> int:
+    """The worker of `rank` among a torchrun launcher's children (from their environment)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            children = open(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read().split()
+            for pid in children:
+                environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                if f"RANK={rank}".encode() in environ:
+                    return int(pid)
+        time.sleep(0.1)
+    raise AssertionError(f"no worker of rank {rank} under pid {launcher_pid}")
+
+
+@pytest.fixture(scope="module")
+def reference(char_data, tmp_path_factory):
+    """One process, 4 micro-steps per step, MAX_ITERS iterations, a checkpoint every 5: (out_dir, losses)."""
+    out = tmp_path_factory.mktemp("reference")
+    stdout = io.StringIO()
+    with one_torch_thread(), contextlib.redirect_stdout(stdout):
+        code = train.main(run_args(char_data, out, f"--max_iters={MAX_ITERS}", "--eval_interval=5"))
+    assert code == 0, stdout.getvalue()
+    return out, losses(stdout.getvalue())
+
+
+def test_fsdp_over_two_launch_agents_trains_like_one_process_and_resumes_on_one(reference, char_data, tmp_path):
+    """FSDP on 4 ranks, started as the README's two-node launch with both "nodes" on this host: the same losses
+    and weights as one process; its checkpoint samples, and resumes in one process (DCP reshards)."""
+    ref_out, ref_losses = reference
+    out, endpoint = tmp_path / "out", f"127.0.0.1:{free_port()}"
+    settings = run_args(char_data, out, "--parallelism=fsdp", "--activation_checkpointing=block", "--max_iters=10")
+    settings += ["--eval_interval=5"]
+    with contextlib.ExitStack() as stack:
+        agents = []
+        for node_rank in (0, 1):
+            launcher = ("--nnodes=2", "--nproc_per_node=2", f"--node_rank={node_rank}", "--rdzv_backend=c10d")
+            launcher += (f"--rdzv_endpoint={endpoint}", "--rdzv_id=test")
+            agents.append(stack.enter_context(Child("-m", torchrun(*launcher) + settings)))
+        results = [agent.finish(timeout=300) for agent in agents]
+    assert [code for code, _ in results] == [0, 0], results
+    output = "".join(text for _, text in results)
+    assert "(4 ranks x 1 micro-steps x 4 x 16)" in output
+    assert losses(output) == {it: ref_losses[it] for it in range(1, 11)}, output
+    saved = load_checkpoint(out / "ckpt.pt", resume=True)
+    assert saved["sharded"] == "ckpt-0000010.dcp" and (out / "ckpt-0000010.dcp").is_dir()
+    assert saved["optimizer"] == {} and len(saved["rng"]) == 4  # the optimizer state is in the DCP folder
+    assert_same_weights(saved["model"], load_checkpoint(ref_out / "ckpt-0000010.pt")["model"])
+
+    import sample  # what an FSDP run leaves samples like any other run's checkpoint
+
+    model, _, _, _ = sample.load_model(sample.SampleConfig(out_dir=str(out), device="cpu"), torch.device("cpu"))
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+    # Back to iter 5 (a rollback), then on in one process: the optimizer state of 4 ranks, resharded
+    shutil.copyfile(out / "ckpt-0000005.pt", out / "ckpt.pt")
+    stdout = io.StringIO()
+    with one_torch_thread(), contextlib.redirect_stdout(stdout):
+        code = train.main(run_args(char_data, out, "--init_from=auto", "--max_iters=10", "--eval_interval=5"))
+    assert code == 0, stdout.getvalue()
+    assert "resuming at iter 5" in stdout.getvalue()
+    assert losses(stdout.getvalue()) == {it: ref_losses[it] for it in range(6, 11)}
+    resumed = load_checkpoint(out / "ckpt.pt")["model"]
+    assert_same_weights(resumed, load_checkpoint(ref_out / "ckpt-0000010.pt")["model"])
+
+
+def test_a_failed_or_killed_rank_is_reported_and_the_job_restarts_from_the_last_checkpoint(
+    reference, char_data, tmp_path, monkeypatch
+):
+    """DDP on 2 ranks under --max-restarts=2 and init_from=auto. First rank 1 alone cannot open another file (its
+    limit of open files lowered mid-run), so its next batch fails: rank 0, waiting for it in an all-reduce, says
+    which rank failed and why. Then, in the restarted job, rank 1 is killed (-9): rank 0 says it lost contact.
+    Each time torchrun starts the ranks again, they resume the last checkpoint, and in the end every logged loss
+    and the weights are those of one process that was never interrupted (1 rank x 4 micro-steps = 2 x 2)."""
+    ref_out, ref_losses = reference
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # restarted ranks must not read the old ones' keys
+    out = tmp_path / "out"
+    args = torchrun("--standalone", "--nproc_per_node=2", "--max-restarts=2")
+    args += run_args(char_data, out, "--init_from=auto", f"--max_iters={MAX_ITERS}", "--eval_interval=10")
+    with Child("-m", args) as child:  # its pipe holds a few dozen lines: the job cannot get far ahead of us
+        child.wait_for(lambda line: line.startswith("saved ") and "(iter 10," in line)
+        rank1 = pid_of_rank(child.pid, 1)
+        _, hard = resource.prlimit(rank1, resource.RLIMIT_NOFILE)
+        resource.prlimit(rank1, resource.RLIMIT_NOFILE, (len(os.listdir(f"/proc/{rank1}/fd")), hard))
+        failed = time.monotonic()
+        child.wait_for(lambda line: "resuming at iter" in line)
+        assert time.monotonic() - failed < 60  # the ranks stopped, and started again, in bounded time
+        child.wait_for(lambda line: line.startswith("iter 12 |"))
+        os.kill(pid_of_rank(child.pid, 1), signal.SIGKILL)
+        code, output = child.finish(timeout=300)
+    assert code == 0, output
+    assert re.search(r"^error: rank 1 failed: cannot read \S+train\.bin: Too many open files$", output, re.M), output
+    assert re.search(r"^error: cannot read \S+train\.bin: Too many open files$", output, re.M)  # rank 1's own
+    assert re.search(r"^error: rank 0 lost contact with the other ranks \(.+\); one died or hangs$", output, re.M)
+    assert "Traceback" not in output, output
+    resumed = [int(it) for it in re.findall(r"resuming at iter (\d+)", output)]
+    assert len(resumed) == 2 and all(10 <= it < MAX_ITERS for it in resumed), output
+    assert losses(output) == ref_losses, output
+    final = load_checkpoint(out / "ckpt.pt")["model"]
+    assert_same_weights(final, load_checkpoint(ref_out / f"ckpt-{MAX_ITERS:07d}.pt")["model"])
+
+
+@pytest.fixture(autouse=True)
+def _gloo_only():
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available in this build")

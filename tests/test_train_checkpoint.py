@@ -1,0 +1,37 @@
+"""A run's checkpoint contents (train_checkpoint.py): one data stream for all ranks; checkpoints of earlier
+versions, with a data position per rank, still resume."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import shutil
+
+import pytest
+import torch
+
+import train
+from checkpoint import load_checkpoint
+from helpers import tiny_args
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_a_checkpoint_with_a_data_position_per_rank_still_resumes_the_same_stream(trained_out, char_data, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(trained_out, out)
+    state = load_checkpoint(out / "ckpt-0000002.pt", resume=True)
+    assert isinstance(state["data"], torch.Tensor) and all("data" not in rank for rank in state["rng"])
+    state["rng"] = [{**rank, "data": state.pop("data")} for rank in state["rng"]]  # how earlier versions saved it
+    torch.save(state, out / "ckpt.pt")
+
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = train.main(tiny_args(char_data, out, "--init_from=resume", "--max_iters=4", "--eval_interval=2"))
+    assert code == 0, stdout.getvalue()
+    assert "resuming at iter 2" in stdout.getvalue()
+    resumed, uninterrupted = load_checkpoint(out / "ckpt.pt"), load_checkpoint(trained_out / "ckpt.pt")
+    assert resumed["iter_num"] == uninterrupted["iter_num"] == 4
+    for name, tensor in uninterrupted["model"].items():
+        torch.testing.assert_close(resumed["model"][name], tensor, rtol=0, atol=0, msg=name)
+    assert torch.equal(resumed["data"], uninterrupted["data"])

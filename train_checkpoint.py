@@ -1,0 +1,116 @@
+"""What a checkpoint of a training run holds, and how a run continues from one: train.py's TrainState in and
+out of checkpoint.py's files. Under FSDP the optimizer state goes to a DCP folder beside the file (parallel.py).
+
+The data stream is one generator for all ranks (data/loader.py Batches), so a checkpoint holds one data
+position, and a run resumed with another number of ranks trains on the same batches; each rank's RNG (dropout)
+is restored when the number of ranks is the same."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from checkpoint import LATEST, CheckpointError, capture_rng, restore_rng, save_checkpoint
+from data.loader import Batches
+from lora import checkpoint_entries
+from parallel import full_model_state, is_sharded, load_sharded_optimizer, save_sharded_optimizer
+from preflight import checkpoint_path
+from runtime import agree
+
+if TYPE_CHECKING:
+    from train import TrainState
+
+log = logging.getLogger("train")
+
+
+def restore_progress(state: TrainState, batches: Batches, checkpoint: dict) -> None:
+    """Optimizer, scaler, counters, the data stream, and (with the same number of ranks) each rank's RNG.
+    Checkpoints of earlier versions hold a data position per rank instead of one stream: rank 0's continues."""
+    runtime, path = state.runtime, checkpoint_path(state.cfg)
+    ranks = checkpoint["rng"]
+    try:
+        if checkpoint.get("sharded"):  # an FSDP run's optimizer state, in a DCP folder beside the checkpoint
+            load_sharded_optimizer(state.model, state.optimizer, path.parent / checkpoint["sharded"])
+        elif state.cfg.parallelism == "fsdp" and runtime.ddp:
+            raise CheckpointError(
+                f"{path} was saved without FSDP, its optimizer state unsharded; resume it with --parallelism=ddp"
+            )
+        else:
+            state.optimizer.load_state_dict(checkpoint["optimizer"])
+        state.scaler.load_state_dict(checkpoint["scaler"])
+        batches.restore(checkpoint["data"] if "data" in checkpoint else ranks[0]["data"])
+        if len(ranks) == runtime.world_size:
+            restore_rng(ranks[runtime.rank]["rng"])
+    except (ValueError, KeyError, TypeError, IndexError, RuntimeError, OSError) as error:
+        if isinstance(error, CheckpointError):
+            raise
+        reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"{path}: its optimizer or RNG state cannot be restored ({reason})") from None
+    state.iter_num, state.best_val_loss = checkpoint["iter_num"], float(checkpoint["best_val_loss"])
+    state.ckpt_iter = state.resumed_iter = state.iter_num
+    if runtime.master and "data" not in checkpoint and len(ranks) > 1:
+        log.warning(f"{path} holds a data position per rank (an earlier version's): the stream continues rank 0's")
+    if runtime.master and len(ranks) != runtime.world_size and state.cfg.dropout > 0:
+        log.warning(
+            f"checkpoint was saved by {len(ranks)} ranks, this run has {runtime.world_size}: the data stream "
+            f"continues, dropout's random numbers start afresh on each rank"
+        )
+
+
+def write_checkpoint(state: TrainState, batches: Batches, meta: dict, is_best: bool) -> Path:
+    """Write a checkpoint from rank 0, with the data stream's position and every rank's RNG (and under FSDP
+    the sharded optimizer state, from every rank); returns out_dir/ckpt.pt. A failed save (a full disk, ...)
+    is a CheckpointError on every rank."""
+    cfg, runtime = state.cfg, state.runtime
+    ranks = [{"rng": capture_rng()}]
+    if runtime.ddp:
+        gathered = [None] * runtime.world_size
+        dist.all_gather_object(gathered, ranks[0])
+        ranks = gathered
+    error, sharded = None, None
+    try:
+        # the weights: under FSDP gathered from every rank to rank 0; else as checkpoint_entries says (LoRA)
+        entries = (
+            {"model": full_model_state(state.model)} if is_sharded(state.model) else checkpoint_entries(state.model)
+        )
+        if cfg.parallelism == "fsdp" and runtime.ddp:
+            sharded = f"ckpt-{state.iter_num:07d}.dcp"
+            save_sharded_optimizer(state.model, state.optimizer, Path(cfg.out_dir) / sharded, runtime)
+    except (OSError, RuntimeError) as failure:  # DCP's CheckpointException is a RuntimeError
+        reason = str(failure).strip().splitlines()[0][:200] if str(failure).strip() else type(failure).__name__
+        error = CheckpointError(f"could not save iter {state.iter_num}: {reason}; {LATEST} is unchanged")
+    if runtime.master and error is None:
+        try:
+            checkpoint = state_dict(state, meta, ranks, batches, entries, sharded)
+            save_checkpoint(checkpoint, cfg.out_dir, state.iter_num, cfg.keep_last_k, is_best)
+        except CheckpointError as failure:
+            error = failure
+    agree(runtime, error)
+    state.ckpt_iter = state.iter_num
+    return Path(cfg.out_dir) / LATEST
+
+
+def state_dict(
+    state: TrainState, meta: dict, ranks: list[dict], batches: Batches, entries: dict, sharded: str | None
+) -> dict:
+    """What a checkpoint holds (checkpoint.py's REQUIRED_KEYS and RESUME_KEYS, and the run's config). `entries`:
+    "model" (with LoRA, the adapters, and "lora"); `sharded`: the DCP folder beside it that holds the optimizer
+    state instead, under FSDP."""
+    cfg = state.cfg
+    return {
+        **entries,
+        "model_config": dataclasses.asdict(state.model.config),
+        "optimizer": {} if sharded else state.optimizer.state_dict(),
+        "scaler": state.scaler.state_dict(),
+        "iter_num": state.iter_num,
+        "best_val_loss": state.best_val_loss,
+        "config": dataclasses.asdict(cfg),
+        "meta": meta,
+        "rng": ranks,  # each rank's RNG (dropout)
+        "data": batches.state_before_last,  # where the next step's draw starts: the prefetched batch is its first
+        **({"sharded": sharded} if sharded else {}),
+    }
