@@ -269,7 +269,11 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
         compile_mode=cfg.compile_mode,
         bucket_cap_mb=cfg.ddp_bucket_cap_mb,
     )
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type)
+    # Fused AdamW fails under FSDP's ShardedGradScaler on CUDA (torch 2.11: its found_inf of shape [1] against
+    # the optimizer's scalar step counts): the foreach kernels there.
+    optimizer = model.configure_optimizers(
+        cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type, fused=cfg.parallelism != "fsdp"
+    )
     return TrainState(
         cfg, runtime, model, eval_model, train_model, optimizer, scaler, StopFlags(runtime), next_batch, attention
     )

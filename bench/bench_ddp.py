@@ -208,6 +208,7 @@ def parse_args(argv=None):
     parser.add_argument("--iters", type=int, default=None, help="iterations per run (default 30; --quick 6)")
     parser.add_argument("--warmup", type=int, default=None, help="iterations left out of the medians (10; quick 2)")
     parser.add_argument("--fsdp", action="store_true", help="also GPT-2 XL under FSDP on each GPU count")
+    parser.add_argument("--skip-ddp", action="store_true", help="leave out the DDP rows (e.g. only --fsdp)")
     parser.add_argument("--largest", action="store_true", help="also the deepest width-1600 GPT that trains")
     parser.add_argument("--quick", action="store_true", help="CPU, gloo, tiny model: checks the script")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per train.py run (900)")
@@ -234,7 +235,7 @@ def main(argv=None) -> int:
         return 2
     start, rows = time.perf_counter(), []
     small = ("tiny", TINY) if args.quick else ("gpt2-124M", GPT2)
-    runs = [("ddp", *small)] + ([("fsdp", "gpt2-xl-1.5B", GPT2_XL)] if args.fsdp else [])
+    runs = ([] if args.skip_ddp else [("ddp", *small)]) + ([("fsdp", "gpt2-xl-1.5B", GPT2_XL)] if args.fsdp else [])
     if args.quick and args.fsdp:
         runs[-1] = ("fsdp", *small)
     for parallelism, model, shape in runs:
