@@ -1,6 +1,7 @@
 """
 The pieces of a transformer block that GPTConfig can switch (model.py builds the block from them): the norm
-(GPT-2's LayerNorm or RMSNorm), the MLP (GPT-2's GELU MLP or SwiGLU) and rotary position embedding (RoPE).
+(GPT-2's LayerNorm or RMSNorm), the MLP (GPT-2's GELU MLP or SwiGLU), rotary position embedding (RoPE), and
+the positions of packed documents.
 GPT-2's parameter names are kept wherever a piece has the same role (c_fc, c_proj, weight, bias).
 """
 
@@ -129,3 +130,13 @@ def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> to
     cos, sin = rope
     x1, x2 = x.chunk(2, dim=-1)  # (B, nh, T, hs/2) each
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) position of each token within its document (runs of equal ids): packed documents each start at 0,
+    as they would alone."""
+    T = doc_ids.size(1)
+    index = torch.arange(T, device=doc_ids.device).expand_as(doc_ids)  # (B, T)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values  # minus where its document starts

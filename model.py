@@ -60,7 +60,7 @@ from kv_cache import (
     next_token,
     paged_problem,
 )
-from layers import Rotary, apply_rotary, check_block, make_mlp, make_norm, mlp_hidden_size
+from layers import Rotary, apply_rotary, check_block, document_positions, make_mlp, make_norm, mlp_hidden_size
 
 log = logging.getLogger("model")
 
@@ -245,16 +245,6 @@ class Attention(NamedTuple):
 # ----------------------------------------------------------------------------------------------
 # The model (GPT-2: learned positions, pre-LayerNorm, tanh GELU, tied embeddings; GPTConfig's switches
 # change the block: RoPE, RMSNorm, SwiGLU, grouped key/value heads, q/k norm)
-
-
-def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) position of each token within its document (runs of equal ids): packed documents each start at 0,
-    as they would alone."""
-    T = doc_ids.size(1)
-    index = torch.arange(T, device=doc_ids.device).expand_as(doc_ids)  # (B, T)
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    return index - torch.where(starts, index, 0).cummax(dim=1).values  # minus where its document starts
 
 
 class CausalSelfAttention(nn.Module):
@@ -496,27 +486,13 @@ class GPT(nn.Module):
         max_new_tokens: int,
         temperature: float = 1.0,
         top_k: int | None = None,
-        *,
-        kv_cache: str = "contiguous",
-        compile: bool = False,
-        vocab_size: int | None = None,
-        page_size: int | None = None,
+        **options,
     ):
         """Sample max_new_tokens tokens after idx: a (B, T) tensor gives (B, T + max_new_tokens); a list of
-        1-D prompts of different lengths gives a list, each prompt followed by its new tokens (see stream)."""
+        1-D prompts of different lengths gives a list, each prompt followed by its new tokens. options: stream's
+        (kv_cache, compile, vocab_size, page_size)."""
         prompts = list(idx)
-        steps = list(
-            self.stream(
-                prompts,
-                max_new_tokens,
-                temperature,
-                top_k,
-                kv_cache=kv_cache,
-                compile=compile,
-                vocab_size=vocab_size,
-                page_size=page_size,
-            )
-        )
+        steps = list(self.stream(prompts, max_new_tokens, temperature, top_k, **options))
         new = torch.stack(steps, dim=1) if steps else prompts[0].new_zeros(len(prompts), 0)  # (B, new)
         if isinstance(idx, torch.Tensor):
             return torch.cat((idx, new.to(idx.dtype)), dim=1)

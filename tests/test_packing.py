@@ -1,5 +1,5 @@
 """Packed documents: document ids from the separator token (data/loader.py), positions that restart at each
-document (model.document_positions), a packed row that scores each document as if it ran alone, and train.py's
+document (layers.document_positions), a packed row that scores each document as if it ran alone, and train.py's
 packed_documents switch."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import train
 from data.common import write_dataset
 from data.loader import document_ids
 from helpers import tiny_args, tiny_config
-from model import GPT, document_positions
+from layers import document_positions
+from model import GPT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
