@@ -127,7 +127,7 @@ class TrainConfig:
         "auto"  # auto (bfloat16 where supported, else float16 on GPUs, float32 on CPU) | bfloat16 | float16 | float32
     )
     compile: bool | None = None  # torch.compile the model; None: on for CUDA, off elsewhere
-    compile_mode: str = "default"  # torch.compile mode: default | max-autotune-no-cudagraphs | max-autotune | ...
+    compile_mode: str = "default"  # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
     dist_backend: str = "nccl"  # DDP backend under torchrun: nccl | gloo
     parallelism: str = "ddp"  # under torchrun: ddp (a model copy per GPU) | fsdp (weights and optimizer sharded)
     ddp_bucket_cap_mb: float = 25.0  # DDP all-reduces gradients in buckets of this size, overlapping backward
