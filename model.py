@@ -118,6 +118,12 @@ class GPTConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
 
+    def chunks_loss(self, tokens: int) -> bool:
+        """Whether the loss over `tokens` targets runs chunked (cross_entropy; auto: past AUTO_CHUNKED_LOGITS)."""
+        return self.cross_entropy == "chunked" or (
+            self.cross_entropy == "auto" and tokens * self.vocab_size > AUTO_CHUNKED_LOGITS
+        )
+
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
@@ -452,10 +458,8 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None  # only the last position is needed to sample
-        chunked = self.config.cross_entropy == "chunked" or (
-            self.config.cross_entropy == "auto" and targets.numel() * self.config.vocab_size > AUTO_CHUNKED_LOGITS
-        )  # plain is faster where the logits fit (bench/results/h100-train-speed.md)
-        if chunked:  # the logits are never built whole: none to return
+        # plain is faster where the logits fit (bench/results/h100-train-speed.md)
+        if self.config.chunks_loss(targets.numel()):  # the logits are never built whole: none to return
             return None, chunked_cross_entropy(x, self.lm_head.weight, targets)
         logits = self.lm_head(x)
         wide = torch.promote_types(logits.dtype, torch.float32)

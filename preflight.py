@@ -23,7 +23,7 @@ from data.common import read_meta
 from data.loader import ensure_dataset
 from interop import load_weights
 from lora import check_targets
-from model import AUTO_CHUNKED_LOGITS, GPT, GPTConfig
+from model import GPT, GPTConfig
 from parallel import PARALLELISMS
 from runtime import DIST_BACKENDS, DTYPES, Runtime, UsageError, available_memory, format_bytes
 
@@ -225,14 +225,12 @@ def parameter_count(config: GPTConfig) -> int:
 def check_memory(cfg: TrainConfig, vocab_size: int, runtime: Runtime) -> None:
     """Refuse, before allocating anything, a run whose weights, optimizer state and activations cannot fit in
     the device's memory (a lower bound of what it needs)."""
-    params = parameter_count(cfg.model_config(vocab_size=vocab_size))
+    model_config = cfg.model_config(vocab_size=vocab_size)
+    params = parameter_count(model_config)
     bytes_per_param = 4 if cfg.eval_only else 16  # float32 weights (+ gradients, AdamW's two moments)
     # per token: the logits and their gradient (unless chunked), and a floor of floats per layer and width kept
     # for backward (8; fewer when activations are recomputed)
-    chunked = cfg.cross_entropy == "chunked" or (
-        cfg.cross_entropy == "auto" and cfg.batch_size * cfg.block_size * vocab_size > AUTO_CHUNKED_LOGITS
-    )
-    logits = 0 if chunked else 2 * vocab_size
+    logits = 0 if model_config.chunks_loss(cfg.batch_size * cfg.block_size) else 2 * vocab_size
     kept = {"none": 8, "mlp": 4, "block": 1}[cfg.activation_checkpointing]
     activation_bytes = cfg.batch_size * cfg.block_size * 4 * (logits + kept * cfg.n_layer * cfg.n_embd)
     shards = runtime.world_size if cfg.parallelism == "fsdp" else 1  # FSDP: each rank holds 1/N of the state

@@ -77,3 +77,19 @@ def test_an_unknown_switch_value_is_one_line_listing_the_allowed(field, value, c
     assert train.main([f"--{field}={value}"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and value in err and "choose one of" in err, err
+
+
+def test_auto_chunks_the_loss_only_past_its_logits_limit(monkeypatch):
+    import model
+
+    config = GPTConfig(block_size=24, vocab_size=71, n_layer=1, n_head=2, n_embd=32)
+    assert config.cross_entropy == "auto" and not config.chunks_loss(1024)
+    assert config.chunks_loss(model.AUTO_CHUNKED_LOGITS // 71 + 1)
+    gpt = GPT(config)
+    idx = torch.randint(71, (2, 24), generator=torch.Generator().manual_seed(0))
+    logits, plain = gpt(idx, idx)
+    assert logits is not None
+    monkeypatch.setattr(model, "AUTO_CHUNKED_LOGITS", 2 * 24 * 71 - 1)  # this batch is now past the limit
+    logits, chunked = gpt(idx, idx)
+    assert logits is None
+    torch.testing.assert_close(chunked, plain)
