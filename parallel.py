@@ -96,6 +96,12 @@ def grad_scaler(model: nn.Module, device_type: str, *, init_scale: float, enable
     return torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=enabled)
 
 
+def fused_optimizer_ok(model: nn.Module) -> bool:
+    """Whether the fused AdamW kernel may run: not beside the ShardedGradScaler, whose one-element inf flag the
+    fused kernel subtracts from its scalar step counts and fails on CUDA (torch 2.11); foreach kernels there."""
+    return not is_sharded(model)
+
+
 def gradient_sync(model: nn.Module, train_model: nn.Module, enabled: bool):
     """A context for one micro-step's backward: with enabled=False, gradients accumulate on each rank without
     being averaged over ranks (every micro-step of an optimizer step but the last)."""

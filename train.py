@@ -32,7 +32,7 @@ from data.common import DataError
 from data.loader import Batches
 from lora import load_model_weights, setup_lora
 from model import GPT, GPTConfig
-from parallel import grad_scaler, gradient_sync, place_model, replicated, wrap_model
+from parallel import fused_optimizer_ok, grad_scaler, gradient_sync, place_model, replicated, wrap_model
 from preflight import (
     check_before_training,
     check_checkpoint_shape,
@@ -269,10 +269,9 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
         compile_mode=cfg.compile_mode,
         bucket_cap_mb=cfg.ddp_bucket_cap_mb,
     )
-    # Fused AdamW fails under FSDP's ShardedGradScaler on CUDA (torch 2.11: its found_inf of shape [1] against
-    # the optimizer's scalar step counts): the foreach kernels there.
+    betas = (cfg.beta1, cfg.beta2)
     optimizer = model.configure_optimizers(
-        cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device.type, fused=cfg.parallelism != "fsdp"
+        cfg.weight_decay, cfg.learning_rate, betas, device.type, fused=fused_optimizer_ok(model)
     )
     return TrainState(
         cfg, runtime, model, eval_model, train_model, optimizer, scaler, StopFlags(runtime), next_batch, attention
