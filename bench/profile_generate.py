@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.profile_train import summarize  # noqa: E402
+from bench.profile_train import summarize, top_table  # noqa: E402
 from bench.report import DEFAULT_OUT, card_slug  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from runtime import synchronize  # noqa: E402
@@ -54,17 +54,12 @@ def profile_case(gpt: GPT, args, device: torch.device, compile: bool) -> list[st
     tokens.close()
     lines = [f"## {'compiled' if compile else 'eager'}, {args.cache} cache", ""]
     lines += summarize(prof, args.tokens, wall_ms, device.type == "cuda", args.top, "token")
-    host = sorted((e for e in prof.key_averages() if e.device_type.name == "CPU"), key=lambda e: e.self_cpu_time_total)[
-        ::-1
-    ]
-    lines += ["", "| host ops (self CPU) | ms/token | calls/token |", "|---|---:|---:|"]
-    for event in host[: args.top]:
-        name = event.key if len(event.key) <= 90 else event.key[:87] + "..."
-        lines.append(
-            f"| `{name.replace('|', '/')}` | {event.self_cpu_time_total / 1000 / args.tokens:.3f} | "
-            f"{event.count / args.tokens:.1f} |"
-        )
-    return lines
+    host = [e for e in prof.key_averages() if e.device_type.name == "CPU"]
+    return (
+        lines
+        + [""]
+        + top_table("host ops (self CPU)", host, lambda e: e.self_cpu_time_total, args.tokens, args.top, "token")
+    )
 
 
 def main(argv=None) -> int:

@@ -62,12 +62,21 @@ def summarize(prof, steps: int, wall_ms: float, on_gpu: bool, top: int, unit: st
     ]
     for kind, ms in sorted(by_kind.items(), key=lambda item: -item[1]):
         lines.append(f"| {kind} | {ms:.3f} | {ms / busy:.1%} |")
-    lines += ["", f"| top kernels | kind | ms/{unit} | calls/{unit} |", "|---|---|---:|---:|"]
-    for event in sorted(kernels, key=time_of, reverse=True)[:top]:
+    return lines + [""] + top_table("top kernels", kernels, time_of, steps, top, unit, with_kind=True)
+
+
+def top_table(title: str, events, time_of, steps: int, top: int, unit: str, with_kind: bool = False) -> list[str]:
+    """Markdown rows of the `top` events by time_of (microseconds over `steps`): ms and calls per `unit`."""
+    kind_column = " kind |" if with_kind else ""
+    lines = [
+        f"| {title} |{kind_column} ms/{unit} | calls/{unit} |",
+        "|---|" + ("---|" if with_kind else "") + "---:|---:|",
+    ]
+    for event in sorted(events, key=time_of, reverse=True)[:top]:
         name = event.key if len(event.key) <= 90 else event.key[:87] + "..."
+        kind = f" {kind_of(event.key)} |" if with_kind else ""
         lines.append(
-            f"| `{name.replace('|', '/')}` | {kind_of(event.key)} | {time_of(event) / 1000 / steps:.3f} | "
-            f"{event.count / steps:.1f} |"
+            f"| `{name.replace('|', '/')}` |{kind} {time_of(event) / 1000 / steps:.3f} | {event.count / steps:.1f} |"
         )
     return lines
 
