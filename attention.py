@@ -50,6 +50,7 @@ class Need:
     training: bool = True  # gradients are needed
     seq_len: int = 0  # the longest sequence this use runs (0: unknown); only auto's order depends on it
     kv_cache: str = "none"  # generation: the KV cache decode steps read (none | contiguous | paged, kv_cache.py)
+    compiled: bool = False  # generation: the decode step runs under torch.compile (CUDA graphs)
     mps_fix: bool = True  # keep SDPA away from explicit masks on MPS (sdpa_problem); GPTConfig.disable_mps_fix
 
     def __post_init__(self):
@@ -521,14 +522,18 @@ AUTO_ORDER = {
     ("other", "", False): ("sdpa", "manual"),
     ("other", "", True): ("sdpa", "manual"),
 }
-# Decoding from a KV cache (kv_cache.py): kernels that read the cache in place (flash-attn's
-# flash_attn_with_kvcache, flex_attention through a block table) before SDPA, which reads pages gathered
-# into a copy; by design, not from a table of measurements
+# Decoding from a KV cache (kv_cache.py). Eager: the fewest launches per step first (flash-attn's
+# flash_attn_with_kvcache reads the cache, pages included, in place), SDPA before flex, whose eager calls cost
+# more host time. Compiled (CUDA graphs, no launch cost): flex_attention skips the cache's empty key blocks and
+# manual's one-query scores fuse into Triton kernels, both ahead of flash-attn's and SDPA's kernels made for
+# many queries (bench/results/h100-generate-compiled.md).
 DECODE_ORDER = {
-    ("cuda", "contiguous"): ("flash_attn_3", "flash_attn_2", "sdpa", "flex_attention", "manual"),
-    ("cuda", "paged"): ("flash_attn_3", "flash_attn_2", "flex_attention", "sdpa", "manual"),
-    ("other", "contiguous"): ("sdpa", "manual"),
-    ("other", "paged"): ("sdpa", "manual"),
+    ("cuda", "contiguous", False): ("flash_attn_3", "flash_attn_2", "sdpa", "flex_attention", "manual"),
+    ("cuda", "paged", False): ("flash_attn_3", "flash_attn_2", "flex_attention", "sdpa", "manual"),
+    ("cuda", "contiguous", True): ("flex_attention", "manual", "flash_attn_3", "flash_attn_2", "sdpa"),
+    ("cuda", "paged", True): ("flex_attention", "flash_attn_3", "flash_attn_2", "manual", "sdpa"),
+    ("other", "contiguous", False): ("sdpa", "manual"),
+    ("other", "paged", False): ("sdpa", "manual"),
 }
 
 
@@ -561,7 +566,9 @@ def auto_order(need: Need, table: dict | None = None) -> tuple[tuple[str, ...], 
     from the measured length on; elsewhere the default order for the GPU generation. Decoding from a KV cache
     has its own order (DECODE_ORDER)."""
     if need.kv_cache != "none":
-        return DECODE_ORDER[(_generation(need.device)[0], need.kv_cache)], "decode order"
+        generation = _generation(need.device)[0]
+        compiled = need.compiled and generation == "cuda"  # elsewhere the compiled step runs eagerly
+        return DECODE_ORDER[(generation, need.kv_cache, compiled)], f"{'compiled ' if compiled else ''}decode order"
     order = AUTO_ORDER[(*_generation(need.device), need.documents)]
     key = card_key(need.device)
     entry = (read_auto_table() if table is None else table).get(key)

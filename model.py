@@ -352,12 +352,13 @@ class GPT(nn.Module):
         seq_len: int | None = None,
         documents: bool = False,
         kv_cache: str = "none",
+        compiled: bool = False,
     ) -> Resolution:
         """Resolve the attention backend for this device, compute dtype (autocast's) and use, and log it:
         a WARNING when an explicit request falls back, one INFO line naming what runs. Call it before
         torch.compile; forward then reads the result. `documents` says whether the run packs documents
         (both kinds are resolved; the one in use is logged); `kv_cache`, which cache generation decodes
-        from. Returns the resolution in use."""
+        from, and `compiled`, whether its decode step is compiled. Returns the resolution in use."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None and torch.cuda.is_available():  # as tensors' cuda:N
             device = torch.device("cuda", torch.cuda.current_device())
@@ -366,7 +367,9 @@ class GPT(nn.Module):
         self.attention = {}
         for docs in (False, True):
             mps_fix = not self.config.disable_mps_fix
-            need = Need(device, dtype, self.config.head_dim, docs, dropout, training, seq_len, kv_cache, mps_fix)
+            need = Need(
+                device, dtype, self.config.head_dim, docs, dropout, training, seq_len, kv_cache, compiled, mps_fix
+            )
             self.attention[docs] = self._resolve(need, measure=docs == documents)
         self.attention_device = device
         self._log(self.attention[documents])
@@ -532,7 +535,9 @@ class GPT(nn.Module):
         device, longest = prompts[0].device, max(p.numel() for p in prompts)
         saved = self.attention, self.attention_device
         seq_len = min(self.config.block_size, longest + max_new_tokens)
-        self.setup_attention(device, self.compute_dtype(device), training=False, seq_len=seq_len, kv_cache=kv_cache)
+        self.setup_attention(
+            device, self.compute_dtype(device), training=False, seq_len=seq_len, kv_cache=kv_cache, compiled=compile
+        )
         try:
             attention = self.attention[False]
             generation = Generation(

@@ -43,21 +43,28 @@ def wrap_model(
     *,
     use_compile: bool,
     compile_mode: str = "default",
-    bucket_cap_mb: float = 25.0,
+    bucket_cap_mb: float = 100.0,
+    graph_split: bool = False,
 ) -> tuple[nn.Module, nn.Module]:
     """(eval_model, train_model) of a model placed by place_model: compiled when use_compile, and wrapped in
-    DDP under torchrun unless sharded. Build the optimizer after place_model: FSDP replaces the parameters."""
+    DDP under torchrun unless sharded. Build the optimizer after place_model: FSDP replaces the parameters.
+    graph_split: torch.compile cuts the graph at DDP's bucket boundaries, so each bucket's all-reduce starts
+    while the rest of backward runs; off, backward is one graph (fusion across the whole model) and every
+    all-reduce waits for its end."""
     eval_model = torch.compile(model, mode=compile_mode) if use_compile else model
     if not runtime.ddp or parallelism == "fsdp":
         return eval_model, eval_model
     from torch.nn.parallel import DistributedDataParallel
 
+    if use_compile:
+        torch._dynamo.config.optimize_ddp = graph_split  # read when the wrapped model first compiles
     device = runtime.device
     train_model = DistributedDataParallel(
         eval_model,
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=bucket_cap_mb,
         gradient_as_bucket_view=True,  # gradients live in DDP's buckets: no copy in and out of them per step
+        broadcast_buffers=False,  # the only buffers (rotary tables) are computed alike on every rank
         # static_graph stays off: with torch.compile and no_sync (accumulation) it fails an internal assert
         # in DDP's reducer (torch 2.13)
     )

@@ -130,7 +130,8 @@ class TrainConfig:
     compile_mode: str = "default"  # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
     dist_backend: str = "nccl"  # DDP backend under torchrun: nccl | gloo
     parallelism: str = "ddp"  # under torchrun: ddp (a model copy per GPU) | fsdp (weights and optimizer sharded)
-    ddp_bucket_cap_mb: float = 25.0  # DDP all-reduces gradients in buckets of this size, overlapping backward
+    ddp_bucket_cap_mb: float = 100.0  # DDP all-reduces gradients in buckets of this size
+    ddp_graph_split: bool = False  # compiled DDP: a graph per bucket, all-reduce overlapping backward (bench/NOTES.md)
     dist_timeout_s: float = 600.0  # a rank waiting this long for the others in a collective gives up
     seed: int = 1337  # seeds the weights and the data stream (the same on every rank); dropout adds the rank
     peak_flops: float | None = None  # per-device peak FLOP/s for MFU; None: look up the GPU's name
@@ -268,6 +269,7 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
         use_compile=use_compile,
         compile_mode=cfg.compile_mode,
         bucket_cap_mb=cfg.ddp_bucket_cap_mb,
+        graph_split=cfg.ddp_graph_split,
     )
     betas = (cfg.beta1, cfg.beta2)
     optimizer = model.configure_optimizers(

@@ -7,11 +7,14 @@ trains under DDP and under FSDP.
     python bench/bench_ddp.py --fsdp           # also GPT-2 XL (48 layers, width 1600) under FSDP, same GPU counts
     python bench/bench_ddp.py --largest        # also the deepest width-1600 GPT that trains, DDP and FSDP
     python bench/bench_ddp.py --quick          # CPU, gloo, a tiny model on 1 and 2 processes: checks the script
+    python bench/bench_ddp.py --gpus 1 2 --variant overlap:--ddp_graph_split=true,--ddp_bucket_cap_mb=25
+                                               # other DDP settings, scaled by the same 1-GPU run
 
-Each run is train.py itself under torchrun (--log_interval=1); its figures are train.py's own iter lines
-(bench.report.parse_log_line) after the first --warmup iterations, medians over the rest. Every run has the
-same tokens per optimizer step: gradient_accumulation_steps = (GPUs of the largest run) x --accum, split over
-the GPUs. The data is a char corpus of this repo's sources with GPT-2's vocabulary size (no download).
+Each run is train.py itself under torchrun (--log_interval=10: a log line waits for the GPU); its figures are
+train.py's own iter lines (bench.report.parse_log_line) after the first --warmup iterations, medians over the
+rest. Every run has the same tokens per optimizer step: gradient_accumulation_steps = (GPUs of the largest run) x
+--accum, split over the GPUs. The data is a char corpus of this repo's sources with GPT-2's vocabulary size (no
+download).
 NCCL_NVLS_ENABLE=0 in every launched process. Results: bench/results/<card>-ddp.{json,md,png}.
 """
 
@@ -38,6 +41,7 @@ LARGEST_LAYERS = (48, 96, 192, 384, 768)  # width 1600: about 1.5B, 3B, 6B, 12B,
 COLUMNS = [
     Column("run", "run"),
     Column("model", "model"),
+    Column("settings", "train.py settings"),
     Column("params_m", "params (M)", "{:,.0f}"),
     Column("gpus", "GPUs"),
     Column("micro_steps_per_gpu", "micro-steps / GPU"),
@@ -97,7 +101,7 @@ def run_settings(args, shape: dict, parallelism: str, micro_batch: int, accum_to
         "--warmup_iters=5",
         "--learning_rate=3e-4",
         "--min_lr=3e-5",
-        "--log_interval=1",
+        f"--log_interval={args.log_interval}",
         f"--eval_interval={args.iters}",
         "--eval_iters=1",
         "--eval_on_start=false",
@@ -109,10 +113,14 @@ def run_settings(args, shape: dict, parallelism: str, micro_batch: int, accum_to
     return settings + args.extra
 
 
-def measure(args, run: str, model: str, shape: dict, parallelism: str, gpus: int, micro_batch: int) -> dict:
+def measure(
+    args, run: str, model: str, shape: dict, parallelism: str, gpus: int, micro_batch: int, settings=(), baseline=None
+) -> dict:
     accum_total = max(args.gpus) * args.accum
     row = {
         "run": run,
+        "baseline": baseline or run,  # the run whose 1-GPU row scales this one
+        "settings": " ".join(settings) or "-",
         "model": model,
         "params_m": params_millions(shape, args.vocab_size, args.block_size),
         "gpus": gpus,
@@ -120,7 +128,7 @@ def measure(args, run: str, model: str, shape: dict, parallelism: str, gpus: int
         "micro_steps_per_gpu": accum_total // gpus,
         "tokens_per_step": accum_total * micro_batch * args.block_size,
     }
-    settings = run_settings(args, shape, parallelism, micro_batch, accum_total)
+    settings = run_settings(args, shape, parallelism, micro_batch, accum_total) + list(settings)
     code, output, seconds = launch(args, gpus, settings, args.work / f"{run}-{model}-{gpus}")
     lines = [parsed for line in output.splitlines() if (parsed := parse_log_line(line))]
     steady = [line for line in lines if line["iter"] > args.warmup]
@@ -146,7 +154,7 @@ def add_scaling(rows: list[dict]) -> None:
     """Per-GPU tok/s over that of the same run and model on one GPU."""
     single = {(r["run"], r["model"]): r.get("tokens_per_sec") for r in rows if r["gpus"] == 1}
     for row in rows:
-        base = single.get((row["run"], row["model"]))
+        base = single.get((row["baseline"], row["model"]))
         if base and row.get("tokens_per_sec"):
             row["scaling"] = row["tokens_per_sec_per_gpu"] / base
 
@@ -205,8 +213,15 @@ def parse_args(argv=None):
     parser.add_argument("--gpus", type=int, nargs="+", default=None, help="GPU counts (default 1 2 4; --quick 1 2)")
     parser.add_argument("--micro-batch", type=int, default=None, help="sequences per GPU and micro-step (16)")
     parser.add_argument("--accum", type=int, default=2, help="micro-steps per GPU on the largest GPU count (2)")
-    parser.add_argument("--iters", type=int, default=None, help="iterations per run (default 30; --quick 6)")
-    parser.add_argument("--warmup", type=int, default=None, help="iterations left out of the medians (10; quick 2)")
+    parser.add_argument("--iters", type=int, default=None, help="iterations per run (default 60; --quick 6)")
+    parser.add_argument("--warmup", type=int, default=None, help="iterations left out of the medians (20; quick 2)")
+    parser.add_argument(
+        "--log-interval",
+        type=int,
+        default=None,
+        help="train.py's log_interval (default 10; --quick 1): each log line waits for the GPU, so 1 adds a host "
+        "sync to every step",
+    )
     parser.add_argument("--fsdp", action="store_true", help="also GPT-2 XL under FSDP on each GPU count")
     parser.add_argument("--skip-ddp", action="store_true", help="leave out the DDP rows (e.g. only --fsdp)")
     parser.add_argument("--largest", action="store_true", help="also the deepest width-1600 GPT that trains")
@@ -215,17 +230,33 @@ def parse_args(argv=None):
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
     parser.add_argument("--work", type=Path, default=Path("out-bench-ddp"), help="folder for data and out_dirs")
     parser.add_argument("--name", default=None, help="results name (default ddp; --quick ddp-quick)")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:--key=value[,--key=value]",
+        help="a DDP row set with these train.py settings on each GPU count > 1, scaled by the plain 1-GPU run",
+    )
     parser.add_argument("extra", nargs="*", help="more train.py --key=value settings for every run (after --)")
     args = parser.parse_args(argv)
     quick = args.quick
     args.gpus = args.gpus or ([1, 2] if quick else [1, 2, 4])
     args.micro_batch = args.micro_batch or (4 if quick else 16)
-    args.iters = args.iters or (6 if quick else 30)
-    args.warmup = args.warmup if args.warmup is not None else (2 if quick else 10)
+    args.iters = args.iters or (6 if quick else 60)
+    args.warmup = args.warmup if args.warmup is not None else (2 if quick else 20)
+    args.log_interval = args.log_interval or (1 if quick else 10)
     args.name = args.name or ("ddp-quick" if quick else "ddp")
     args.block_size, args.vocab_size = (64, None) if quick else (1024, 50304)  # quick: the corpus's own vocabulary
     args.data = corpus(args.work / "data")
+    args.variants = [parse_variant(text, parser) for text in args.variant]
     return args
+
+
+def parse_variant(text: str, parser: argparse.ArgumentParser) -> tuple[str, list[str]]:
+    name, _, settings = text.partition(":")
+    if not name or not settings.startswith("--"):
+        parser.error(f"--variant {text!r}: expected NAME:--key=value[,--key=value]")
+    return name, settings.split(",")
 
 
 def main(argv=None) -> int:
@@ -243,6 +274,11 @@ def main(argv=None) -> int:
         for gpus in args.gpus:
             rows.append(measure(args, parallelism, model, shape, parallelism, gpus, micro_batch))
             print(progress(rows[-1]), flush=True)
+    for name, settings in args.variants:
+        for gpus in (g for g in args.gpus if g > 1):
+            run = f"ddp {name}"
+            rows.append(measure(args, run, small[0], small[1], "ddp", gpus, args.micro_batch, settings, "ddp"))
+            print(progress(rows[-1]), flush=True)
     add_scaling(rows)
     if args.largest:
         rows += largest(args, "ddp") + largest(args, "fsdp")
@@ -253,7 +289,7 @@ def main(argv=None) -> int:
         wall_s=round(time.perf_counter() - start, 1),
         notes={
             "runs": "train.py under torchrun --standalone; iter lines after the first "
-            f"{args.warmup} of {args.iters}, medians",
+            f"{args.warmup} of {args.iters} (one every {args.log_interval}), medians",
             "global batch": f"gradient_accumulation_steps = {max(args.gpus)} x {args.accum} over all GPUs",
             "scaling": "tok/s per GPU over that of the same run on one GPU (which trains unsharded, without DDP)",
             "environment": "NCCL_NVLS_ENABLE=0",

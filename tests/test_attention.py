@@ -8,6 +8,7 @@ float64 to ~1e-10 and float32 to ~1e-5 relative (‖out − ref‖ / ‖ref‖),
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -792,6 +793,22 @@ def test_a_registered_toy_backend_runs_and_falls_back(monkeypatch, caplog):
 
 
 # ---- auto: the per-card table, and timing on a card the table does not know -------------------
+
+
+def test_decode_order_depends_on_whether_the_step_is_compiled(fake_env):
+    """Eager decoding pays per launch (flash-attn's one kernel first); under CUDA graphs the kernel's own time
+    counts (flex first). Off CUDA the compiled step runs eagerly, so its order is the eager one."""
+    fake_env(installed=(), capability=(9, 0))  # no flash-attn: eager decoding takes SDPA
+    need = Need(CUDA, torch.bfloat16, 64, training=False, seq_len=384, kv_cache="contiguous")
+    assert attention.auto_order(need) == (attention.DECODE_ORDER[("cuda", "contiguous", False)], "decode order")
+    assert model.resolve("auto", need).used == "sdpa"
+    compiled = dataclasses.replace(need, compiled=True)
+    assert attention.auto_order(compiled)[1] == "compiled decode order"
+    assert model.resolve("auto", compiled).used == "flex_attention"
+    paged = dataclasses.replace(compiled, kv_cache="paged")
+    assert model.resolve("auto", paged).used == "flex_attention"
+    on_cpu = dataclasses.replace(compiled, device=CPU, dtype=torch.float32)
+    assert attention.auto_order(on_cpu) == (("sdpa", "manual"), "decode order")
 
 
 def test_auto_table_file_is_data_the_resolver_reads(fake_env, tmp_path):
