@@ -159,17 +159,14 @@ def add_scaling(rows: list[dict]) -> None:
             row["scaling"] = row["tokens_per_sec_per_gpu"] / base
 
 
-def largest(args, parallelism: str) -> list[dict]:
+def largest(args, parallelism: str, on_row) -> None:
     """Deeper and deeper width-1600 GPTs at micro-batch 1 on the most GPUs, until one does not train."""
-    rows = []
     for layers in LARGEST_LAYERS:
         shape = {**GPT2_XL, "n_layer": layers}
         row = measure(args, f"{parallelism}-largest", f"{layers}L-1600", shape, parallelism, max(args.gpus), 1)
-        rows.append(row)
-        print(progress(row), flush=True)
+        on_row(row)
         if row["status"] != "ok":
             break
-    return rows
 
 
 def progress(row: dict) -> str:
@@ -259,29 +256,8 @@ def parse_variant(text: str, parser: argparse.ArgumentParser) -> tuple[str, list
     return name, settings.split(",")
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if not args.quick and torch.cuda.device_count() < max(args.gpus):
-        print(f"error: {max(args.gpus)} GPUs asked for, {torch.cuda.device_count()} here", file=sys.stderr)
-        return 2
-    start, rows = time.perf_counter(), []
-    small = ("tiny", TINY) if args.quick else ("gpt2-124M", GPT2)
-    runs = ([] if args.skip_ddp else [("ddp", *small)]) + ([("fsdp", "gpt2-xl-1.5B", GPT2_XL)] if args.fsdp else [])
-    if args.quick and args.fsdp:
-        runs[-1] = ("fsdp", *small)
-    for parallelism, model, shape in runs:
-        micro_batch = args.micro_batch if model != "gpt2-xl-1.5B" else max(1, args.micro_batch // 2)
-        for gpus in args.gpus:
-            rows.append(measure(args, parallelism, model, shape, parallelism, gpus, micro_batch))
-            print(progress(rows[-1]), flush=True)
-    for name, settings in args.variants:
-        for gpus in (g for g in args.gpus if g > 1):
-            run = f"ddp {name}"
-            rows.append(measure(args, run, small[0], small[1], "ddp", gpus, args.micro_batch, settings, "ddp"))
-            print(progress(rows[-1]), flush=True)
+def save(args, rows: list[dict], start: float) -> list[Path]:
     add_scaling(rows)
-    if args.largest:
-        rows += largest(args, "ddp") + largest(args, "fsdp")
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     header = results_header(
         args.name,
@@ -296,7 +272,37 @@ def main(argv=None) -> int:
             "largest": "width 1600, 25 heads, micro-batch 1; stops at the first failure" if args.largest else "-",
         },
     )
-    for path in write_results(args.out, args.name, header, rows, COLUMNS, plot):
+    return write_results(args.out, args.name, header, rows, COLUMNS, plot)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not args.quick and torch.cuda.device_count() < max(args.gpus):
+        print(f"error: {max(args.gpus)} GPUs asked for, {torch.cuda.device_count()} here", file=sys.stderr)
+        return 2
+    start, rows = time.perf_counter(), []
+
+    def on_row(row: dict) -> None:  # the results so far are on disk after every run: a cut-off call keeps them
+        rows.append(row)
+        print(progress(row), flush=True)
+        save(args, rows, start)
+
+    small = ("tiny", TINY) if args.quick else ("gpt2-124M", GPT2)
+    runs = ([] if args.skip_ddp else [("ddp", *small)]) + ([("fsdp", "gpt2-xl-1.5B", GPT2_XL)] if args.fsdp else [])
+    if args.quick and args.fsdp:
+        runs[-1] = ("fsdp", *small)
+    for parallelism, model, shape in runs:
+        micro_batch = args.micro_batch if model != "gpt2-xl-1.5B" else max(1, args.micro_batch // 2)
+        for gpus in args.gpus:
+            on_row(measure(args, parallelism, model, shape, parallelism, gpus, micro_batch))
+    for name, settings in args.variants:
+        for gpus in (g for g in args.gpus if g > 1):
+            run = f"ddp {name}"
+            on_row(measure(args, run, small[0], small[1], "ddp", gpus, args.micro_batch, settings, "ddp"))
+    if args.largest:
+        largest(args, "ddp", on_row)
+        largest(args, "fsdp", on_row)
+    for path in save(args, rows, start):
         print(f"wrote {path}")
     return 0
 

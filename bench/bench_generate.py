@@ -157,7 +157,9 @@ def measure_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> 
             return {**row, **hf_peer(case, args, device, dtype)}
         gpt = build_model(case, args, device, dtype)
         seq_len = case.prompt_len + case.new_tokens
-        resolution = gpt.setup_attention(device, dtype, training=False, seq_len=seq_len, kv_cache=case.cache)
+        resolution = gpt.setup_attention(
+            device, dtype, training=False, seq_len=seq_len, kv_cache=case.cache, compiled=case.compile
+        )
         row["resolved"] = resolution.used
         if case.backend != "auto" and resolution.used != case.backend:  # never time another under this name
             return {**row, "status": f"falls back to {resolution.used}: {resolution.reason}"}
