@@ -576,11 +576,10 @@ class Generation:
         starts = torch.tensor([n - w for n, w in zip(self.counts, windows)], device=self.tokens.device)
         index = torch.minimum(starts[:, None] + torch.arange(T, device=starts.device), self.ends[:, None] - 1)
         idx = self.tokens.gather(1, index)  # (B, T): padding repeats a row's last token, never read
-        if self.cache is None:
-            step = Step.chunk(windows, T, idx.device)
-        else:
-            step = self.cache.prefill(windows, T)
-        return self.model.forward_cached(idx, step, self.attends)
+        if self.cache is None:  # each step a new length, for which cuDNN's SDPA kernel would build a new plan
+            with sdpa_kernel(_DECODE_SDPA_KERNELS):
+                return self.model.forward_cached(idx, Step.chunk(windows, T, idx.device), self.attends)
+        return self.model.forward_cached(idx, self.cache.prefill(windows, T), self.attends)
 
     def decode_static(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token per row over the whole capacity: the same shapes every step (what torch.compile captures)."""

@@ -143,6 +143,22 @@ def test_sampling_follows_the_seed_and_keeps_the_prompt():
     assert torch.equal(first, gpt.generate(prompt, 6, temperature=0.9, top_k=5, kv_cache="none"))
 
 
+def test_decoding_without_a_cache_keeps_sdpa_off_cudnn(monkeypatch):
+    """Every no-cache step has a new length, and cuDNN's SDPA kernel builds a plan per length (tens of ms a
+    step on a GPU); the steps run with PyTorch's other SDPA kernels, as cached decode steps do."""
+    gpt = tiny_model(block_size=8, attention_backend="sdpa")
+    sdpa, cudnn_allowed = torch.nn.functional.scaled_dot_product_attention, []
+
+    def watched(*args, **kwargs):
+        cudnn_allowed.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", watched)
+    gpt.generate(tokens(1, 5), 4, temperature=0, kv_cache="none")
+    assert cudnn_allowed and not any(cudnn_allowed)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # and only there
+
+
 def test_vocab_size_is_never_exceeded():
     gpt = tiny_model()
     with torch.no_grad():
