@@ -64,7 +64,6 @@ def wrap_model(
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=bucket_cap_mb,
         gradient_as_bucket_view=True,  # gradients live in DDP's buckets: no copy in and out of them per step
-        broadcast_buffers=False,  # the only buffers (rotary tables) are computed alike on every rank
         # static_graph stays off: with torch.compile and no_sync (accumulation) it fails an internal assert
         # in DDP's reducer (torch 2.13)
     )

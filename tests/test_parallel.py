@@ -21,9 +21,12 @@ import time
 import pytest
 import torch
 
+import parallel
 import train
 from checkpoint import load_checkpoint
-from helpers import Child, one_torch_thread, tiny_args
+from helpers import Child, one_torch_thread, tiny_args, tiny_config
+from model import GPT
+from runtime import Runtime
 
 ACCUM = 4  # micro-steps per optimizer step over all ranks: 1 rank x 4, 2 x 2, 4 x 1
 MAX_ITERS = 60
@@ -170,3 +173,22 @@ def test_a_failed_or_killed_rank_is_reported_and_the_job_restarts_from_the_last_
 def _gloo_only():
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available in this build")
+
+
+def test_ddp_wrapping_follows_the_settings(monkeypatch):
+    """wrap_model gives DDP its bucket size and tells torch.compile whether to cut the graph at the buckets
+    (ddp_graph_split)."""
+    monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", torch._dynamo.config.optimize_ddp)  # restored after
+    monkeypatch.setattr(torch, "compile", lambda model, **options: model)  # the setting is read when it compiles
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        runtime = Runtime(torch.device("cpu"), torch.float32, world_size=2)  # wraps in DDP; one process here
+        for split in (False, True):
+            model = GPT(tiny_config())
+            _, ddp = parallel.wrap_model(model, runtime, "ddp", use_compile=True, bucket_cap_mb=7, graph_split=split)
+            assert torch._dynamo.config.optimize_ddp is split
+            assert ddp.bucket_bytes_cap == 7 * 2**20
+    finally:
+        torch.distributed.destroy_process_group()
