@@ -7,6 +7,7 @@
 #   bash bench/run_gpu.sh generate            # generation: prefill and decode tok/s per backend and KV cache
 #   bash bench/run_gpu.sh speed profile long curves   # train-step speed: plain vs default, profile, long T, loss
 #   bash bench/run_gpu.sh ddp                 # 1, 2, 4 GPUs: DDP scaling, GPT-2 XL under FSDP, the largest model
+#   bash bench/run_gpu.sh twonodes            # 4 GPUs: two torchrun agents (--nnodes=2) against one launch
 #
 # On a GPU machine without network, the flash packages can come with the repo, in either form:
 # - .whl/flash_attn-*.whl: a flash-attn 2 wheel built for that machine's torch, CUDA and Python, installed
@@ -111,6 +112,9 @@ for stage in "$@"; do
     ddp)  # the same global batch on 1 2 4 GPUs (GPT-2 124M, DDP), GPT-2 XL under FSDP, the largest GPT that trains
         NCCL_NVLS_ENABLE=0 python3 bench/bench_ddp.py --out "$OUT" --gpus ${DDP_GPUS:-1 2 4} ${DDP_FLAGS:---fsdp --largest} | tail -24
         ;;
-    *) echo "unknown stage $stage; stages: tests smoke scan attention float16 train compare generate speed profile long curves ddp"; exit 2 ;;
+    twonodes)  # the README's two-node launch on one host: 2 torchrun agents x 2 GPUs against one 4-GPU launch
+        NCCL_NVLS_ENABLE=0 python3 bench/bench_two_nodes.py --out "$OUT" | tail -6
+        ;;
+    *) echo "unknown stage $stage; stages: tests smoke scan attention float16 train compare generate speed profile long curves ddp twonodes"; exit 2 ;;
     esac
 done

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from bench import readme_table, report
+from bench import bench_two_nodes, readme_table, report
 from bench.report import card_slug, parse_log_line
 from helpers import REPO as ROOT
 from helpers import WarmProcess
@@ -391,3 +391,18 @@ def test_graphs_go_to_the_smallest_backends_and_a_failed_capture_times_eagerly(m
     assert flex.row["fwd_timing"] == "cuda graph"
     assert manual.runs["fwd"] == ("manual fwd", ()) and "would hold ~40,000 MiB" in manual.row["fwd_timing"]
     assert broken.runs["fwd"] == ("breaks", ()) and "capture failed" in broken.row["fwd_bwd_timing"]
+
+
+def test_two_node_launches_are_compared_loss_by_loss_and_need_an_even_number_of_ranks(capsys):
+    rows = [
+        {"status": "ok", "losses": {1: 4.0, 2: 3.5}},
+        {"status": "ok", "losses": {1: 4.0, 2: 3.4997}},
+        {"status": "ok", "losses": {1: 4.0}},  # a launch that logged less is not compared
+        {"status": "exit [1, 0]: error: rank 2 failed: boom"},
+    ]
+    bench_two_nodes.compare(rows)
+    assert rows[0]["max_abs_diff"] == 0 and math.isclose(rows[1]["max_abs_diff"], 3e-4, rel_tol=1e-6)
+    assert "max_abs_diff" not in rows[2] and "max_abs_diff" not in rows[3]
+    with pytest.raises(SystemExit) as exit_info:
+        bench_two_nodes.parse_args(["--ranks=3"])
+    assert exit_info.value.code == 2 and "--ranks must be even" in capsys.readouterr().err

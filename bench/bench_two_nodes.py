@@ -1,0 +1,184 @@
+"""The README's two-node launch, shown on one host: two torchrun agents (--nnodes=2, --node_rank 0 and 1, a c10d
+rendezvous on localhost), each with half the GPUs, against one --standalone launch of all of them, twice (the
+run-to-run noise of the GPU kernels). The train.py settings are the same; the logged losses are compared
+iteration by iteration.
+
+    python bench/bench_two_nodes.py            # a 4-GPU host: 2 agents x 2 GPUs against 1 x 4, GPT-2 124M shapes
+    python bench/bench_two_nodes.py --quick    # CPU, gloo: 2 agents x 2 processes against 1 x 4, a tiny model
+
+Results: bench/results/<card>-two-nodes.{json,md}. NCCL_NVLS_ENABLE=0 in every launched process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.bench_ddp import GPT2, TINY, corpus  # noqa: E402
+from bench.report import DEFAULT_OUT, Column, parse_log_line, results_header, write_results  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+COLUMNS = [
+    Column("launch", "launch"),
+    Column("ranks", "ranks"),
+    Column("iters_logged", "iterations logged"),
+    Column("final_loss", "last loss", "{:.4f}"),
+    Column("max_abs_diff", "max |loss - first launch's|", "{:.4f}"),
+    Column("tokens_per_sec", "tok/s", "{:,.0f}"),
+    Column("wall_s", "wall s", "{:.1f}"),
+    Column("status", "status"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_settings(args, out_dir: Path) -> list[str]:
+    shape = TINY if args.quick else GPT2
+    settings = [f"--{key}={value}" for key, value in shape.items()]
+    settings += [
+        f"--data_dir={args.data}",
+        f"--batch_size={4 if args.quick else 16}",
+        f"--block_size={64 if args.quick else 1024}",
+        f"--gradient_accumulation_steps={args.ranks}",  # one micro-step per rank
+        f"--max_iters={args.iters}",
+        f"--lr_decay_iters={args.iters}",
+        "--warmup_iters=5",
+        "--log_interval=1",
+        f"--eval_interval={args.iters}",
+        "--eval_iters=1",
+        "--eval_on_start=false",
+        f"--out_dir={out_dir}",
+        "--overwrite_out_dir=true",
+    ]
+    if not args.quick:
+        settings.append("--vocab_size=50304")
+    else:
+        settings += ["--device=cpu", "--dist_backend=gloo", "--compile=false"]
+    return settings + args.extra
+
+
+def run(args, name: str, agents: list[list[str]], out_dir: Path) -> dict:
+    """Start every agent's torchrun at once, wait for all; the row of rank 0's log lines (agent 0's output)."""
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
+    if args.quick:
+        env["OMP_NUM_THREADS"] = "1"
+    settings = train_settings(args, out_dir)
+    start = time.perf_counter()
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", *launcher, "train.py", *settings],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for launcher in agents
+    ]
+    outputs, codes = [], []
+    for process in processes:
+        try:
+            output, _ = process.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            output = process.communicate()[0] + f"\ntimed out after {args.timeout} s"
+        outputs.append(output)
+        codes.append(process.returncode)
+    lines = [parsed for line in outputs[0].splitlines() if (parsed := parse_log_line(line))]
+    row = {"launch": name, "ranks": args.ranks, "wall_s": time.perf_counter() - start, "codes": codes}
+    if any(codes) or not lines:
+        failed = next((o for o, c in zip(outputs, codes) if c), outputs[0])
+        last = [line for line in failed.splitlines() if line.startswith("error:")] or failed.strip().splitlines()[-1:]
+        return {**row, "status": f"exit {codes}: {(last or ['(no output)'])[-1][:200]}"}
+    steady = [line["tokens_per_sec"] for line in lines if line["iter"] > min(5, args.iters - 1)]
+    return {
+        **row,
+        "losses": {line["iter"]: line["loss"] for line in lines},
+        "iters_logged": len(lines),
+        "final_loss": lines[-1]["loss"],
+        "tokens_per_sec": statistics.median(steady) if steady else None,
+        "status": "ok",
+    }
+
+
+def compare(rows: list[dict]) -> None:
+    """Each row's largest logged-loss difference from the first row's, over the iterations both logged."""
+    first = rows[0].get("losses") or {}
+    for row in rows:
+        losses = row.get("losses") or {}
+        common = sorted(set(first) & set(losses))
+        if common and len(common) == len(first) == len(losses):
+            row["max_abs_diff"] = max(abs(losses[it] - first[it]) for it in common)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="CPU, gloo, a tiny model: checks the script")
+    parser.add_argument("--ranks", type=int, default=4, help="processes in all, half per agent (default 4)")
+    parser.add_argument("--iters", type=int, default=None, help="iterations per launch (default 30; --quick 6)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per launch (600)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
+    parser.add_argument("--work", type=Path, default=Path("out-bench-two-nodes"), help="folder for data and out_dirs")
+    parser.add_argument("--name", default=None, help="results name (default two-nodes; --quick two-nodes-quick)")
+    parser.add_argument("extra", nargs="*", help="more train.py --key=value settings for every launch (after --)")
+    args = parser.parse_args(argv)
+    if args.ranks < 2 or args.ranks % 2:
+        parser.error(f"--ranks must be even and at least 2, got {args.ranks}")
+    args.iters = args.iters or (6 if args.quick else 30)
+    args.name = args.name or ("two-nodes-quick" if args.quick else "two-nodes")
+    args.data = corpus(args.work / "data")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not args.quick and torch.cuda.device_count() < args.ranks:
+        print(f"error: {args.ranks} GPUs asked for, {torch.cuda.device_count()} here", file=sys.stderr)
+        return 2
+    start, half, port = time.perf_counter(), args.ranks // 2, free_port()
+    standalone = ["--standalone", f"--nproc_per_node={args.ranks}"]
+    two_nodes = [
+        ["--nnodes=2", f"--node_rank={node}", f"--nproc_per_node={half}", "--rdzv_backend=c10d"]
+        + [f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes"]
+        for node in (0, 1)
+    ]
+    rows = [
+        run(args, f"1 agent x {args.ranks} (--standalone)", [standalone], args.work / "standalone"),
+        run(args, f"1 agent x {args.ranks} (--standalone), again", [standalone], args.work / "standalone-again"),
+        run(args, f"2 agents x {half} (--nnodes=2, c10d on localhost)", two_nodes, args.work / "two-nodes"),
+    ]
+    compare(rows)
+    for row in rows:
+        print(f"{row['launch']}: {row['status']}, max |loss diff| {row.get('max_abs_diff')}", flush=True)
+    device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
+    header = results_header(
+        args.name,
+        device,
+        wall_s=round(time.perf_counter() - start, 1),
+        notes={
+            "launches": "train.py under torchrun, the same settings, one micro-step per rank a step; the first "
+            "launch's losses are the reference, its repeat shows the run-to-run noise",
+            "losses": "rank 0's log lines (4 decimals), every iteration",
+            "environment": "NCCL_NVLS_ENABLE=0",
+        },
+    )
+    for path in write_results(args.out, args.name, header, rows, COLUMNS):
+        print(f"wrote {path}")
+    return 0 if all(row["status"] == "ok" for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
