@@ -114,7 +114,16 @@ def run_settings(args, shape: dict, parallelism: str, micro_batch: int, accum_to
 
 
 def measure(
-    args, run: str, model: str, shape: dict, parallelism: str, gpus: int, micro_batch: int, settings=(), baseline=None
+    args,
+    run: str,
+    model: str,
+    shape: dict,
+    parallelism: str,
+    gpus: int,
+    micro_batch: int,
+    settings=(),
+    baseline=None,
+    warmup: int | None = None,
 ) -> dict:
     accum_total = max(args.gpus) * args.accum
     row = {
@@ -131,7 +140,7 @@ def measure(
     settings = run_settings(args, shape, parallelism, micro_batch, accum_total) + list(settings)
     code, output, seconds = launch(args, gpus, settings, args.work / f"{run}-{model}-{gpus}")
     lines = [parsed for line in output.splitlines() if (parsed := parse_log_line(line))]
-    steady = [line for line in lines if line["iter"] > args.warmup]
+    steady = [line for line in lines if line["iter"] > (args.warmup if warmup is None else warmup)]
     row["wall_s"] = round(seconds, 1)
     if code != 0 or not steady:
         last = [line for line in output.splitlines() if line.startswith("error:")] or output.strip().splitlines()[-1:]
@@ -159,11 +168,18 @@ def add_scaling(rows: list[dict]) -> None:
             row["scaling"] = row["tokens_per_sec_per_gpu"] / base
 
 
+# Whether a model fits, not how fast: a few eager steps (compiling a model of billions of parameters takes minutes)
+PROBE = ("--max_iters=4", "--lr_decay_iters=4", "--warmup_iters=1", "--eval_interval=4", "--log_interval=1")
+
+
 def largest(args, parallelism: str, on_row) -> None:
-    """Deeper and deeper width-1600 GPTs at micro-batch 1 on the most GPUs, until one does not train."""
-    for layers in LARGEST_LAYERS:
-        shape = {**GPT2_XL, "n_layer": layers}
-        row = measure(args, f"{parallelism}-largest", f"{layers}L-1600", shape, parallelism, max(args.gpus), 1)
+    """Deeper and deeper width-1600 GPTs at micro-batch 1 on the most GPUs, until one does not train: four eager
+    steps each, the last two timed."""
+    base = TINY if args.quick else GPT2_XL  # --quick: tiny models 2 and 4 layers deep, to check the flow
+    for layers in (2, 4) if args.quick else LARGEST_LAYERS:
+        shape = {**base, "n_layer": layers}
+        run, model, gpus = f"{parallelism}-largest", f"{layers}L-{base['n_embd']}", max(args.gpus)
+        row = measure(args, run, model, shape, parallelism, gpus, 1, (*PROBE, "--compile=false"), warmup=2)
         on_row(row)
         if row["status"] != "ok":
             break
@@ -269,7 +285,9 @@ def save(args, rows: list[dict], start: float) -> list[Path]:
             "global batch": f"gradient_accumulation_steps = {max(args.gpus)} x {args.accum} over all GPUs",
             "scaling": "tok/s per GPU over that of the same run on one GPU (which trains unsharded, without DDP)",
             "environment": "NCCL_NVLS_ENABLE=0",
-            "largest": "width 1600, 25 heads, micro-batch 1; stops at the first failure" if args.largest else "-",
+            "largest": "width 1600, 25 heads, micro-batch 1, 4 eager steps (2 timed); stops at the first failure"
+            if args.largest
+            else "-",
         },
     )
     return write_results(args.out, args.name, header, rows, COLUMNS, plot)
