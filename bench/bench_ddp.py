@@ -71,13 +71,26 @@ def corpus(folder: Path) -> Path:
     return folder
 
 
+def torchrun_env(quick: bool) -> dict:
+    """The environment of every launched torchrun: NVLink multicast off, output unbuffered; --quick: one
+    thread per CPU process."""
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
+    if quick:
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def failure_line(output: str) -> str:
+    """What a failed run said last: its `error:` line, else its last line."""
+    last = [line for line in output.splitlines() if line.startswith("error:")] or output.strip().splitlines()[-1:]
+    return (last or ["(no output)"])[-1][:200]
+
+
 def launch(args, gpus: int, settings: list[str], out_dir: Path) -> tuple[int, str, float]:
     """torchrun train.py on `gpus` processes; (exit code, output, seconds)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", "train.py"]
     command += settings + [f"--out_dir={out_dir}", "--overwrite_out_dir=true"]
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
-    if args.quick:
-        env["OMP_NUM_THREADS"] = "1"
+    env = torchrun_env(args.quick)
     start = time.perf_counter()
     try:
         result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -143,8 +156,7 @@ def measure(
     steady = [line for line in lines if line["iter"] > (args.warmup if warmup is None else warmup)]
     row["wall_s"] = round(seconds, 1)
     if code != 0 or not steady:
-        last = [line for line in output.splitlines() if line.startswith("error:")] or output.strip().splitlines()[-1:]
-        row["status"] = f"exit {code}: {(last or ['(no output)'])[-1][:200]}"
+        row["status"] = f"exit {code}: {failure_line(output)}"
         return row
     mfus = [line["mfu"] for line in steady if line["mfu"] is not None]
     row.update(

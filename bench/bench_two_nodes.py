@@ -12,7 +12,6 @@ Results: bench/results/<card>-two-nodes.{json,md}. NCCL_NVLS_ENABLE=0 in every l
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import statistics
 import subprocess
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_ddp import GPT2, TINY, corpus  # noqa: E402
+from bench.bench_ddp import GPT2, TINY, corpus, failure_line, torchrun_env  # noqa: E402
 from bench.report import DEFAULT_OUT, Column, parse_log_line, results_header, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +54,7 @@ def train_settings(args, out_dir: Path) -> list[str]:
         f"--gradient_accumulation_steps={args.ranks}",  # one micro-step per rank
         f"--max_iters={args.iters}",
         f"--lr_decay_iters={args.iters}",
-        "--warmup_iters=5",
+        f"--warmup_iters={min(5, args.iters)}",
         "--log_interval=1",
         f"--eval_interval={args.iters}",
         "--eval_iters=1",
@@ -72,10 +71,7 @@ def train_settings(args, out_dir: Path) -> list[str]:
 
 def run(args, name: str, agents: list[list[str]], out_dir: Path) -> dict:
     """Start every agent's torchrun at once, wait for all; the row of rank 0's log lines (agent 0's output)."""
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
-    if args.quick:
-        env["OMP_NUM_THREADS"] = "1"
-    settings = train_settings(args, out_dir)
+    env, settings = torchrun_env(args.quick), train_settings(args, out_dir)
     start = time.perf_counter()
     processes = [
         subprocess.Popen(
@@ -101,8 +97,7 @@ def run(args, name: str, agents: list[list[str]], out_dir: Path) -> dict:
     row = {"launch": name, "ranks": args.ranks, "wall_s": time.perf_counter() - start, "codes": codes}
     if any(codes) or not lines:
         failed = next((o for o, c in zip(outputs, codes) if c), outputs[0])
-        last = [line for line in failed.splitlines() if line.startswith("error:")] or failed.strip().splitlines()[-1:]
-        return {**row, "status": f"exit {codes}: {(last or ['(no output)'])[-1][:200]}"}
+        return {**row, "status": f"exit {codes}: {failure_line(failed)}"}
     steady = [line["tokens_per_sec"] for line in lines if line["iter"] > min(5, args.iters - 1)]
     return {
         **row,
