@@ -24,7 +24,7 @@ from data.loader import ensure_dataset
 from interop import load_weights
 from lora import check_targets
 from model import GPT, GPTConfig
-from parallel import PARALLELISMS
+from parallel import PARALLELISMS, REDUCE_DTYPES
 from runtime import DIST_BACKENDS, DTYPES, Runtime, UsageError, available_memory, format_bytes
 
 if TYPE_CHECKING:
@@ -97,6 +97,10 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"unknown parallelism {cfg.parallelism!r}; choose one of {', '.join(PARALLELISMS)}")
     if cfg.parallelism == "fsdp" and cfg.lora_rank:
         raise ValueError("LoRA (lora_rank > 0) trains with parallelism ddp, not fsdp; its frozen base is not sharded")
+    if cfg.ddp_reduce_dtype not in REDUCE_DTYPES:
+        raise ValueError(f"unknown ddp_reduce_dtype {cfg.ddp_reduce_dtype!r}; choose one of {', '.join(REDUCE_DTYPES)}")
+    if cfg.ddp_reduce_dtype == "bfloat16" and cfg.dist_backend != "nccl":
+        raise ValueError("ddp_reduce_dtype=bfloat16 needs dist_backend=nccl (no bf16 all-reduce hook for gloo)")
     for name in ("ddp_bucket_cap_mb", "dist_timeout_s"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")

@@ -132,6 +132,7 @@ class TrainConfig:
     parallelism: str = "ddp"  # under torchrun: ddp (a model copy per GPU) | fsdp (weights and optimizer sharded)
     ddp_bucket_cap_mb: float = 100.0  # DDP all-reduces gradients in buckets of this size
     ddp_graph_split: bool = False  # compiled DDP: a graph per bucket, all-reduce overlapping backward (bench/NOTES.md)
+    ddp_reduce_dtype: str = "float32"  # DDP's gradient all-reduce: float32 | bfloat16 (half the traffic; NCCL only)
     dist_timeout_s: float = 600.0  # a rank waiting this long for the others in a collective gives up
     seed: int = 1337  # seeds the weights and the data stream (the same on every rank); dropout adds the rank
     peak_flops: float | None = None  # per-device peak FLOP/s for MFU; None: look up the GPU's name
@@ -270,6 +271,7 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
         compile_mode=cfg.compile_mode,
         bucket_cap_mb=cfg.ddp_bucket_cap_mb,
         graph_split=cfg.ddp_graph_split,
+        reduce_dtype=cfg.ddp_reduce_dtype,
     )
     betas = (cfg.beta1, cfg.beta2)
     optimizer = model.configure_optimizers(

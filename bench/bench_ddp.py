@@ -262,6 +262,9 @@ def parse_args(argv=None):
         metavar="NAME:--key=value[,--key=value]",
         help="a DDP row set with these train.py settings on each GPU count > 1, scaled by the plain 1-GPU run",
     )
+    parser.add_argument(
+        "--variant-gpus", type=int, nargs="+", default=None, help="GPU counts of the --variant rows (all > 1)"
+    )
     parser.add_argument("extra", nargs="*", help="more train.py --key=value settings for every run (after --)")
     args = parser.parse_args(argv)
     quick = args.quick
@@ -274,6 +277,8 @@ def parse_args(argv=None):
     args.block_size, args.vocab_size = (64, None) if quick else (1024, 50304)  # quick: the corpus's own vocabulary
     args.data = corpus(args.work / "data")
     args.variants = [parse_variant(text, parser) for text in args.variant]
+    if args.variant_gpus and not set(args.variant_gpus) <= {g for g in args.gpus if g > 1}:
+        parser.error(f"--variant-gpus {args.variant_gpus}: choose among --gpus above 1 ({args.gpus})")
     return args
 
 
@@ -326,7 +331,7 @@ def main(argv=None) -> int:
         for gpus in args.gpus:
             on_row(measure(args, parallelism, model, shape, parallelism, gpus, micro_batch))
     for name, settings in args.variants:
-        for gpus in (g for g in args.gpus if g > 1):
+        for gpus in args.variant_gpus or [g for g in args.gpus if g > 1]:
             run = f"ddp {name}"
             on_row(measure(args, run, small[0], small[1], "ddp", gpus, args.micro_batch, settings, "ddp"))
     if args.largest:

@@ -190,5 +190,15 @@ def test_ddp_wrapping_follows_the_settings(monkeypatch):
             _, ddp = parallel.wrap_model(model, runtime, "ddp", use_compile=True, bucket_cap_mb=7, graph_split=split)
             assert torch._dynamo.config.optimize_ddp is split
             assert ddp.bucket_bytes_cap == 7 * 2**20
+        # bf16 all-reduce: PyTorch's hook, which refuses gloo when registered; here its registration is recorded
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+        from torch.nn.parallel import DistributedDataParallel
+
+        hooks = []
+        monkeypatch.setattr(DistributedDataParallel, "register_comm_hook", lambda ddp, state, hook: hooks.append(hook))
+        parallel.wrap_model(GPT(tiny_config()), runtime, "ddp", use_compile=False)
+        assert hooks == []
+        parallel.wrap_model(GPT(tiny_config()), runtime, "ddp", use_compile=False, reduce_dtype="bfloat16")
+        assert hooks == [bf16_compress_hook]
     finally:
         torch.distributed.destroy_process_group()

@@ -412,6 +412,13 @@ BAD_INPUTS = [
     case("unknown-backend-deprecated-key", "--backend=ddp", expect=("dist_backend 'ddp'", "nccl or gloo")),
     case("unknown-parallelism", "--parallelism=zero3", expect=("zero3", "ddp, fsdp")),
     case("fsdp-with-lora", "--parallelism=fsdp", "--lora_rank=4", expect=("LoRA", "parallelism ddp")),
+    case("unknown-ddp_reduce_dtype", "--ddp_reduce_dtype=fp8", expect=("fp8", "float32, bfloat16")),
+    case(
+        "bf16-reduce-on-gloo",
+        "--ddp_reduce_dtype=bfloat16",
+        "--dist_backend=gloo",
+        expect=("ddp_reduce_dtype=bfloat16 needs dist_backend=nccl",),
+    ),
     case("zero-dist_timeout_s", "--dist_timeout_s=0", expect=("dist_timeout_s must be > 0",)),
     case(
         "unknown-attention_backend",
