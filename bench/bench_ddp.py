@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -81,9 +82,12 @@ def torchrun_env(quick: bool) -> dict:
 
 
 def failure_line(output: str) -> str:
-    """What a failed run said last: its `error:` line, else its last line."""
-    last = [line for line in output.splitlines() if line.startswith("error:")] or output.strip().splitlines()[-1:]
-    return (last or ["(no output)"])[-1][:200]
+    """What a failed run said: its last `error:` line, else the last exception line of a traceback, else its last
+    line that is not torchrun's ==== or ---- rule."""
+    lines = [line.strip() for line in output.splitlines() if line.strip().strip("=-")]
+    errors = [line for line in lines if line.startswith("error:")]
+    exceptions = [line for line in lines if re.match(r"^(\[rank\d+\]:)?\s*[\w.]*(Error|Exception)\b.*:", line)]
+    return ((errors or exceptions or lines or ["(no output)"])[-1])[:200]
 
 
 def launch(args, gpus: int, settings: list[str], out_dir: Path) -> tuple[int, str, float]:

@@ -69,20 +69,21 @@ def train_settings(args, out_dir: Path) -> list[str]:
     return settings + args.extra
 
 
-def run(args, name: str, agents: list[list[str]], out_dir: Path) -> dict:
-    """Start every agent's torchrun at once, wait for all; the row of rank 0's log lines (agent 0's output)."""
+def run(args, name: str, agents: list[tuple[list[str], dict]], out_dir: Path) -> dict:
+    """Start every agent's torchrun (its arguments, its extra environment) at once, wait for all; the row of rank
+    0's log lines (agent 0's output)."""
     env, settings = torchrun_env(args.quick), train_settings(args, out_dir)
     start = time.perf_counter()
     processes = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", *launcher, "train.py", *settings],
             cwd=ROOT,
-            env=env,
+            env={**env, **agent_env},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for launcher in agents
+        for launcher, agent_env in agents
     ]
     outputs, codes = [], []
     for process in processes:
@@ -107,6 +108,15 @@ def run(args, name: str, agents: list[list[str]], out_dir: Path) -> dict:
         "tokens_per_sec": statistics.median(steady) if steady else None,
         "status": "ok",
     }
+
+
+def node_gpus(node: int, gpus_per_node: int, quick: bool) -> dict:
+    """The environment that gives a node's agent its own GPUs, as a separate machine would have (each agent
+    numbers its ranks' devices from cuda:0); none on CPU."""
+    if quick:
+        return {}
+    first = node * gpus_per_node
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(gpu) for gpu in range(first, first + gpus_per_node))}
 
 
 def compare(rows: list[dict]) -> None:
@@ -146,13 +156,16 @@ def main(argv=None) -> int:
     start, half, port = time.perf_counter(), args.ranks // 2, free_port()
     standalone = ["--standalone", f"--nproc_per_node={args.ranks}"]
     two_nodes = [
-        ["--nnodes=2", f"--node_rank={node}", f"--nproc_per_node={half}", "--rdzv_backend=c10d"]
-        + [f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes"]
+        (
+            ["--nnodes=2", f"--node_rank={node}", f"--nproc_per_node={half}", "--rdzv_backend=c10d"]
+            + [f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes"],
+            node_gpus(node, half, args.quick),
+        )
         for node in (0, 1)
     ]
     rows = [
-        run(args, f"1 agent x {args.ranks} (--standalone)", [standalone], args.work / "standalone"),
-        run(args, f"1 agent x {args.ranks} (--standalone), again", [standalone], args.work / "standalone-again"),
+        run(args, f"1 agent x {args.ranks} (--standalone)", [(standalone, {})], args.work / "standalone"),
+        run(args, f"1 agent x {args.ranks} (--standalone), again", [(standalone, {})], args.work / "standalone-again"),
         run(args, f"2 agents x {half} (--nnodes=2, c10d on localhost)", two_nodes, args.work / "two-nodes"),
     ]
     compare(rows)

@@ -406,3 +406,28 @@ def test_two_node_launches_are_compared_loss_by_loss_and_need_an_even_number_of_
     with pytest.raises(SystemExit) as exit_info:
         bench_two_nodes.parse_args(["--ranks=3"])
     assert exit_info.value.code == 2 and "--ranks must be even" in capsys.readouterr().err
+
+
+def test_each_node_of_the_one_host_launch_gets_its_own_gpus():
+    assert bench_two_nodes.node_gpus(0, 2, quick=False) == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert bench_two_nodes.node_gpus(1, 2, quick=False) == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert bench_two_nodes.node_gpus(1, 2, quick=True) == {}
+
+
+@pytest.mark.parametrize(
+    "output, line",
+    [
+        ("iter 1\nerror: rank 1 failed: boom\n====\n", "error: rank 1 failed: boom"),
+        (
+            "[rank2]: Traceback\n[rank2]: torch.distributed.DistBackendError: NCCL error: Duplicate GPU\n"
+            "======\nRoot Cause (first observed failure):\n------\n",
+            "[rank2]: torch.distributed.DistBackendError: NCCL error: Duplicate GPU",
+        ),
+        ("starting\nkilled\n=========\n", "killed"),
+        ("", "(no output)"),
+    ],
+)
+def test_a_failed_run_is_summed_up_by_its_error_not_torchruns_rules(output, line):
+    from bench.bench_ddp import failure_line
+
+    assert failure_line(output) == line
