@@ -1,0 +1,178 @@
+"""Where one optimizer step's time goes under DDP and under FSDP: train.py's own model, optimizer and GradScaler
+(train.build_train_state), GPT-2 124M at T=1024, micro-batch 16, one micro-step per rank; each phase timed
+on rank 0 with a barrier before it and a sync after (host ms: launching it; wall ms: until the GPU is done).
+The last row is the whole step without the syncs, as train.py runs it.
+
+    torchrun --standalone --nproc_per_node=4 bench/step_phases.py ddp fsdp
+    torchrun --standalone --nproc_per_node=2 bench/step_phases.py --quick ddp fsdp    # CPU, gloo, a tiny model
+
+Results: bench/results/<card>-step-phases.{json,md,png}. Run with NCCL_NVLS_ENABLE=0 on multi-GPU hosts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.report import DEFAULT_OUT, Column, results_header, write_results  # noqa: E402
+
+COLUMNS = [
+    Column("parallelism", "parallelism"),
+    Column("ranks", "ranks"),
+    Column("phase", "phase"),
+    Column("host_ms", "host ms", "{:.2f}"),
+    Column("wall_ms", "wall ms", "{:.2f}"),
+]
+PHASES = ("forward+backward (with its gradient reduction)", "unscale_", "clip_grad_norm_", "scaler.step", "zero_grad")
+
+
+def build(parallelism: str, runtime, quick: bool):
+    import train
+    from model import GPT
+
+    shape = dict(n_layer=2, n_head=2, n_embd=64, block_size=64) if quick else dict(block_size=1024)
+    cfg = train.TrainConfig(
+        **shape,
+        vocab_size=256 if quick else 50304,
+        batch_size=16,
+        parallelism=parallelism,
+        dropout=0.0,
+        compile=not quick,
+    )
+    cfg.gradient_accumulation_steps = runtime.world_size
+    torch.manual_seed(0)
+    model = GPT(cfg.model_config())
+
+    def next_batch():
+        x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.block_size), device=runtime.device)
+        return x, torch.roll(x, -1, 1)
+
+    return train.build_train_state(cfg, runtime, model, next_batch), next_batch
+
+
+def measure(parallelism: str, runtime, steps: int, quick: bool) -> list[dict]:
+    from parallel import replicated
+
+    state, next_batch = build(parallelism, runtime, quick)
+    sync = torch.cuda.synchronize if runtime.device.type == "cuda" else lambda: None
+    model, optimizer, scaler = state.model, state.optimizer, state.scaler
+
+    def forward_backward(batch):
+        with runtime.autocast():
+            _, loss = state.train_model(*batch)
+        scaler.scale(loss).backward()
+
+    def clip():
+        return replicated(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+
+    def step():
+        scaler.step(optimizer)
+        scaler.update(1.0)
+
+    times: dict[str, list[tuple[float, float]]] = {}
+
+    def timed(name, work):
+        sync()
+        dist.barrier()
+        start = time.perf_counter()
+        work()
+        launched = time.perf_counter()
+        sync()
+        times.setdefault(name, []).append(((launched - start) * 1e3, (time.perf_counter() - start) * 1e3))
+
+    batch = next_batch()  # one batch throughout: the timings do not depend on its tokens
+
+    def whole():
+        forward_backward(batch)
+        scaler.unscale_(optimizer)
+        clip()
+        step()
+        optimizer.zero_grad(set_to_none=True)
+
+    works = (
+        lambda: forward_backward(batch),
+        lambda: scaler.unscale_(optimizer),
+        clip,
+        step,
+        lambda: optimizer.zero_grad(set_to_none=True),
+        whole,
+    )
+    for _ in range(steps):
+        for name, work in zip((*PHASES, "whole step, no syncs between phases"), works):
+            timed(name, work)
+    rows = [
+        {
+            "parallelism": parallelism,
+            "ranks": runtime.world_size,
+            "phase": name,
+            "host_ms": statistics.median(host for host, _ in pairs[steps // 4 :]),
+            "wall_ms": statistics.median(wall for _, wall in pairs[steps // 4 :]),
+        }
+        for name, pairs in times.items()
+    ]
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parallelisms = list(dict.fromkeys(row["parallelism"] for row in rows))
+    figure, axis = plt.subplots(figsize=(9, 4))
+    for index, parallelism in enumerate(parallelisms):
+        mine = [row for row in rows if row["parallelism"] == parallelism]
+        positions = [i + index * 0.4 for i in range(len(mine))]
+        axis.barh(positions, [row["wall_ms"] for row in mine], height=0.4, label=f"{parallelism} wall")
+        axis.barh(positions, [row["host_ms"] for row in mine], height=0.4, fill=False, hatch="//", label="host")
+        axis.set_yticks([i + 0.2 for i in range(len(mine))], [row["phase"] for row in mine], fontsize=7)
+    axis.invert_yaxis()
+    axis.set(xlabel="ms (rank 0, median)", title="one optimizer step, phase by phase")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("parallelism", nargs="+", choices=("ddp", "fsdp"))
+    parser.add_argument("--steps", type=int, default=20, help="steps per parallelism; the first quarter is left out")
+    parser.add_argument("--quick", action="store_true", help="CPU, gloo, a tiny model: checks the script")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
+    parser.add_argument("--name", default=None, help="results name (default step-phases; --quick step-phases-quick)")
+    args = parser.parse_args(argv)
+    from runtime import setup_runtime
+
+    quick = args.quick
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))  # one micro-step per rank
+    runtime = setup_runtime(
+        "cpu" if quick else "auto", "float32" if quick else "auto", "gloo" if quick else "nccl", ranks
+    )
+    rows = [row for parallelism in args.parallelism for row in measure(parallelism, runtime, args.steps, quick)]
+    if runtime.master:
+        name = args.name or ("step-phases-quick" if args.quick else "step-phases")
+        notes = {
+            "phases": "rank 0, a barrier before and a sync after each; medians",
+            "environment": "NCCL_NVLS_ENABLE=0",
+        }
+        header = results_header(name, runtime.device, notes=notes)
+        for row in rows:
+            print(f"{row['parallelism']:5} {row['phase']:48} host {row['host_ms']:8.2f}  wall {row['wall_ms']:8.2f}")
+        for path in write_results(args.out, name, header, rows, COLUMNS, plot):
+            print(f"wrote {path}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
