@@ -21,11 +21,14 @@ NCCL_NVLS_ENABLE=0 in every launched process. Results: bench/results/<card>-ddp.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -90,18 +93,52 @@ def failure_line(output: str) -> str:
     return ((errors or exceptions or lines or ["(no output)"])[-1])[:200]
 
 
-def launch(args, gpus: int, settings: list[str], out_dir: Path) -> tuple[int, str, float]:
+def launch(args, gpus: int, settings: list[str], out_dir: Path, stop_at_iter: int | None = None):
     """torchrun train.py on `gpus` processes; (exit code, output, seconds)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", "train.py"]
     command += settings + [f"--out_dir={out_dir}", "--overwrite_out_dir=true"]
-    env = torchrun_env(args.quick)
+    return run_until(command, torchrun_env(args.quick), args.timeout, stop_at_iter)
+
+
+def run_until(command: list[str], env: dict, timeout: float, stop_at_iter: int | None = None):
+    """Run a command to its end, or until it logs iteration stop_at_iter (then exit code 0: the probe has its
+    answer, and the final checkpoint of a model of billions of parameters is not worth its minutes), or for
+    `timeout` seconds (124). Either way nothing it started is left running. (exit code, output, seconds)."""
     start = time.perf_counter()
-    try:
-        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
-        code, output = result.returncode, result.stdout + result.stderr
-    except subprocess.TimeoutExpired as expired:
-        code, output = 124, f"{expired.stdout or ''}{expired.stderr or ''}\ntimed out after {args.timeout} s"
-    return code, output, time.perf_counter() - start
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    timer = threading.Timer(timeout, kill_tree, [process.pid])
+    timer.start()
+    lines, reached = [], False
+    for line in process.stdout:
+        lines.append(line)
+        parsed = parse_log_line(line)
+        if stop_at_iter is not None and parsed and parsed["iter"] >= stop_at_iter:
+            reached = True
+            kill_tree(process.pid)
+            break
+    lines += process.stdout.readlines()
+    process.wait()
+    timed_out = not timer.is_alive() and not reached
+    timer.cancel()
+    code = 0 if reached else 124 if timed_out else process.returncode
+    return code, "".join(lines) + (f"\ntimed out after {timeout} s" if timed_out else ""), time.perf_counter() - start
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants: torchrun starts each worker in a session of its own, so killing
+    torchrun alone would leave them holding their GPUs."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    family, index = [pid], 0
+    while index < len(family):
+        family += children.get(family[index], [])
+        index += 1
+    for member in family:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(member, signal.SIGKILL)
 
 
 def run_settings(args, shape: dict, parallelism: str, micro_batch: int, accum_total: int) -> list[str]:
@@ -141,6 +178,7 @@ def measure(
     settings=(),
     baseline=None,
     warmup: int | None = None,
+    stop_at_iter: int | None = None,
 ) -> dict:
     accum_total = max(args.gpus) * args.accum
     row = {
@@ -155,7 +193,7 @@ def measure(
         "tokens_per_step": accum_total * micro_batch * args.block_size,
     }
     settings = run_settings(args, shape, parallelism, micro_batch, accum_total) + list(settings)
-    code, output, seconds = launch(args, gpus, settings, args.work / f"{run}-{model}-{gpus}")
+    code, output, seconds = launch(args, gpus, settings, args.work / f"{run}-{model}-{gpus}", stop_at_iter)
     lines = [parsed for line in output.splitlines() if (parsed := parse_log_line(line))]
     steady = [line for line in lines if line["iter"] > (args.warmup if warmup is None else warmup)]
     row["wall_s"] = round(seconds, 1)
@@ -184,18 +222,27 @@ def add_scaling(rows: list[dict]) -> None:
             row["scaling"] = row["tokens_per_sec_per_gpu"] / base
 
 
-# Whether a model fits, not how fast: a few eager steps (compiling a model of billions of parameters takes minutes)
-PROBE = ("--max_iters=4", "--lr_decay_iters=4", "--warmup_iters=1", "--eval_interval=4", "--log_interval=1")
+# Whether a model fits, not how fast: a few eager steps (compiling a model of billions of parameters takes minutes);
+# the run is stopped once it logs its last step, before its checkpoint (weights and AdamW state: 16 bytes a parameter)
+PROBE_ITERS = 4
+PROBE = (
+    f"--max_iters={PROBE_ITERS}",
+    f"--lr_decay_iters={PROBE_ITERS}",
+    "--warmup_iters=1",
+    f"--eval_interval={PROBE_ITERS}",
+    "--log_interval=1",
+)
 
 
 def largest(args, parallelism: str, on_row) -> None:
     """Deeper and deeper width-1600 GPTs at micro-batch 1 on the most GPUs, until one does not train: four eager
-    steps each, the last two timed."""
+    steps each, the last two timed, and no checkpoint."""
     base = TINY if args.quick else GPT2_XL  # --quick: tiny models 2 and 4 layers deep, to check the flow
     for layers in (2, 4) if args.quick else LARGEST_LAYERS:
         shape = {**base, "n_layer": layers}
         run, model, gpus = f"{parallelism}-largest", f"{layers}L-{base['n_embd']}", max(args.gpus)
-        row = measure(args, run, model, shape, parallelism, gpus, 1, (*PROBE, "--compile=false"), warmup=2)
+        settings = (*PROBE, "--compile=false")
+        row = measure(args, run, model, shape, parallelism, gpus, 1, settings, warmup=2, stop_at_iter=PROBE_ITERS)
         on_row(row)
         if row["status"] != "ok":
             break
@@ -229,7 +276,8 @@ def plot(rows: list[dict], path: Path) -> None:
     scaling.set(xlabel="GPUs", ylabel="per-GPU tok/s / one GPU's", title="scaling (1.0 = perfect)")
     for axis in (speed, scaling):
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
+        if axis.get_legend_handles_labels()[0]:  # a --largest-only run has no lines
+            axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

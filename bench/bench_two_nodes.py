@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_ddp import GPT2, TINY, corpus, failure_line, torchrun_env  # noqa: E402
+from bench.bench_ddp import GPT2, TINY, corpus, failure_line, kill_tree, torchrun_env  # noqa: E402
 from bench.report import DEFAULT_OUT, Column, parse_log_line, results_header, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +90,7 @@ def run(args, name: str, agents: list[tuple[list[str], dict]], out_dir: Path) ->
         try:
             output, _ = process.communicate(timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            process.kill()
+            kill_tree(process.pid)
             output = process.communicate()[0] + f"\ntimed out after {args.timeout} s"
         outputs.append(output)
         codes.append(process.returncode)

@@ -31,6 +31,8 @@ COLUMNS = [
     Column("host_ms", "host ms", "{:.2f}"),
     Column("wall_ms", "wall ms", "{:.2f}"),
 ]
+GPT2 = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024)  # with vocab_size 50304: GPT-2 124M
+QUICK = dict(n_layer=2, n_head=2, n_embd=64, block_size=64)
 PHASES = ("forward+backward (with its gradient reduction)", "unscale_", "clip_grad_norm_", "scaler.step", "zero_grad")
 
 
@@ -38,7 +40,7 @@ def build(parallelism: str, runtime, quick: bool):
     import train
     from model import GPT
 
-    shape = dict(n_layer=2, n_head=2, n_embd=64, block_size=64) if quick else dict(block_size=1024)
+    shape = QUICK if quick else GPT2
     cfg = train.TrainConfig(
         **shape,
         vocab_size=256 if quick else 50304,
@@ -162,6 +164,8 @@ def main(argv=None) -> int:
     if runtime.master:
         name = args.name or ("step-phases-quick" if args.quick else "step-phases")
         notes = {
+            "model": ", ".join(f"{key} {value}" for key, value in (QUICK if quick else GPT2).items())
+            + ", micro-batch 16, one micro-step per rank",
             "phases": "rank 0, a barrier before and a sync after each; medians",
             "environment": "NCCL_NVLS_ENABLE=0",
         }

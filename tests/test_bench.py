@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -431,3 +432,42 @@ def test_a_failed_run_is_summed_up_by_its_error_not_torchruns_rules(output, line
     from bench.bench_ddp import failure_line
 
     assert failure_line(output) == line
+
+
+def test_a_probe_stops_at_its_last_step_and_a_timeout_leaves_nothing_running(tmp_path):
+    """run_until kills the whole process tree, also a grandchild in a session of its own (as torchrun's
+    workers are), once the run logs the iteration it waits for, or at its timeout."""
+    from bench.bench_ddp import run_until
+
+    pid_file = tmp_path / "grandchild.pid"
+    grandchild = "import time; time.sleep(60)"
+    script = (
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {grandchild!r}], start_new_session=True)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        "for it in (1, 2, 3):\n"
+        f"    print({format_log_line(0, 3.0, 1e-3, 0.1, 1000.0, None, 1.0)!r}.replace('iter 0', f'iter {{it}}'), "
+        "flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    command = [sys.executable, "-c", script]
+
+    def gone(pid: int) -> bool:
+        for _ in range(50):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            stat = open(f"/proc/{pid}/stat").read() if os.path.exists(f"/proc/{pid}/stat") else ""
+            if ") Z " in stat:  # killed, waiting for its (dead) parent's reaper
+                return True
+            time.sleep(0.1)
+        return False
+
+    code, output, seconds = run_until(command, dict(os.environ), timeout=30, stop_at_iter=2)
+    assert code == 0 and "iter 2" in output and seconds < 20
+    assert gone(int(pid_file.read_text()))
+
+    code, output, seconds = run_until(command, dict(os.environ), timeout=1.5)
+    assert code == 124 and "timed out after 1.5 s" in output and seconds < 20
+    assert gone(int(pid_file.read_text()))
