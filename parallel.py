@@ -29,10 +29,12 @@ PARALLELISMS = ("ddp", "fsdp")
 REDUCE_DTYPES = ("float32", "bfloat16")  # of DDP's gradient all-reduce
 
 
-def place_model(model: nn.Module, runtime: Runtime, parallelism: str) -> nn.Module:
+def place_model(
+    model: nn.Module, runtime: Runtime, parallelism: str, *, reshard_after_forward: bool = True
+) -> nn.Module:
     """The model on its device; under FSDP each rank's shard only, so a model too large for one GPU fits."""
     if runtime.ddp and parallelism == "fsdp":
-        shard_model(model, runtime)  # fully_shard moves each shard to the rank's device
+        shard_model(model, runtime, reshard_after_forward=reshard_after_forward)  # moves each shard to the device
         return model
     return model.to(runtime.device)
 
@@ -77,9 +79,11 @@ def wrap_model(
     return eval_model, train_model
 
 
-def shard_model(model: nn.Module, runtime: Runtime) -> None:
+def shard_model(model: nn.Module, runtime: Runtime, *, reshard_after_forward: bool = True) -> None:
     """fully_shard each Block, then the root, which holds the rest: wte and lm_head (one tied tensor, sharded
-    once), wpe, ln_f. On CUDA the gathered weights are in the run's dtype and gradients are reduced in float32."""
+    once), wpe, ln_f. On CUDA the gathered weights are in the run's dtype and gradients are reduced in float32.
+    reshard_after_forward=False keeps each block's gathered weights from its forward to its backward (one
+    all-gather a step instead of two, for the memory of the whole unsharded model: ZeRO-2 rather than 3)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if runtime.dtype == torch.float16:
@@ -87,8 +91,8 @@ def shard_model(model: nn.Module, runtime: Runtime) -> None:
     low_precision = runtime.dtype if runtime.device.type == "cuda" else None
     policy = MixedPrecisionPolicy(param_dtype=low_precision, reduce_dtype=torch.float32)
     for block in model.transformer.h:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
 
 
 def is_sharded(model: nn.Module) -> bool:

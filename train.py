@@ -132,6 +132,7 @@ class TrainConfig:
     parallelism: str = "ddp"  # under torchrun: ddp (a model copy per GPU) | fsdp (weights and optimizer sharded)
     ddp_bucket_cap_mb: float = 100.0  # DDP all-reduces gradients in buckets of this size
     ddp_graph_split: bool = False  # compiled DDP: a graph per bucket, all-reduce overlapping backward (bench/NOTES.md)
+    fsdp_reshard_after_forward: bool = True  # FSDP frees gathered weights after forward; False: kept for backward
     ddp_reduce_dtype: str = "float32"  # DDP's gradient all-reduce: float32 | bfloat16 (half the traffic; NCCL only)
     dist_timeout_s: float = 600.0  # a rank waiting this long for the others in a collective gives up
     seed: int = 1337  # seeds the weights and the data stream (the same on every rank); dropout adds the rank
@@ -252,7 +253,7 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     """Place the model, resolve its attention for this device and dtype (before torch.compile, which then
     sees one backend), and build the compiled and DDP-wrapped (or FSDP-sharded) views, optimizer, GradScaler."""
     device = runtime.device
-    model = place_model(model, runtime, cfg.parallelism)
+    model = place_model(model, runtime, cfg.parallelism, reshard_after_forward=cfg.fsdp_reshard_after_forward)
     attention = model.setup_attention(
         device, runtime.dtype, training=True, seq_len=cfg.block_size, documents=cfg.packed_documents
     )

@@ -202,3 +202,30 @@ def test_ddp_wrapping_follows_the_settings(monkeypatch):
         assert hooks == [bf16_compress_hook]
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_fsdp_keeps_gathered_weights_for_backward_only_when_asked(monkeypatch):
+    """fsdp_reshard_after_forward=False: after forward each block still holds its gathered (plain) weights, to
+    be used by backward without a second all-gather; True: back to its shard (a DTensor). Same loss, same
+    gradients."""
+    from torch.distributed.tensor import DTensor
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        runtime = Runtime(torch.device("cpu"), torch.float32, world_size=2)  # shards; one process here
+        idx = torch.randint(0, tiny_config().vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+        results = {}
+        for reshard in (True, False):
+            torch.manual_seed(0)
+            model = parallel.place_model(GPT(tiny_config()), runtime, "fsdp", reshard_after_forward=reshard)
+            _, loss = model(idx, idx)
+            weight = model.transformer.h[0].attn.c_attn.weight
+            assert isinstance(weight, DTensor) is reshard
+            loss.backward()
+            grads = [parallel.replicated(p.grad) for p in model.parameters()]
+            results[reshard] = (loss.detach(), grads)
+        torch.testing.assert_close(results[True], results[False], rtol=0, atol=0)
+    finally:
+        torch.distributed.destroy_process_group()
