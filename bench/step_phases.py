@@ -1,7 +1,7 @@
 """Where one optimizer step's time goes under DDP and under FSDP: train.py's own model, optimizer and GradScaler
 (train.build_train_state), GPT-2 124M at T=1024, micro-batch 16, one micro-step per rank; each phase timed
 on rank 0 with a barrier before it and a sync after (host ms: launching it; wall ms: until the GPU is done).
-The last row is the whole step without the syncs, as train.py runs it.
+The last row is train.py's own train_step, the whole step without syncs between its phases.
 
     torchrun --standalone --nproc_per_node=4 bench/step_phases.py ddp fsdp
     torchrun --standalone --nproc_per_node=2 bench/step_phases.py --quick ddp fsdp    # CPU, gloo, a tiny model
@@ -61,6 +61,7 @@ def build(parallelism: str, runtime, quick: bool):
 
 
 def measure(parallelism: str, runtime, steps: int, quick: bool) -> list[dict]:
+    import train
     from parallel import replicated
 
     state, next_batch = build(parallelism, runtime, quick)
@@ -91,26 +92,18 @@ def measure(parallelism: str, runtime, steps: int, quick: bool) -> list[dict]:
         times.setdefault(name, []).append(((launched - start) * 1e3, (time.perf_counter() - start) * 1e3))
 
     batch = next_batch()  # one batch throughout: the timings do not depend on its tokens
-
-    def whole():
-        forward_backward(batch)
-        scaler.unscale_(optimizer)
-        clip()
-        step()
-        optimizer.zero_grad(set_to_none=True)
-
     works = (
         lambda: forward_backward(batch),
         lambda: scaler.unscale_(optimizer),
         clip,
         step,
         lambda: optimizer.zero_grad(set_to_none=True),
-        whole,
+        lambda: train.train_step(state),
     )
     for _ in range(steps):
-        for name, work in zip((*PHASES, "whole step, no syncs between phases"), works):
+        for name, work in zip((*PHASES, "train.train_step: the whole step as train.py runs it"), works):
             timed(name, work)
-    rows = [
+    return [
         {
             "parallelism": parallelism,
             "ranks": runtime.world_size,
@@ -120,7 +113,6 @@ def measure(parallelism: str, runtime, steps: int, quick: bool) -> list[dict]:
         }
         for name, pairs in times.items()
     ]
-    return rows
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -171,7 +163,7 @@ def main(argv=None) -> int:
         }
         header = results_header(name, runtime.device, notes=notes)
         for row in rows:
-            print(f"{row['parallelism']:5} {row['phase']:48} host {row['host_ms']:8.2f}  wall {row['wall_ms']:8.2f}")
+            print(f"{row['parallelism']:5} {row['phase']:52} host {row['host_ms']:8.2f}  wall {row['wall_ms']:8.2f}")
         for path in write_results(args.out, name, header, rows, COLUMNS, plot):
             print(f"wrote {path}")
     dist.destroy_process_group()
