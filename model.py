@@ -458,6 +458,10 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, attend, mask, rope, use_reentrant=False)
             else:
                 x = block(x, attend, mask, rope)
+        return self.head(x, targets)
+
+    def head(self, x, targets=None):
+        """forward's (logits, loss) from the last block's output x (B, T, C)."""
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None  # only the last position is needed to sample

@@ -56,6 +56,9 @@ def wrap_model(
     while the rest of backward runs; off, backward is one graph (fusion across the whole model) and every
     all-reduce waits for its end. reduce_dtype bfloat16: each bucket is all-reduced in bf16 (PyTorch's
     bf16_compress_hook, NCCL only) and written back in float32, for half the traffic."""
+    if use_compile and is_sharded(model):
+        compile_shard_units(model, compile_mode)
+        return model, model
     eval_model = torch.compile(model, mode=compile_mode) if use_compile else model
     if not runtime.ddp or parallelism == "fsdp":
         return eval_model, eval_model
@@ -93,6 +96,15 @@ def shard_model(model: nn.Module, runtime: Runtime, *, reshard_after_forward: bo
     for block in model.transformer.h:
         fully_shard(block, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+
+def compile_shard_units(model: nn.Module, compile_mode: str) -> None:
+    """torch.compile a sharded model piece by piece: each block's forward, and the root's head (ln_f, lm_head,
+    loss). Compiled whole, its loop over blocks meets FSDP's hooks, graph breaks that torch.compile cannot take
+    inside a loop: it would run the whole forward eagerly (bench/NOTES.md). The hooks stay outside, eager."""
+    for block in model.transformer.h:
+        block.forward = torch.compile(block.forward, mode=compile_mode)
+    model.head = torch.compile(model.head, mode=compile_mode)
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -4,6 +4,7 @@ on rank 0 with a barrier before it and a sync after (host ms: launching it; wall
 The last row is train.py's own train_step, the whole step without syncs between its phases.
 
     torchrun --standalone --nproc_per_node=4 bench/step_phases.py ddp fsdp
+    python bench/step_phases.py --name step-phases-1gpu ddp                  # one GPU, no DDP: the reference
     torchrun --standalone --nproc_per_node=2 bench/step_phases.py --quick ddp fsdp    # CPU, gloo, a tiny model
 
 Results: bench/results/<card>-step-phases.{json,md,png}. Run with NCCL_NVLS_ENABLE=0 on multi-GPU hosts.
@@ -66,6 +67,7 @@ def measure(parallelism: str, runtime, steps: int, quick: bool) -> list[dict]:
 
     state, next_batch = build(parallelism, runtime, quick)
     sync = torch.cuda.synchronize if runtime.device.type == "cuda" else lambda: None
+    barrier = dist.barrier if runtime.ddp else lambda: None  # one rank: the reference without DDP
     model, optimizer, scaler = state.model, state.optimizer, state.scaler
 
     def forward_backward(batch):
@@ -84,7 +86,7 @@ def measure(parallelism: str, runtime, steps: int, quick: bool) -> list[dict]:
 
     def timed(name, work):
         sync()
-        dist.barrier()
+        barrier()
         start = time.perf_counter()
         work()
         launched = time.perf_counter()
@@ -166,7 +168,8 @@ def main(argv=None) -> int:
             print(f"{row['parallelism']:5} {row['phase']:52} host {row['host_ms']:8.2f}  wall {row['wall_ms']:8.2f}")
         for path in write_results(args.out, name, header, rows, COLUMNS, plot):
             print(f"wrote {path}")
-    dist.destroy_process_group()
+    if runtime.ddp:
+        dist.destroy_process_group()
     return 0
 
 

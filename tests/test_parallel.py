@@ -229,3 +229,36 @@ def test_fsdp_keeps_gathered_weights_for_backward_only_when_asked(monkeypatch):
         torch.testing.assert_close(results[True], results[False], rtol=0, atol=0)
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_sharded_model_compiles_without_graph_breaks(monkeypatch):
+    """Under FSDP, torch.compile takes each block and the head apart from the loop over blocks, whose FSDP hooks
+    would make it skip the whole forward (it cannot take a graph break inside a loop): no graph break, two
+    compiled frames (Block.forward, once for all blocks; GPT.head), and the eager loss and gradients. Dynamo's
+    "eager" backend keeps it cheap: the tracing is what is tested."""
+    from torch._dynamo.utils import counters
+
+    compile_for_real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None: compile_for_real(fn, backend="eager"))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        runtime = Runtime(torch.device("cpu"), torch.float32, world_size=2)  # shards; one process here
+        idx = torch.randint(0, tiny_config().vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+        results = {}
+        for use_compile in (False, True):
+            torch._dynamo.reset()
+            counters.clear()
+            torch.manual_seed(0)
+            model = parallel.place_model(GPT(tiny_config()), runtime, "fsdp")
+            _, train_model = parallel.wrap_model(model, runtime, "fsdp", use_compile=use_compile)
+            _, loss = train_model(idx, idx)
+            loss.backward()
+            results[use_compile] = (loss.detach(), [parallel.replicated(p.grad) for p in model.parameters()])
+        assert dict(counters["graph_break"]) == {}
+        assert counters["stats"]["unique_graphs"] == 2
+        torch.testing.assert_close(results[True], results[False], rtol=0, atol=0)
+    finally:
+        torch._dynamo.reset()
+        torch.distributed.destroy_process_group()
