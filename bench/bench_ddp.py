@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.report import DEFAULT_OUT, Column, parse_log_line, results_header, write_results  # noqa: E402
+from parallel import PARALLELISMS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT2 = {"n_layer": 12, "n_head": 12, "n_embd": 768}
@@ -238,7 +239,7 @@ def largest(args, parallelism: str, on_row) -> None:
     """Deeper and deeper width-1600 GPTs at micro-batch 1 on the most GPUs, until one does not train: four eager
     steps each, the last two timed, and no checkpoint."""
     base = TINY if args.quick else GPT2_XL  # --quick: tiny models 2 and 4 layers deep, to check the flow
-    for layers in (2, 4) if args.quick else LARGEST_LAYERS:
+    for layers in (2, 4) if args.quick else args.largest_layers:
         shape = {**base, "n_layer": layers}
         run, model, gpus = f"{parallelism}-largest", f"{layers}L-{base['n_embd']}", max(args.gpus)
         settings = (*PROBE, "--compile=false")
@@ -302,6 +303,21 @@ def parse_args(argv=None):
     parser.add_argument("--fsdp", action="store_true", help="also GPT-2 XL under FSDP on each GPU count")
     parser.add_argument("--skip-ddp", action="store_true", help="leave out the DDP rows (e.g. only --fsdp)")
     parser.add_argument("--largest", action="store_true", help="also the deepest width-1600 GPT that trains")
+    parser.add_argument(
+        "--largest-layers",
+        type=int,
+        nargs="+",
+        default=list(LARGEST_LAYERS),
+        metavar="N",
+        help=f"the depths --largest tries, in order (default {' '.join(map(str, LARGEST_LAYERS))})",
+    )
+    parser.add_argument(
+        "--largest-parallelism",
+        nargs="+",
+        choices=PARALLELISMS,
+        default=list(PARALLELISMS),
+        help="which of them --largest probes (default both)",
+    )
     parser.add_argument("--quick", action="store_true", help="CPU, gloo, tiny model: checks the script")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per train.py run (900)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
@@ -387,8 +403,8 @@ def main(argv=None) -> int:
             run = f"ddp {name}"
             on_row(measure(args, run, small[0], small[1], "ddp", gpus, args.micro_batch, settings, "ddp"))
     if args.largest:
-        largest(args, "ddp", on_row)
-        largest(args, "fsdp", on_row)
+        for parallelism in args.largest_parallelism:
+            largest(args, parallelism, on_row)
     for path in save(args, rows, start):
         print(f"wrote {path}")
     return 0
