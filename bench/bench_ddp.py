@@ -87,8 +87,10 @@ def torchrun_env(quick: bool) -> dict:
 
 def failure_line(output: str) -> str:
     """What a failed run said: its last `error:` line, else the last exception line of a traceback, else its last
-    line that is not torchrun's ==== or ---- rule."""
+    line that is not torchrun's ==== or ---- rule. A timeout says how far the run had got."""
     lines = [line.strip() for line in output.splitlines() if line.strip().strip("=-")]
+    if len(lines) > 1 and lines[-1].startswith("timed out after"):
+        return f"{lines[-1]}; last output: {lines[-2]}"[:200]
     errors = [line for line in lines if line.startswith("error:")]
     exceptions = [line for line in lines if re.match(r"^(\[rank\d+\]:)?\s*[\w.]*(Error|Exception)\b.*:", line)]
     return ((errors or exceptions or lines or ["(no output)"])[-1])[:200]

@@ -426,6 +426,8 @@ def test_each_node_of_the_one_host_launch_gets_its_own_gpus():
         ),
         ("starting\nkilled\n=========\n", "killed"),
         ("", "(no output)"),
+        ("iter 1 | loss 3.0\ntimed out after 150 s", "timed out after 150 s; last output: iter 1 | loss 3.0"),
+        ("timed out after 150 s", "timed out after 150 s"),
     ],
 )
 def test_a_failed_run_is_summed_up_by_its_error_not_torchruns_rules(output, line):
