@@ -175,63 +175,61 @@ def _gloo_only():
         pytest.skip("torch.distributed is not available in this build")
 
 
-def test_ddp_wrapping_follows_the_settings(monkeypatch):
+@pytest.fixture
+def gloo_world_of_one(monkeypatch):
+    """A gloo process group of this one process, destroyed after the test."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def test_ddp_wrapping_follows_the_settings(monkeypatch, gloo_world_of_one):
     """wrap_model gives DDP its bucket size and tells torch.compile whether to cut the graph at the buckets
     (ddp_graph_split)."""
     monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", torch._dynamo.config.optimize_ddp)  # restored after
     monkeypatch.setattr(torch, "compile", lambda model, **options: model)  # the setting is read when it compiles
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        runtime = Runtime(torch.device("cpu"), torch.float32, world_size=2)  # wraps in DDP; one process here
-        for split in (False, True):
-            model = GPT(tiny_config())
-            _, ddp = parallel.wrap_model(model, runtime, "ddp", use_compile=True, bucket_cap_mb=7, graph_split=split)
-            assert torch._dynamo.config.optimize_ddp is split
-            assert ddp.bucket_bytes_cap == 7 * 2**20
-        # bf16 all-reduce: PyTorch's hook, which refuses gloo when registered; here its registration is recorded
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
-        from torch.nn.parallel import DistributedDataParallel
+    runtime = Runtime(torch.device("cpu"), torch.float32, world_size=2)  # wraps in DDP; one process here
+    for split in (False, True):
+        model = GPT(tiny_config())
+        _, ddp = parallel.wrap_model(model, runtime, "ddp", use_compile=True, bucket_cap_mb=7, graph_split=split)
+        assert torch._dynamo.config.optimize_ddp is split
+        assert ddp.bucket_bytes_cap == 7 * 2**20
+    # bf16 all-reduce: PyTorch's hook, which refuses gloo when registered; here its registration is recorded
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+    from torch.nn.parallel import DistributedDataParallel
 
-        hooks = []
-        monkeypatch.setattr(DistributedDataParallel, "register_comm_hook", lambda ddp, state, hook: hooks.append(hook))
-        parallel.wrap_model(GPT(tiny_config()), runtime, "ddp", use_compile=False)
-        assert hooks == []
-        parallel.wrap_model(GPT(tiny_config()), runtime, "ddp", use_compile=False, reduce_dtype="bfloat16")
-        assert hooks == [bf16_compress_hook]
-    finally:
-        torch.distributed.destroy_process_group()
+    hooks = []
+    monkeypatch.setattr(DistributedDataParallel, "register_comm_hook", lambda ddp, state, hook: hooks.append(hook))
+    parallel.wrap_model(GPT(tiny_config()), runtime, "ddp", use_compile=False)
+    assert hooks == []
+    parallel.wrap_model(GPT(tiny_config()), runtime, "ddp", use_compile=False, reduce_dtype="bfloat16")
+    assert hooks == [bf16_compress_hook]
 
 
-def test_fsdp_keeps_gathered_weights_for_backward_only_when_asked(monkeypatch):
+def test_fsdp_keeps_gathered_weights_for_backward_only_when_asked(monkeypatch, gloo_world_of_one):
     """fsdp_reshard_after_forward=False: after forward each block still holds its gathered (plain) weights, to
     be used by backward without a second all-gather; True: back to its shard (a DTensor). Same loss, same
     gradients."""
     from torch.distributed.tensor import DTensor
 
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        runtime = Runtime(torch.device("cpu"), torch.float32, world_size=2)  # shards; one process here
-        idx = torch.randint(0, tiny_config().vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-        results = {}
-        for reshard in (True, False):
-            torch.manual_seed(0)
-            model = parallel.place_model(GPT(tiny_config()), runtime, "fsdp", reshard_after_forward=reshard)
-            _, loss = model(idx, idx)
-            weight = model.transformer.h[0].attn.c_attn.weight
-            assert isinstance(weight, DTensor) is reshard
-            loss.backward()
-            grads = [parallel.replicated(p.grad) for p in model.parameters()]
-            results[reshard] = (loss.detach(), grads)
-        torch.testing.assert_close(results[True], results[False], rtol=0, atol=0)
-    finally:
-        torch.distributed.destroy_process_group()
+    runtime = Runtime(torch.device("cpu"), torch.float32, world_size=2)  # shards; one process here
+    idx = torch.randint(0, tiny_config().vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for reshard in (True, False):
+        torch.manual_seed(0)
+        model = parallel.place_model(GPT(tiny_config()), runtime, "fsdp", reshard_after_forward=reshard)
+        _, loss = model(idx, idx)
+        weight = model.transformer.h[0].attn.c_attn.weight
+        assert isinstance(weight, DTensor) is reshard
+        loss.backward()
+        grads = [parallel.replicated(p.grad) for p in model.parameters()]
+        results[reshard] = (loss.detach(), grads)
+    torch.testing.assert_close(results[True], results[False], rtol=0, atol=0)
 
 
-def test_sharded_model_compiles_without_graph_breaks(monkeypatch):
+def test_sharded_model_compiles_without_graph_breaks(monkeypatch, gloo_world_of_one):
     """Under FSDP, torch.compile takes each block and the head apart from the loop over blocks, whose FSDP hooks
     would make it skip the whole forward (it cannot take a graph break inside a loop): no graph break, two
     compiled frames (Block.forward, once for all blocks; GPT.head), and the eager loss and gradients. Dynamo's
@@ -240,25 +238,20 @@ def test_sharded_model_compiles_without_graph_breaks(monkeypatch):
 
     compile_for_real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, mode=None: compile_for_real(fn, backend="eager"))
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        runtime = Runtime(torch.device("cpu"), torch.float32, world_size=2)  # shards; one process here
-        idx = torch.randint(0, tiny_config().vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-        results = {}
-        for use_compile in (False, True):
-            torch._dynamo.reset()
-            counters.clear()
-            torch.manual_seed(0)
-            model = parallel.place_model(GPT(tiny_config()), runtime, "fsdp")
-            _, train_model = parallel.wrap_model(model, runtime, "fsdp", use_compile=use_compile)
-            _, loss = train_model(idx, idx)
-            loss.backward()
-            results[use_compile] = (loss.detach(), [parallel.replicated(p.grad) for p in model.parameters()])
-        assert dict(counters["graph_break"]) == {}
-        assert counters["stats"]["unique_graphs"] == 2
-        torch.testing.assert_close(results[True], results[False], rtol=0, atol=0)
-    finally:
+    runtime = Runtime(torch.device("cpu"), torch.float32, world_size=2)  # shards; one process here
+    idx = torch.randint(0, tiny_config().vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for use_compile in (False, True):
         torch._dynamo.reset()
-        torch.distributed.destroy_process_group()
+        counters.clear()
+        torch.manual_seed(0)
+        model = parallel.place_model(GPT(tiny_config()), runtime, "fsdp")
+        _, train_model = parallel.wrap_model(model, runtime, "fsdp", use_compile=use_compile)
+        _, loss = train_model(idx, idx)
+        loss.backward()
+        results[use_compile] = (loss.detach(), [parallel.replicated(p.grad) for p in model.parameters()])
+    graph_breaks, graphs = dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()  # no compiled frames left for later tests
+    assert graph_breaks == {}
+    assert graphs == 2
+    torch.testing.assert_close(results[True], results[False], rtol=0, atol=0)
