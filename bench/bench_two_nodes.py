@@ -12,6 +12,8 @@ Results: bench/results/<card>-two-nodes.{json,md}. NCCL_NVLS_ENABLE=0 in every l
 from __future__ import annotations
 
 import argparse
+import contextlib
+import random
 import socket
 import statistics
 import subprocess
@@ -39,9 +41,14 @@ COLUMNS = [
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port below Linux's ephemeral range (32768-60999). One that bind(0) finds free lies in that
+    range, where any process's next outgoing connection may take it before torchrun binds it (torchrun's c10d
+    rendezvous, finding its port taken, connects to it as a client instead)."""
+    for port in random.sample(range(20000, 32768), 200):
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            return port
+    raise RuntimeError("no free TCP port found in 20000-32767")
 
 
 def train_settings(args, out_dir: Path) -> list[str]:

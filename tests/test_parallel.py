@@ -15,7 +15,6 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import time
 
 import pytest
@@ -23,6 +22,7 @@ import torch
 
 import parallel
 import train
+from bench.bench_two_nodes import free_port  # a port outside the ephemeral range
 from checkpoint import load_checkpoint
 from helpers import Child, one_torch_thread, tiny_args, tiny_config
 from model import GPT
@@ -60,12 +60,6 @@ def assert_same_weights(saved, expected, atol=1e-6):
     assert sorted(saved) == sorted(expected)
     for name, tensor in expected.items():
         torch.testing.assert_close(saved[name], tensor, rtol=0, atol=atol, msg=name)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pid_of_rank(launcher_pid: int, rank: int, timeout: float = 60) -> int:
