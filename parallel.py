@@ -101,7 +101,8 @@ def shard_model(model: nn.Module, runtime: Runtime, *, reshard_after_forward: bo
 def compile_shard_units(model: nn.Module, compile_mode: str) -> None:
     """torch.compile a sharded model piece by piece: each block's forward, and the root's head (ln_f, lm_head,
     loss). Compiled whole, its loop over blocks meets FSDP's hooks, graph breaks that torch.compile cannot take
-    inside a loop: it would run the whole forward eagerly (bench/NOTES.md). The hooks stay outside, eager."""
+    inside a loop: it skips GPT.forward's frame, and the head, with its loss over the whole vocabulary, runs
+    eagerly (bench/NOTES.md). The hooks stay outside, eager."""
     for block in model.transformer.h:
         block.forward = torch.compile(block.forward, mode=compile_mode)
     model.head = torch.compile(model.head, mode=compile_mode)
