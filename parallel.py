@@ -42,7 +42,6 @@ def place_model(
 def wrap_model(
     model: nn.Module,
     runtime: Runtime,
-    parallelism: str,
     *,
     use_compile: bool,
     compile_mode: str = "default",
@@ -50,17 +49,19 @@ def wrap_model(
     graph_split: bool = False,
     reduce_dtype: str = "float32",
 ) -> tuple[nn.Module, nn.Module]:
-    """(eval_model, train_model) of a model placed by place_model: compiled when use_compile, and wrapped in
-    DDP under torchrun unless sharded. Build the optimizer after place_model: FSDP replaces the parameters.
+    """(eval_model, train_model) of a model placed by place_model: compiled when use_compile (a sharded model
+    unit by unit), and wrapped in DDP under torchrun unless sharded. Build the optimizer after place_model: FSDP
+    replaces the parameters.
     graph_split: torch.compile cuts the graph at DDP's bucket boundaries, so each bucket's all-reduce starts
     while the rest of backward runs; off, backward is one graph (fusion across the whole model) and every
     all-reduce waits for its end. reduce_dtype bfloat16: each bucket is all-reduced in bf16 (PyTorch's
     bf16_compress_hook, NCCL only) and written back in float32, for half the traffic."""
-    if use_compile and is_sharded(model):
-        compile_shard_units(model, compile_mode)
+    if is_sharded(model):  # place_model sharded it: FSDP, under torchrun
+        if use_compile:
+            compile_shard_units(model, compile_mode)
         return model, model
     eval_model = torch.compile(model, mode=compile_mode) if use_compile else model
-    if not runtime.ddp or parallelism == "fsdp":
+    if not runtime.ddp:
         return eval_model, eval_model
     from torch.nn.parallel import DistributedDataParallel
 

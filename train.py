@@ -267,7 +267,6 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     eval_model, train_model = wrap_model(
         model,
         runtime,
-        cfg.parallelism,
         use_compile=use_compile,
         compile_mode=cfg.compile_mode,
         bucket_cap_mb=cfg.ddp_bucket_cap_mb,

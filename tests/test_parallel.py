@@ -189,7 +189,7 @@ def test_ddp_wrapping_follows_the_settings(monkeypatch, gloo_world_of_one):
     runtime = Runtime(torch.device("cpu"), torch.float32, world_size=2)  # wraps in DDP; one process here
     for split in (False, True):
         model = GPT(tiny_config())
-        _, ddp = parallel.wrap_model(model, runtime, "ddp", use_compile=True, bucket_cap_mb=7, graph_split=split)
+        _, ddp = parallel.wrap_model(model, runtime, use_compile=True, bucket_cap_mb=7, graph_split=split)
         assert torch._dynamo.config.optimize_ddp is split
         assert ddp.bucket_bytes_cap == 7 * 2**20
     # bf16 all-reduce: PyTorch's hook, which refuses gloo when registered; here its registration is recorded
@@ -198,9 +198,9 @@ def test_ddp_wrapping_follows_the_settings(monkeypatch, gloo_world_of_one):
 
     hooks = []
     monkeypatch.setattr(DistributedDataParallel, "register_comm_hook", lambda ddp, state, hook: hooks.append(hook))
-    parallel.wrap_model(GPT(tiny_config()), runtime, "ddp", use_compile=False)
+    parallel.wrap_model(GPT(tiny_config()), runtime, use_compile=False)
     assert hooks == []
-    parallel.wrap_model(GPT(tiny_config()), runtime, "ddp", use_compile=False, reduce_dtype="bfloat16")
+    parallel.wrap_model(GPT(tiny_config()), runtime, use_compile=False, reduce_dtype="bfloat16")
     assert hooks == [bf16_compress_hook]
 
 
@@ -242,7 +242,7 @@ def test_sharded_model_compiles_without_graph_breaks(monkeypatch, gloo_world_of_
         counters.clear()
         torch.manual_seed(0)
         model = parallel.place_model(GPT(tiny_config()), runtime, "fsdp")
-        _, train_model = parallel.wrap_model(model, runtime, "fsdp", use_compile=use_compile)
+        _, train_model = parallel.wrap_model(model, runtime, use_compile=use_compile)
         _, loss = train_model(idx, idx)
         loss.backward()
         results[use_compile] = (loss.detach(), [parallel.replicated(p.grad) for p in model.parameters()])
