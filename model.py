@@ -572,13 +572,13 @@ class GPT(nn.Module):
     def configure_optimizers(
         self, weight_decay: float, learning_rate: float, betas, device_type: str, *, fused: bool = True
     ):
-        """AdamW; weight decay on matrices and embeddings (>= 2-D) only, fused kernel on CUDA."""
+        """AdamW; weight decay on matrices and embeddings (>= 2-D) only, the fused kernel on CUDA and CPU."""
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        fused = fused and device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+        fused = fused and device_type in ("cuda", "cpu") and "fused" in inspect.signature(torch.optim.AdamW).parameters
         return torch.optim.AdamW(groups, lr=learning_rate, betas=tuple(betas), **({"fused": True} if fused else {}))
 
     def crop_block_size(self, block_size: int):

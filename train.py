@@ -257,8 +257,7 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     attention = model.setup_attention(
         device, runtime.dtype, training=True, seq_len=cfg.block_size, documents=cfg.packed_documents
     )
-    # The GradScaler finds inf/NaN gradients on the device and skips that optimizer step without a host
-    # sync (with fused AdamW). float16 needs its loss scaling; other dtypes keep the scale at exactly 1.
+    # float16 needs the GradScaler's loss scaling; other dtypes keep its scale at exactly 1 (clip_and_step)
     scaled = runtime.dtype == torch.float16
     scaler = grad_scaler(
         model, device.type, init_scale=2.0**16 if scaled else 1.0, enabled=device.type in ("cuda", "cpu")
@@ -302,21 +301,39 @@ def train_step(state: TrainState) -> Step:
             state.scaler.scale(loss).backward()
         loss_sum += loss.detach()
     state.batch = batch
-    state.scaler.unscale_(state.optimizer)
     grad_clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-    grad_norm = replicated(torch.nn.utils.clip_grad_norm_(state.model.parameters(), grad_clip))
-    if state.scaler.is_enabled():
-        state.scaler.step(state.optimizer)  # skipped on the device when a gradient is inf/NaN
-        if runtime.dtype == torch.float16:
-            state.scaler.update()
-        else:
-            state.scaler.update(1.0)
-    elif torch.isfinite(grad_norm):  # no GradScaler for this device type: check on the host
-        state.optimizer.step()
+    grad_norm = clip_and_step(state.optimizer, state.scaler, state.model, grad_clip, runtime.dtype)
     state.optimizer.zero_grad(set_to_none=True)
     state.iter_num += 1
     stop_requested, bad_streak = state.stop.record(grad_norm + loss_sum)  # both non-finite-checked in one number
     return Step(loss_sum, grad_norm, lr, stop_requested, bad_streak)
+
+
+def clip_and_step(
+    optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, model: torch.nn.Module, grad_clip: float, dtype
+) -> torch.Tensor:
+    """Clip the gradients to norm grad_clip and take the optimizer step, which inf/NaN gradients skip, decided
+    on the device (no host sync). Returns the norm before clipping.
+    float16 trains with a loss scale: the GradScaler unscales the gradients, then steps. With any other dtype
+    the scale is 1 and a fused AdamW is told of a non-finite norm directly, through the attribute by which the
+    GradScaler itself tells it (found_inf): one pass over all gradients less, per step."""
+    fused = all(group.get("fused") for group in optimizer.param_groups)  # as saved, on a resume
+    if dtype == torch.float16 or not fused:
+        scaler.unscale_(optimizer)
+        grad_norm = replicated(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+        if scaler.is_enabled():
+            scaler.step(optimizer)
+            scaler.update(None if dtype == torch.float16 else 1.0)
+        elif torch.isfinite(grad_norm):  # no GradScaler for this device type: check on the host
+            optimizer.step()
+        return grad_norm
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.found_inf = (~torch.isfinite(grad_norm)).float()  # the fused kernel leaves everything as it was
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
+    return grad_norm
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
 from checkpoint import LATEST, CheckpointError, capture_rng, restore_rng, save_checkpoint
@@ -27,12 +28,25 @@ if TYPE_CHECKING:
 log = logging.getLogger("train")
 
 
+def keep_kernels(optimizer: torch.optim.Optimizer, kernels: list[dict]) -> None:
+    """Give the optimizer back this run's AdamW kernel (fused or foreach), which loading a state dict replaces
+    by the saving run's: an FSDP run's foreach AdamW must not come back into a run whose fused one the
+    GradScaler, or clip_and_step, drives. The fused kernel keeps its step counts on the parameters' device."""
+    for group, kernel in zip(optimizer.param_groups, kernels):
+        group.update(kernel)
+        for param in group["params"] if kernel["fused"] else []:
+            step = optimizer.state.get(param, {}).get("step")
+            if step is not None:
+                optimizer.state[param]["step"] = step.to(param.device, torch.float32)
+
+
 def restore_progress(state: TrainState, batches: Batches, checkpoint: dict) -> None:
     """Optimizer, scaler, counters, the data stream, and (with the same number of ranks) each rank's RNG.
     Checkpoints of earlier versions hold a data position per rank instead of one stream: rank 0's continues."""
     runtime, path = state.runtime, checkpoint_path(state.cfg)
     ranks = checkpoint["rng"]
     try:
+        kernels = [{key: group.get(key) for key in ("fused", "foreach")} for group in state.optimizer.param_groups]
         if checkpoint.get("sharded"):  # an FSDP run's optimizer state, in a DCP folder beside the checkpoint
             load_sharded_optimizer(state.model, state.optimizer, path.parent / checkpoint["sharded"])
         elif state.cfg.parallelism == "fsdp" and runtime.ddp:
@@ -41,6 +55,7 @@ def restore_progress(state: TrainState, batches: Batches, checkpoint: dict) -> N
             )
         else:
             state.optimizer.load_state_dict(checkpoint["optimizer"])
+        keep_kernels(state.optimizer, kernels)
         state.scaler.load_state_dict(checkpoint["scaler"])
         batches.restore(checkpoint["data"] if "data" in checkpoint else ranks[0]["data"])
         if len(ranks) == runtime.world_size:

@@ -181,6 +181,36 @@ def test_a_disk_too_small_for_the_first_save_is_refused_before_training(monkeypa
     assert not (tmp_path / "out").exists()
 
 
+def test_clip_and_step_without_a_loss_scale_clips_steps_and_skips_non_finite_gradients():
+    """bfloat16/float32 with a fused AdamW: no GradScaler pass (the scaler is never touched), the same update as
+    clip_grad_norm_ then step, and a NaN gradient leaves weights, moments and step counts exactly as they were."""
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16)
+    model, twin = GPT(config), GPT(config)
+    twin.load_state_dict(model.state_dict())
+    optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu")
+    reference = twin.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu")
+    assert optimizer.defaults["fused"]
+    for _ in range(3):
+        for a, b in zip(model.parameters(), twin.parameters()):
+            a.grad = torch.randn_like(a) * 10  # a norm far above 1.0: clipping acts
+            b.grad = a.grad.clone()
+        norm = train.clip_and_step(optimizer, object(), model, 1.0, torch.bfloat16)  # object(): no scaler calls
+        assert torch.equal(norm, torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)) and norm > 1.0
+        reference.step()
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    next(model.parameters()).grad[0, 0] = float("nan")
+    norm = train.clip_and_step(optimizer, object(), model, 1.0, torch.float32)
+    assert norm.isnan() and not hasattr(optimizer, "found_inf")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    for p, kept in zip(model.parameters(), moments):
+        assert all(torch.equal(optimizer.state[p][k], v) for k, v in kept.items())
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_parameter_count_from_the_config_matches_the_model(bias):
     """Sizes are checked from the config alone, before anything is allocated: the count must be the model's."""
