@@ -1,6 +1,8 @@
 """Where one optimizer step's time goes under DDP and under FSDP: train.py's own model, optimizer and GradScaler
 (train.build_train_state), GPT-2 124M at T=1024, micro-batch 16, one micro-step per rank; each phase timed
-on rank 0 with a barrier before it and a sync after (host ms: launching it; wall ms: until the GPU is done).
+on every rank with a barrier before it and a sync after (host ms: launching it; wall ms: until the GPU is done;
+rank 0's, and the slowest rank's step by step: the one a gradient reduction waits for). Forward+backward runs
+twice, with the gradient reduction and without it (no_sync), to tell the reduction from the compute.
 The last row is train.py's own train_step, the whole step without syncs between its phases.
 
     torchrun --standalone --nproc_per_node=4 bench/step_phases.py ddp fsdp
@@ -31,10 +33,18 @@ COLUMNS = [
     Column("phase", "phase"),
     Column("host_ms", "host ms", "{:.2f}"),
     Column("wall_ms", "wall ms", "{:.2f}"),
+    Column("slowest_ms", "slowest rank's wall ms", "{:.2f}"),
+    Column("rank_wall_ms", "wall ms by rank"),
 ]
 GPT2 = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024)  # with vocab_size 50304: GPT-2 124M
 QUICK = dict(n_layer=2, n_head=2, n_embd=64, block_size=64)
-PHASES = ("forward+backward (with its gradient reduction)", "unscale_", "clip_grad_norm_", "scaler.step", "zero_grad")
+PHASES = (
+    "forward+backward (with its gradient reduction)",
+    "forward+backward without reduction (no_sync)",
+    "train.clip_and_step: clip, optimizer step",
+    "zero_grad",
+    "train.train_step: the whole step as train.py runs it",
+)
 
 
 def build(parallelism: str, runtime, quick: bool):
@@ -63,24 +73,20 @@ def build(parallelism: str, runtime, quick: bool):
 
 def measure(parallelism: str, runtime, steps: int, quick: bool) -> list[dict]:
     import train
-    from parallel import replicated
+    from parallel import gradient_sync
 
     state, next_batch = build(parallelism, runtime, quick)
     sync = torch.cuda.synchronize if runtime.device.type == "cuda" else lambda: None
     barrier = dist.barrier if runtime.ddp else lambda: None  # one rank: the reference without DDP
-    model, optimizer, scaler = state.model, state.optimizer, state.scaler
 
-    def forward_backward(batch):
-        with runtime.autocast():
-            _, loss = state.train_model(*batch)
-        scaler.scale(loss).backward()
+    def forward_backward(batch, reduce: bool):
+        with gradient_sync(state.model, state.train_model, enabled=reduce):
+            with runtime.autocast():
+                _, loss = state.train_model(*batch)
+            state.scaler.scale(loss).backward()
 
-    def clip():
-        return replicated(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-
-    def step():
-        scaler.step(optimizer)
-        scaler.update(1.0)
+    def clip_and_step():
+        train.clip_and_step(state.optimizer, state.scaler, state.model, 1.0, runtime.dtype)
 
     times: dict[str, list[tuple[float, float]]] = {}
 
@@ -95,25 +101,32 @@ def measure(parallelism: str, runtime, steps: int, quick: bool) -> list[dict]:
 
     batch = next_batch()  # one batch throughout: the timings do not depend on its tokens
     works = (
-        lambda: forward_backward(batch),
-        lambda: scaler.unscale_(optimizer),
-        clip,
-        step,
-        lambda: optimizer.zero_grad(set_to_none=True),
+        lambda: forward_backward(batch, reduce=True),
+        lambda: forward_backward(batch, reduce=False),
+        clip_and_step,
+        lambda: state.optimizer.zero_grad(set_to_none=True),
         lambda: train.train_step(state),
     )
     for _ in range(steps):
-        for name, work in zip((*PHASES, "train.train_step: the whole step as train.py runs it"), works):
+        for name, work in zip(PHASES, works):
             timed(name, work)
+    kept = {name: pairs[steps // 4 :] for name, pairs in times.items()}
+    walls = {name: [wall for _, wall in pairs] for name, pairs in kept.items()}
+    every_rank = [walls]
+    if runtime.ddp:  # every rank timed every phase: the slowest rank is the one the others wait for
+        every_rank = [None] * runtime.world_size
+        dist.all_gather_object(every_rank, walls)
     return [
         {
             "parallelism": parallelism,
             "ranks": runtime.world_size,
             "phase": name,
-            "host_ms": statistics.median(host for host, _ in pairs[steps // 4 :]),
-            "wall_ms": statistics.median(wall for _, wall in pairs[steps // 4 :]),
+            "host_ms": statistics.median(host for host, _ in pairs),
+            "wall_ms": statistics.median(walls[name]),
+            "slowest_ms": statistics.median(max(step) for step in zip(*(rank[name] for rank in every_rank))),
+            "rank_wall_ms": " / ".join(f"{statistics.median(rank[name]):.2f}" for rank in every_rank),
         }
-        for name, pairs in times.items()
+        for name, pairs in kept.items()
     ]
 
 
@@ -160,12 +173,16 @@ def main(argv=None) -> int:
         notes = {
             "model": ", ".join(f"{key} {value}" for key, value in (QUICK if quick else GPT2).items())
             + ", micro-batch 16, one micro-step per rank",
-            "phases": "rank 0, a barrier before and a sync after each; medians",
+            "phases": "each rank, a barrier before and a sync after each; medians over steps (host, wall: rank 0's; "
+            "slowest: of the slowest rank's wall time, step by step)",
             "environment": "NCCL_NVLS_ENABLE=0",
         }
         header = results_header(name, runtime.device, notes=notes)
         for row in rows:
-            print(f"{row['parallelism']:5} {row['phase']:52} host {row['host_ms']:8.2f}  wall {row['wall_ms']:8.2f}")
+            print(
+                f"{row['parallelism']:5} {row['phase']:52} host {row['host_ms']:8.2f}  wall {row['wall_ms']:8.2f}  "
+                f"slowest rank {row['slowest_ms']:8.2f}  by rank {row['rank_wall_ms']}"
+            )
         for path in write_results(args.out, name, header, rows, COLUMNS, plot):
             print(f"wrote {path}")
     if runtime.ddp:

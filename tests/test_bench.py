@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from bench import bench_two_nodes, readme_table, report
+from bench import bench_two_nodes, readme_table, report, step_phases
 from bench.report import card_slug, parse_log_line
 from helpers import REPO as ROOT
 from helpers import WarmProcess
@@ -79,14 +79,15 @@ COMPARE_ARGUMENTS = (
 
 @pytest.fixture(scope="module")
 def runs(char_data, tmp_path_factory, warm_interpreter):
-    """{name: (exit code, stdout, stderr, out folder)} of bench_attention.py --quick, bench_train.py --quick and
-    compare_backends.sh (sdpa, manual). Started together, each on one CPU thread; the two benches are forked
-    from the warm interpreter, which has torch imported already."""
+    """{name: (exit code, stdout, stderr, out folder)} of bench_attention.py --quick, bench_train.py --quick,
+    step_phases.py --quick (one process) and compare_backends.sh (sdpa, manual). Started together, each on one
+    CPU thread; the Python benches are forked from the warm interpreter, which has torch imported already."""
     commands = {  # the fresh interpreters first: a fork waits until the warm interpreter is ready
         # the shortest timings that still time: these tests check rows and statuses, not speed
         "compare": ["bash", "bench/compare_backends.sh", f"--data_dir={char_data}", *COMPARE_ARGUMENTS],
         "attention-quick": ["bench/bench_attention.py", "--quick", "--warmup-ms", "1", "--rep-ms", "5"],
         "train-quick": ["bench/bench_train.py", "--quick"],
+        "step-phases-quick": ["bench/step_phases.py", "--quick", "--steps", "4", "ddp"],
     }
     started = {}
     for name, command in commands.items():
@@ -173,6 +174,16 @@ def test_train_quick_times_the_real_step_and_records_why_a_backend_cannot_run(qu
 
 
 # ---- shared helpers ---------------------------------------------------------------------------
+
+
+def test_step_phases_time_train_pys_own_step_phase_by_phase(runs):
+    code, stdout, stderr, out = runs["step-phases-quick"]
+    assert code == 0, (stdout + stderr)[-3000:]
+    rows = json.loads((out / "cpu-step-phases-quick.json").read_text())["rows"]
+    assert [row["phase"] for row in rows] == list(step_phases.PHASES)
+    for row in rows:  # one process: it is its own slowest rank
+        assert 0 < row["host_ms"] <= row["wall_ms"] * 1.01 and row["slowest_ms"] == row["wall_ms"], row
+        assert row["rank_wall_ms"] == f"{row['wall_ms']:.2f}" and row["ranks"] == 1
 
 
 @pytest.mark.parametrize(
