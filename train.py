@@ -317,7 +317,7 @@ def clip_and_step(
     float16 trains with a loss scale: the GradScaler unscales the gradients, then steps. With any other dtype
     the scale is 1 and a fused AdamW is told of a non-finite norm directly, through the attribute by which the
     GradScaler itself tells it (found_inf): one pass over all gradients less, per step."""
-    fused = all(group.get("fused") for group in optimizer.param_groups)  # as saved, on a resume
+    fused = all(group.get("fused") for group in optimizer.param_groups)
     if dtype == torch.float16 or not fused:
         scaler.unscale_(optimizer)
         grad_norm = replicated(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
