@@ -369,7 +369,9 @@ def save(args, rows: list[dict], start: float) -> list[Path]:
         notes={
             "runs": "train.py under torchrun --standalone; iter lines after the first "
             f"{args.warmup} of {args.iters} (one every {args.log_interval}), medians",
-            "global batch": f"gradient_accumulation_steps = {max(args.gpus)} x {args.accum} over all GPUs",
+            "global batch": f"gradient_accumulation_steps = {max(args.gpus)} x {args.accum} over all GPUs, "
+            f"micro-batch {args.micro_batch}",
+            "every run": " ".join(args.extra) or "-",
             "scaling": "tok/s per GPU over that of the same run on one GPU (which trains unsharded, without DDP)",
             "environment": "NCCL_NVLS_ENABLE=0",
             "largest": "width 1600, 25 heads, micro-batch 1, 4 eager steps (2 timed); stops at the first failure"
