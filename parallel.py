@@ -1,6 +1,7 @@
 """How the model is spread over the ranks of a torchrun job: DDP (every rank holds the whole model and its
 optimizer state; gradients are averaged) or FSDP2 (torch.distributed.fsdp.fully_shard: every rank holds 1/N of
 the weights, gradients and optimizer state, and gathers a block's weights just before that block runs).
+Under FSDP only rank 0 needs the whole model in host memory: the other ranks may build it on the meta device.
 
     torchrun --standalone --nproc_per_node=4 train.py config/train_gpt2_xl_fsdp.py    # parallelism = "fsdp"
 
@@ -32,9 +33,15 @@ REDUCE_DTYPES = ("float32", "bfloat16")  # of DDP's gradient all-reduce
 def place_model(
     model: nn.Module, runtime: Runtime, parallelism: str, *, reshard_after_forward: bool = True
 ) -> nn.Module:
-    """The model on its device; under FSDP each rank's shard only, so a model too large for one GPU fits."""
+    """The model on its device; under FSDP each rank's shard only, so a model too large for one GPU fits.
+    Under FSDP the weights are rank 0's: the other ranks may have built the model on the meta device (train.py
+    does), so that only rank 0 holds and initializes the whole model in host memory."""
     if runtime.ddp and parallelism == "fsdp":
+        weights = model.state_dict() if runtime.master else {}
         shard_model(model, runtime, reshard_after_forward=reshard_after_forward)  # moves each shard to the device
+        if any(param.is_meta for param in model.parameters()):
+            model.to_empty(device=runtime.device)
+        spread_from_rank0(model, weights)
         return model
     return model.to(runtime.device)
 
@@ -97,6 +104,17 @@ def shard_model(model: nn.Module, runtime: Runtime, *, reshard_after_forward: bo
     for block in model.transformer.h:
         fully_shard(block, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+
+def spread_from_rank0(model: nn.Module, weights: dict) -> None:
+    """Each rank's shards of rank 0's full `weights` (ignored elsewhere), broadcast by torch's own state-dict
+    loader; then rank 0's buffers, which the state dict leaves out (RoPE's tables)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, weights, options=options)
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
 
 
 def compile_shard_units(model: nn.Module, compile_mode: str) -> None:

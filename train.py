@@ -162,8 +162,15 @@ DEPRECATED = {  # old key: (new key, old value -> new value); configurator warns
 # Model and checkpoints
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, checkpoint: dict | None) -> GPT:
+def build_model(cfg: TrainConfig, vocab_size: int, checkpoint: dict | None, *, shape_only: bool = False) -> GPT:
+    """The model to train: fresh, or with a checkpoint's weights. shape_only: on the meta device, without
+    weights or memory (the ranks of an FSDP run but 0, which get rank 0's weights as the model is sharded)."""
     model_config = with_weights_shape(cfg, checkpoint).model_config(vocab_size=vocab_size)
+    if shape_only:
+        if checkpoint is not None:
+            check_checkpoint_shape(model_config, checkpoint["model_config"])
+        with torch.device("meta"):
+            return GPT(model_config)  # a checkpoint's longer context is cropped to this block_size on rank 0
     if checkpoint is None:
         return setup_lora(GPT(model_config), cfg, None, "")
     saved = checkpoint["model_config"]
@@ -361,7 +368,8 @@ def setup_or_resume(cfg: TrainConfig, runtime: Runtime, hold: contextlib.ExitSta
             document_separator=cfg.document_separator,
         )
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        model = build_model(cfg, vocab_size, checkpoint)
+        shape_only = cfg.parallelism == "fsdp" and runtime.ddp and not runtime.master  # rank 0 builds for all
+        model = build_model(cfg, vocab_size, checkpoint, shape_only=shape_only)
         torch.manual_seed((cfg.seed + runtime.rank) % 2**64)  # and each rank its own dropout
         claim_run_out_dir(cfg, runtime, model, hold)
     except (CheckpointError, DataError, UsageError) as failure:

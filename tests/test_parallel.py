@@ -37,6 +37,7 @@ def run_args(data_dir, out_dir, *extra) -> list[str]:
         data_dir,
         out_dir,
         "--n_layer=1",
+        "--rope=true",  # tables outside the state dict: FSDP's ranks but 0 build on meta and get rank 0's
         f"--gradient_accumulation_steps={ACCUM}",
         "--dist_backend=gloo",
         "--eval_on_start=false",
@@ -54,6 +55,14 @@ def torchrun(*launcher: str) -> list[str]:
 def losses(output: str) -> dict[int, str]:
     """{iter: logged loss}; a restarted run logs some iterations twice, the later ones count."""
     return {int(it): loss for it, loss in re.findall(r"^iter (\d+) \| loss (\S+) ", output, re.M)}
+
+
+def assert_same_losses(got: dict[int, str], want: dict[int, str]) -> None:
+    """The same iterations and logged losses, give or take the last printed digit: the runs add the same
+    gradients in another order (over ranks instead of micro-steps), and a float32 loss may round either way.
+    The weights, compared to 1e-6, are the exact check."""
+    assert sorted(got) == sorted(want), (got, want)
+    assert all(abs(float(got[it]) - float(want[it])) < 1.5e-4 for it in want), (got, want)
 
 
 def assert_same_weights(saved, expected, atol=1e-6):
@@ -89,7 +98,8 @@ def reference(char_data, tmp_path_factory):
 
 def test_fsdp_over_two_launch_agents_trains_like_one_process_and_resumes_on_one(reference, char_data, tmp_path):
     """FSDP on 4 ranks, started as the README's two-node launch with both "nodes" on this host: the same losses
-    and weights as one process; its checkpoint samples, and resumes in one process (DCP reshards)."""
+    and weights as one process (rank 0 builds the model, the others its shape only, on the meta device); its
+    checkpoint samples, and resumes in one process (DCP reshards)."""
     ref_out, ref_losses = reference
     out, endpoint = tmp_path / "out", f"127.0.0.1:{free_port()}"
     settings = run_args(char_data, out, "--parallelism=fsdp", "--activation_checkpointing=block", "--max_iters=10")
@@ -104,7 +114,7 @@ def test_fsdp_over_two_launch_agents_trains_like_one_process_and_resumes_on_one(
     assert [code for code, _ in results] == [0, 0], results
     output = "".join(text for _, text in results)
     assert "(4 ranks x 1 micro-steps x 4 x 16)" in output
-    assert losses(output) == {it: ref_losses[it] for it in range(1, 11)}, output
+    assert_same_losses(losses(output), {it: ref_losses[it] for it in range(1, 11)})
     saved = load_checkpoint(out / "ckpt.pt", resume=True)
     assert saved["sharded"] == "ckpt-0000010.dcp" and (out / "ckpt-0000010.dcp").is_dir()
     assert saved["optimizer"] == {} and len(saved["rng"]) == 4  # the optimizer state is in the DCP folder
@@ -122,7 +132,7 @@ def test_fsdp_over_two_launch_agents_trains_like_one_process_and_resumes_on_one(
         code = train.main(run_args(char_data, out, "--init_from=auto", "--max_iters=10", "--eval_interval=5"))
     assert code == 0, stdout.getvalue()
     assert "resuming at iter 5" in stdout.getvalue()
-    assert losses(stdout.getvalue()) == {it: ref_losses[it] for it in range(6, 11)}
+    assert_same_losses(losses(stdout.getvalue()), {it: ref_losses[it] for it in range(6, 11)})
     resumed = load_checkpoint(out / "ckpt.pt")["model"]
     assert_same_weights(resumed, load_checkpoint(ref_out / "ckpt-0000010.pt")["model"])
 
@@ -160,7 +170,7 @@ def test_a_failed_or_killed_rank_is_reported_and_the_job_restarts_from_the_last_
     assert "Traceback" not in output, output
     resumed = [int(it) for it in re.findall(r"resuming at iter (\d+)", output)]
     assert len(resumed) == 2 and all(10 <= it < MAX_ITERS for it in resumed), output
-    assert losses(output) == ref_losses, output
+    assert_same_losses(losses(output), ref_losses)
     final = load_checkpoint(out / "ckpt.pt")["model"]
     assert_same_weights(final, load_checkpoint(ref_out / f"ckpt-{MAX_ITERS:07d}.pt")["model"])
 
