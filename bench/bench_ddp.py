@@ -155,7 +155,7 @@ def run_settings(args, shape: dict, parallelism: str, micro_batch: int, accum_to
         *([f"--vocab_size={args.vocab_size}"] if args.vocab_size else []),
         f"--max_iters={args.iters}",
         f"--lr_decay_iters={args.iters}",
-        "--warmup_iters=5",
+        f"--warmup_iters={min(5, args.iters)}",
         "--learning_rate=3e-4",
         "--min_lr=3e-5",
         f"--log_interval={args.log_interval}",
