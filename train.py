@@ -166,15 +166,14 @@ def build_model(cfg: TrainConfig, vocab_size: int, checkpoint: dict | None, *, s
     """The model to train: fresh, or with a checkpoint's weights. shape_only: on the meta device, without
     weights or memory (the ranks of an FSDP run but 0, which get rank 0's weights as the model is sharded)."""
     model_config = with_weights_shape(cfg, checkpoint).model_config(vocab_size=vocab_size)
+    if checkpoint is not None:
+        check_checkpoint_shape(model_config, checkpoint["model_config"])
     if shape_only:
-        if checkpoint is not None:
-            check_checkpoint_shape(model_config, checkpoint["model_config"])
         with torch.device("meta"):
             return GPT(model_config)  # a checkpoint's longer context is cropped to this block_size on rank 0
     if checkpoint is None:
         return setup_lora(GPT(model_config), cfg, None, "")
     saved = checkpoint["model_config"]
-    check_checkpoint_shape(model_config, saved)
     model = GPT(dataclasses.replace(model_config, block_size=saved["block_size"]))
     load_model_weights(model, checkpoint, checkpoint_path(cfg), keep_adapters=cfg.init_from == "resume")
     if cfg.block_size < saved["block_size"]:
@@ -324,8 +323,7 @@ def clip_and_step(
     float16 trains with a loss scale: the GradScaler unscales the gradients, then steps. With any other dtype
     the scale is 1 and a fused AdamW is told of a non-finite norm directly, through the attribute by which the
     GradScaler itself tells it (found_inf): one pass over all gradients less, per step."""
-    fused = all(group.get("fused") for group in optimizer.param_groups)
-    if dtype == torch.float16 or not fused:
+    if dtype == torch.float16 or not optimizer.defaults.get("fused"):  # param groups agree (keep_kernels)
         scaler.unscale_(optimizer)
         grad_norm = replicated(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
         if scaler.is_enabled():

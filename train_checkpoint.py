@@ -28,11 +28,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("train")
 
 
-def keep_kernels(optimizer: torch.optim.Optimizer, kernels: list[dict]) -> None:
-    """Give the optimizer back this run's AdamW kernel (fused or foreach), which loading a state dict replaces
-    by the saving run's: an FSDP run's foreach AdamW must not come back into a run whose fused one the
-    GradScaler, or clip_and_step, drives. The fused kernel keeps its step counts on the parameters' device."""
-    for group, kernel in zip(optimizer.param_groups, kernels):
+def keep_kernels(optimizer: torch.optim.Optimizer) -> None:
+    """Give the param groups back this run's AdamW kernel (fused or foreach, as in the optimizer's defaults),
+    which loading a state dict replaces by the saving run's: an FSDP run's foreach AdamW must not come back into
+    a run whose fused one the GradScaler, or clip_and_step, drives. The fused kernel keeps its step counts on the
+    parameters' device."""
+    kernel = {key: optimizer.defaults.get(key) for key in ("fused", "foreach")}
+    for group in optimizer.param_groups:
         group.update(kernel)
         for param in group["params"] if kernel["fused"] else []:
             step = optimizer.state.get(param, {}).get("step")
@@ -46,7 +48,6 @@ def restore_progress(state: TrainState, batches: Batches, checkpoint: dict) -> N
     runtime, path = state.runtime, checkpoint_path(state.cfg)
     ranks = checkpoint["rng"]
     try:
-        kernels = [{key: group.get(key) for key in ("fused", "foreach")} for group in state.optimizer.param_groups]
         if checkpoint.get("sharded"):  # an FSDP run's optimizer state, in a DCP folder beside the checkpoint
             load_sharded_optimizer(state.model, state.optimizer, path.parent / checkpoint["sharded"])
         elif state.cfg.parallelism == "fsdp" and runtime.ddp:
@@ -55,7 +56,7 @@ def restore_progress(state: TrainState, batches: Batches, checkpoint: dict) -> N
             )
         else:
             state.optimizer.load_state_dict(checkpoint["optimizer"])
-        keep_kernels(state.optimizer, kernels)
+        keep_kernels(state.optimizer)
         state.scaler.load_state_dict(checkpoint["scaler"])
         batches.restore(checkpoint["data"] if "data" in checkpoint else ranks[0]["data"])
         if len(ranks) == runtime.world_size:
