@@ -39,6 +39,7 @@ SHAPE_FIELDS = {
     **{"mlp": "mlp", "mlp_hidden": "mlp_width", "n_kv_head": "kv_heads", "qk_norm": "qk_norm"},
 }
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead")
+CUDA_GRAPH_MODES = ("max-autotune", "reduce-overhead")  # the compile modes that replay CUDA graphs
 
 
 def check_config(cfg: TrainConfig) -> None:
@@ -95,6 +96,11 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"out_dir has a folder name of {len(os.fsencode(too_long[0]))} bytes; 255 is the most")
     if cfg.parallelism not in PARALLELISMS:
         raise ValueError(f"unknown parallelism {cfg.parallelism!r}; choose one of {', '.join(PARALLELISMS)}")
+    if cfg.parallelism == "fsdp" and cfg.compile_mode in CUDA_GRAPH_MODES:
+        raise ValueError(
+            f"compile_mode={cfg.compile_mode} replays CUDA graphs, which FSDP's per-block gathers and frees of the "
+            "weights break; with parallelism fsdp use default or max-autotune-no-cudagraphs"
+        )
     if cfg.parallelism == "fsdp" and cfg.lora_rank:
         raise ValueError("LoRA (lora_rank > 0) trains with parallelism ddp, not fsdp; its frozen base is not sharded")
     if cfg.ddp_reduce_dtype not in REDUCE_DTYPES:

@@ -34,6 +34,7 @@ from lora import load_model_weights, setup_lora
 from model import GPT, GPTConfig
 from parallel import fused_optimizer_ok, grad_scaler, gradient_sync, place_model, replicated, wrap_model
 from preflight import (
+    CUDA_GRAPH_MODES,
     check_before_training,
     check_checkpoint_shape,
     check_config,
@@ -237,6 +238,7 @@ class TrainState:
     ckpt_iter: int | None = None  # the iteration out_dir/ckpt.pt holds, saved or resumed from by this run
     resumed_iter: int | None = None
     batch: tuple[torch.Tensor, ...] | None = None  # the next step's first micro-batch, prefetched
+    own_grads: bool = False  # .grad buffers allocated once and zeroed in place (CUDA graphs: build_train_state)
 
     @property
     def accum(self) -> int:
@@ -282,9 +284,19 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     optimizer = model.configure_optimizers(
         cfg.weight_decay, cfg.learning_rate, betas, device.type, fused=fused_optimizer_ok(model)
     )
-    return TrainState(
+    # Under CUDA graphs the compiled backward returns gradients in graph memory, which the next micro-step's replay
+    # overwrites; taken as .grad they would be lost to accumulation (pytorch/pytorch#169545). With .grad buffers of
+    # our own, every backward adds into them instead.
+    own_grads = use_compile and cfg.compile_mode in CUDA_GRAPH_MODES
+    if own_grads:
+        for param in model.parameters():
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)
+    state = TrainState(
         cfg, runtime, model, eval_model, train_model, optimizer, scaler, StopFlags(runtime), next_batch, attention
     )
+    state.own_grads = own_grads
+    return state
 
 
 def train_step(state: TrainState) -> Step:
@@ -309,7 +321,7 @@ def train_step(state: TrainState) -> Step:
     state.batch = batch
     grad_clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     grad_norm = clip_and_step(state.optimizer, state.scaler, state.model, grad_clip, runtime.dtype)
-    state.optimizer.zero_grad(set_to_none=True)
+    state.optimizer.zero_grad(set_to_none=not state.own_grads)
     state.iter_num += 1
     stop_requested, bad_streak = state.stop.record(grad_norm + loss_sum)  # both non-finite-checked in one number
     return Step(loss_sum, grad_norm, lr, stop_requested, bad_streak)

@@ -20,6 +20,7 @@ Decode = Callable[[Sequence[int]], str]
 
 EOT = "<|endoftext|>"
 EOT_ID = 50256
+GPT2_VOCAB_SIZE = EOT_ID + 1  # <|endoftext|> is the last id of the hash-checked files below
 # sha256 of OpenAI's GPT-2 files, the `expected_hash` values in tiktoken_ext/openai_public.py (def gpt2).
 GPT2_SHA256 = {
     "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
@@ -97,7 +98,8 @@ def char_meta(text: str) -> dict:
 
 
 def gpt2_meta() -> dict:
-    return {"tokenizer": "gpt2", "vocab_size": gpt2_encoding().n_vocab, "eot_token": EOT_ID}
+    """GPT-2's tokenizer as a dataset's or checkpoint's meta. Reads no files: loading GPT-2 weights needs none."""
+    return {"tokenizer": "gpt2", "vocab_size": GPT2_VOCAB_SIZE, "eot_token": EOT_ID}
 
 
 def _itos(meta: dict) -> list[str]:

@@ -30,7 +30,7 @@ from data.common import (
     write_dataset,
     write_split,
 )
-from data.tokenizer import EOT, EOT_ID, gpt2_encoding, load_tokenizer
+from data.tokenizer import EOT, EOT_ID, gpt2_encoding, gpt2_meta, load_tokenizer
 from helpers import run_script, subprocess_env, tiny_text
 
 SAMPLE_TEXT = (
@@ -214,6 +214,7 @@ def test_gpt2_encoding_known_ids():
     assert encoding.encode_ordinary("Hello world") == [15496, 995]
     assert encoding.encode_ordinary(" the") == [262]
     assert encoding.n_vocab == 50257 and encoding.eot_token == EOT_ID
+    assert gpt2_meta() == {"tokenizer": "gpt2", "vocab_size": encoding.n_vocab, "eot_token": EOT_ID}
     encode, decode = load_tokenizer({"tokenizer": "gpt2"})
     assert encode(f"a{EOT}b") == [64, EOT_ID, 65]
     assert decode(np.array([15496, 995], dtype=np.uint16)) == "Hello world"

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+import data.tokenizer
 import interop
 import sample
 import train
@@ -81,6 +82,18 @@ def test_hf_weights_give_hf_logits_and_gradients(hf_model, hf_dirs, form, backen
     torch.testing.assert_close(
         model.transformer.h[0].attn.c_attn.weight.grad, h0.attn.c_attn.weight.grad.t(), atol=1e-4, rtol=0
     )
+
+
+def test_hf_weights_load_without_the_tokenizer_files(hf_model, hf_dirs, monkeypatch):
+    """A Hugging Face folder carries no tokenizer we read: its meta is GPT-2's, and needs no files to say so."""
+
+    def no_files():
+        raise DataError("GPT-2 tokenizer files not found")
+
+    monkeypatch.setattr(data.tokenizer, "gpt2_files_dir", no_files)
+    monkeypatch.setattr(data.tokenizer, "gpt2_encoding", no_files)
+    model = GPT.from_pretrained(hf_dirs["safetensors"])
+    assert model.config.vocab_size == HF_SIZES["vocab_size"]
 
 
 @pytest.mark.gpu

@@ -72,8 +72,9 @@ def forward_backward(gpt: GPT, idx, doc_ids):
     """Logits and every parameter's gradient of a random projection of them (all logits, not only the loss)."""
     gpt.zero_grad()
     logits, _ = gpt(idx, idx, doc_ids)
-    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3), dtype=logits.dtype)
-    weights = weights.to(logits.device)
+    # drawn in float32 whatever the logits' dtype: a bfloat16 draw is another sequence, not a rounding of this one
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3))
+    weights = weights.to(logits.device, logits.dtype)
     (logits * weights).sum().backward()
     return logits.detach(), {name: p.grad.clone() for name, p in gpt.named_parameters()}
 

@@ -412,6 +412,12 @@ BAD_INPUTS = [
     case("unknown-backend-deprecated-key", "--backend=ddp", expect=("dist_backend 'ddp'", "nccl or gloo")),
     case("unknown-parallelism", "--parallelism=zero3", expect=("zero3", "ddp, fsdp")),
     case("fsdp-with-lora", "--parallelism=fsdp", "--lora_rank=4", expect=("LoRA", "parallelism ddp")),
+    case(
+        "fsdp-with-cuda-graphs",
+        "--parallelism=fsdp",
+        "--compile_mode=reduce-overhead",
+        expect=("compile_mode=reduce-overhead", "default or max-autotune-no-cudagraphs"),
+    ),
     case("unknown-ddp_reduce_dtype", "--ddp_reduce_dtype=fp8", expect=("fp8", "float32, bfloat16")),
     case(
         "bf16-reduce-on-gloo",

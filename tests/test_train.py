@@ -102,6 +102,28 @@ def test_compiled_run_saves_unwrapped_state_dict(monkeypatch, char_data, tmp_pat
     GPT(GPTConfig(**state["model_config"])).load_state_dict(state["model"])
 
 
+@pytest.mark.gpu
+def test_gpu_cuda_graphs_accumulate_gradients_as_the_default_compile_does(char_data, tmp_path, capsys):
+    """compile_mode=reduce-overhead replays CUDA graphs, whose gradient outputs the next micro-step's replay
+    overwrites (train.build_train_state): 4 micro-steps a step, float32, no clipping to hide a wrong gradient's
+    size; the same losses and weights as compile_mode=default."""
+    losses, weights = {}, {}
+    for mode in ("default", "reduce-overhead"):
+        out = tmp_path / mode
+        settings = ("--dtype=float32", "--compile=true", f"--compile_mode={mode}", "--grad_clip=0", "--max_iters=6")
+        more = ("--gradient_accumulation_steps=4", "--eval_interval=6", "--log_interval=1", "--eval_on_start=false")
+        try:
+            assert train.main(tiny_args(char_data, out, *settings, *more)) == 0, capsys.readouterr().err
+        finally:
+            torch._dynamo.reset()
+        losses[mode] = [float(line.split()[4]) for line in lines_starting(capsys.readouterr().out, "iter ")]
+        weights[mode] = load_checkpoint(out / "ckpt.pt")["model"]
+    assert len(losses["default"]) == 6
+    assert losses["reduce-overhead"] == pytest.approx(losses["default"], abs=2e-4)
+    for name, weight in weights["default"].items():
+        torch.testing.assert_close(weights["reduce-overhead"][name], weight, rtol=1e-4, atol=1e-5, msg=name)
+
+
 # ---- what a run leaves in its out_dir, and whose out_dir it is ----
 
 
