@@ -97,9 +97,10 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.parallelism not in PARALLELISMS:
         raise ValueError(f"unknown parallelism {cfg.parallelism!r}; choose one of {', '.join(PARALLELISMS)}")
     if cfg.parallelism == "fsdp" and cfg.compile_mode in CUDA_GRAPH_MODES:
+        # tried on 2 GPUs: a graph's output was overwritten by the next replay before backward read it
         raise ValueError(
-            f"compile_mode={cfg.compile_mode} replays CUDA graphs, which FSDP's per-block gathers and frees of the "
-            "weights break; with parallelism fsdp use default or max-autotune-no-cudagraphs"
+            f"compile_mode={cfg.compile_mode} replays CUDA graphs, which parallelism fsdp does not train with; "
+            "use default or max-autotune-no-cudagraphs"
         )
     if cfg.parallelism == "fsdp" and cfg.lora_rank:
         raise ValueError("LoRA (lora_rank > 0) trains with parallelism ddp, not fsdp; its frozen base is not sharded")
