@@ -36,10 +36,10 @@ def keep_kernels(optimizer: torch.optim.Optimizer) -> None:
     kernel = {key: optimizer.defaults.get(key) for key in ("fused", "foreach")}
     for group in optimizer.param_groups:
         group.update(kernel)
-        for param in group["params"] if kernel["fused"] else []:
-            step = optimizer.state.get(param, {}).get("step")
-            if step is not None:
-                optimizer.state[param]["step"] = step.to(param.device, torch.float32)
+    if kernel["fused"]:
+        for param, param_state in optimizer.state.items():
+            if "step" in param_state:
+                param_state["step"] = param_state["step"].to(param.device, torch.float32)
 
 
 def restore_progress(state: TrainState, batches: Batches, checkpoint: dict) -> None:
