@@ -117,8 +117,7 @@ def setup_runtime(
         if picked.type == "cuda":
             torch.cuda.set_device(picked)
         try:
-            timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
-            dist.init_process_group(backend=dist_backend, timeout=timeout)
+            join_process_group(dist_backend, timeout_s)
         except (ValueError, RuntimeError) as error:  # no MASTER_ADDR, an unreachable or timed-out rendezvous
             reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
             raise UsageError(
@@ -128,6 +127,18 @@ def setup_runtime(
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for any float32 matmul left outside autocast
         torch.backends.cudnn.allow_tf32 = True
     return Runtime(picked, pick_dtype(dtype, picked), rank, local_rank, world_size)
+
+
+def join_process_group(dist_backend: str, timeout_s: float | None = None) -> None:
+    """Joins the process group that torchrun's environment describes (MASTER_ADDR, RANK, WORLD_SIZE)."""
+    # Imported first: its functions take group=group.WORLD as a default argument, read on first import. DDP
+    # imports it after the group exists, and those defaults then keep the group alive past destroy_process_group:
+    # its threads outlive the interpreter, and a gloo thread still releasing a tensor at exit aborts the process
+    # ("terminate called without an active exception") after a run that finished.
+    import torch.distributed.nn  # noqa: F401
+
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+    dist.init_process_group(backend=dist_backend, timeout=timeout)
 
 
 def env_int(name: str, default: int, *, low: int) -> int:

@@ -9,12 +9,15 @@ the single-process reference runs in-process."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import re
 import resource
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -24,9 +27,9 @@ import parallel
 import train
 from bench.bench_two_nodes import free_port  # a port outside the ephemeral range
 from checkpoint import load_checkpoint
-from helpers import Child, one_torch_thread, tiny_args, tiny_config
+from helpers import REPO, Child, one_torch_thread, subprocess_env, tiny_args, tiny_config
 from model import GPT
-from runtime import Runtime
+from runtime import Runtime, join_process_group
 
 ACCUM = 4  # micro-steps per optimizer step over all ranks: 1 rank x 4, 2 x 2, 4 x 1
 MAX_ITERS = 60
@@ -181,14 +184,53 @@ def _gloo_only():
         pytest.skip("torch.distributed is not available in this build")
 
 
+def world_of_one_env() -> dict[str, str]:
+    """torchrun's variables for a process group of this one process."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
+
+
 @pytest.fixture
 def gloo_world_of_one(monkeypatch):
     """A gloo process group of this one process, destroyed after the test."""
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    for name, value in world_of_one_env().items():
+        monkeypatch.setenv(name, value)
+    join_process_group("gloo")
     yield
     torch.distributed.destroy_process_group()
+
+
+GLOO_THREADS_AFTER_DESTROY = """
+import os, torch, torch.distributed as dist
+import parallel
+from model import GPT, GPTConfig
+from runtime import Runtime, join_process_group
+
+def gloo_threads():
+    names = (open(f"/proc/self/task/{task}/comm").read() for task in os.listdir("/proc/self/task"))
+    return sum("gloo" in name for name in names)
+
+join_process_group("gloo")
+runtime = Runtime(torch.device("cpu"), torch.float32, world_size=2)  # wraps in DDP; one process here
+_, model = parallel.wrap_model(GPT(GPTConfig(**CONFIG)), runtime, use_compile=False)
+model(torch.zeros(1, 4, dtype=torch.long))[0].sum().backward()
+del model
+print(gloo_threads(), end=" ")
+dist.destroy_process_group()
+print(gloo_threads())
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_destroy_process_group_stops_its_threads_after_ddp():
+    """In a fresh interpreter, as under torchrun: DDP must not keep the group alive past destroy_process_group.
+    A gloo thread that outlives it and is still releasing a tensor when the interpreter exits aborts the
+    process after a run that finished (runtime.join_process_group says how)."""
+    script = GLOO_THREADS_AFTER_DESTROY.replace("CONFIG", repr(dataclasses.asdict(tiny_config())))
+    env = {**subprocess_env(), **world_of_one_env()}
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    alive, after = map(int, done.stdout.split())
+    assert alive > 0 and after == 0, done.stdout  # the count sees gloo's threads, and none is left
 
 
 def test_ddp_wrapping_follows_the_settings(monkeypatch, gloo_world_of_one):
