@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import resource
 import signal
@@ -131,14 +132,27 @@ def setup_runtime(
 
 def join_process_group(dist_backend: str, timeout_s: float | None = None) -> None:
     """Joins the process group that torchrun's environment describes (MASTER_ADDR, RANK, WORLD_SIZE)."""
-    # Imported first: its functions take group=group.WORLD as a default argument, read on first import. DDP
-    # imports it after the group exists, and those defaults then keep the group alive past destroy_process_group:
+    # Imported first: functions here take group=group.WORLD as a default argument, read on import. DDP and FSDP's
+    # grad scaler import them after the group exists, and the defaults then keep it alive past destroy_process_group:
     # its threads outlive the interpreter, and a gloo thread still releasing a tensor at exit aborts the process
     # ("terminate called without an active exception") after a run that finished.
+    import torch.distributed.fsdp.sharded_grad_scaler  # noqa: F401
     import torch.distributed.nn  # noqa: F401
 
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
     dist.init_process_group(backend=dist_backend, timeout=timeout)
+
+
+def leave_process_group() -> None:
+    """Destroys the process group, and with it its threads: left running, they would meet the interpreter's exit
+    (see join_process_group). What else still holds the group is let go of first."""
+    gc.collect()  # FSDP's modules hold it in reference cycles
+    device_mesh = sys.modules.get("torch.distributed.device_mesh")
+    if device_mesh is not None:  # DTensor's caches keep FSDP's meshes, and each its table of groups (torch 2.13)
+        # by type, not isinstance: DeviceMesh's metaclass check warns about some objects of torch's
+        for mesh in [obj for obj in gc.get_objects() if device_mesh.DeviceMesh in type(obj).__mro__]:
+            getattr(mesh, "_pg_registry", {}).clear()
+    dist.destroy_process_group()
 
 
 def env_int(name: str, default: int, *, low: int) -> int:

@@ -50,6 +50,7 @@ from runtime import (
     UsageError,
     agree,
     emit,
+    leave_process_group,
     model_flops_utilization,
     naming_the_failed_rank,
     peak_flops_for,
@@ -652,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            leave_process_group()
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from bench.bench_two_nodes import free_port  # a port outside the ephemeral rang
 from checkpoint import load_checkpoint
 from helpers import REPO, Child, one_torch_thread, subprocess_env, tiny_args, tiny_config
 from model import GPT
-from runtime import Runtime, join_process_group
+from runtime import Runtime, join_process_group, leave_process_group
 
 ACCUM = 4  # micro-steps per optimizer step over all ranks: 1 rank x 4, 2 x 2, 4 x 1
 MAX_ITERS = 60
@@ -196,41 +196,46 @@ def gloo_world_of_one(monkeypatch):
         monkeypatch.setenv(name, value)
     join_process_group("gloo")
     yield
-    torch.distributed.destroy_process_group()
+    leave_process_group()
 
 
-GLOO_THREADS_AFTER_DESTROY = """
-import os, torch, torch.distributed as dist
+GLOO_THREADS_AT_EXIT = """
+import os, torch
 import parallel
 from model import GPT, GPTConfig
-from runtime import Runtime, join_process_group
+from runtime import Runtime, join_process_group, leave_process_group
 
 def gloo_threads():
     names = (open(f"/proc/self/task/{task}/comm").read() for task in os.listdir("/proc/self/task"))
     return sum("gloo" in name for name in names)
 
-join_process_group("gloo")
-runtime = Runtime(torch.device("cpu"), torch.float32, world_size=2)  # wraps in DDP; one process here
-_, model = parallel.wrap_model(GPT(GPTConfig(**CONFIG)), runtime, use_compile=False)
-model(torch.zeros(1, 4, dtype=torch.long))[0].sum().backward()
-del model
-print(gloo_threads(), end=" ")
-dist.destroy_process_group()
-print(gloo_threads())
+runtime = Runtime(torch.device("cpu"), torch.float32, world_size=2)  # one process, placed as a rank of two
+for parallelism in ("ddp", "fsdp"):
+    join_process_group("gloo")
+    model = parallel.place_model(GPT(GPTConfig(**CONFIG)), runtime, parallelism)
+    eval_model, train_model = parallel.wrap_model(model, runtime, use_compile=False)
+    scaler = parallel.grad_scaler(model, "cpu", init_scale=1.0, enabled=True)
+    train_model(torch.zeros(1, 4, dtype=torch.long))[0].sum().backward()
+    del model, eval_model, train_model, scaler
+    print(parallelism, gloo_threads(), end=" ")
+    leave_process_group()
+    print(gloo_threads())
 """
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
-def test_destroy_process_group_stops_its_threads_after_ddp():
-    """In a fresh interpreter, as under torchrun: DDP must not keep the group alive past destroy_process_group.
-    A gloo thread that outlives it and is still releasing a tensor when the interpreter exits aborts the
-    process after a run that finished (runtime.join_process_group says how)."""
-    script = GLOO_THREADS_AFTER_DESTROY.replace("CONFIG", repr(dataclasses.asdict(tiny_config())))
+def test_leaving_the_process_group_stops_its_threads():
+    """In a fresh interpreter, as under torchrun: nothing DDP or FSDP leaves behind keeps the group alive past
+    leave_process_group. A gloo thread that outlives it and is still releasing a tensor when the interpreter
+    exits aborts the process after a run that finished (runtime.join_process_group says how)."""
+    script = GLOO_THREADS_AT_EXIT.replace("CONFIG", repr(dataclasses.asdict(tiny_config())))
     env = {**subprocess_env(), **world_of_one_env()}
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    alive, after = map(int, done.stdout.split())
-    assert alive > 0 and after == 0, done.stdout  # the count sees gloo's threads, and none is left
+    counts = {name: (int(alive), int(after)) for name, alive, after in re.findall(r"(\w+) (\d+) (\d+)", done.stdout)}
+    assert list(counts) == ["ddp", "fsdp"], done.stdout
+    for alive, after in counts.values():
+        assert alive > 0 and after == 0, done.stdout  # the count sees gloo's threads, and none is left
 
 
 def test_ddp_wrapping_follows_the_settings(monkeypatch, gloo_world_of_one):
