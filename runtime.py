@@ -134,7 +134,7 @@ def join_process_group(dist_backend: str, timeout_s: float | None = None) -> Non
     """Joins the process group that torchrun's environment describes (MASTER_ADDR, RANK, WORLD_SIZE)."""
     # Imported first: functions here take group=group.WORLD as a default argument, read on import. DDP and FSDP's
     # grad scaler import them after the group exists, and the defaults then keep it alive past destroy_process_group:
-    # its threads outlive the interpreter, and a gloo thread still releasing a tensor at exit aborts the process
+    # its threads outlive the interpreter, and a gloo thread still running at exit can abort the process
     # ("terminate called without an active exception") after a run that finished.
     import torch.distributed.fsdp.sharded_grad_scaler  # noqa: F401
     import torch.distributed.nn  # noqa: F401

@@ -226,8 +226,8 @@ for parallelism in ("ddp", "fsdp"):
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 def test_leaving_the_process_group_stops_its_threads():
     """In a fresh interpreter, as under torchrun: nothing DDP or FSDP leaves behind keeps the group alive past
-    leave_process_group. A gloo thread that outlives it and is still releasing a tensor when the interpreter
-    exits aborts the process after a run that finished (runtime.join_process_group says how)."""
+    leave_process_group. A gloo thread still running when the interpreter exits can abort the process after a
+    run that finished (runtime.join_process_group says how)."""
     script = GLOO_THREADS_AT_EXIT.replace("CONFIG", repr(dataclasses.asdict(tiny_config())))
     env = {**subprocess_env(), **world_of_one_env()}
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True)
