@@ -150,8 +150,9 @@ def leave_process_group() -> None:
     device_mesh = sys.modules.get("torch.distributed.device_mesh")
     if device_mesh is not None:  # DTensor's caches keep FSDP's meshes, and each its table of groups (torch 2.13)
         # by type, not isinstance: DeviceMesh's metaclass check warns about some objects of torch's
-        for mesh in [obj for obj in gc.get_objects() if device_mesh.DeviceMesh in type(obj).__mro__]:
-            getattr(mesh, "_pg_registry", {}).clear()
+        for obj in gc.get_objects():
+            if device_mesh.DeviceMesh in type(obj).__mro__:
+                getattr(obj, "_pg_registry", {}).clear()
     dist.destroy_process_group()
 
 
