@@ -27,6 +27,8 @@ import typing
 import warnings
 from pathlib import Path
 
+from errors import ConfigError
+
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
 _BOOL_FORMS = "/".join(t + "/" + f for t, f in zip(_TRUE, _FALSE))  # true/false/1/0/yes/no/on/off
@@ -48,13 +50,6 @@ GUIDE_NAMES = {
     "output_dir": [("out_dir", "where checkpoints go")],
     "per_device_train_batch_size": [("batch_size", "sequences per micro-step on each rank")],
 }
-
-
-class ConfigError(ValueError):
-    """A bad config file or override. The message is one line: what was wrong and what is allowed."""
-
-    def __init__(self, message: str):
-        super().__init__(" ".join(str(message).splitlines()))  # train.py prints it after `error: `
 
 
 def parse_bool(text: str) -> bool:

@@ -1,24 +1,31 @@
 """
-A GPT-2 language model, with a choice of attention kernels and switches for a modern block (RoPE, RMSNorm,
-SwiGLU, grouped key/value heads, q/k norm; all off is GPT-2 exactly).
+A GPT-2 language model in one file, with a choice of attention kernels and switches for a modern block (RoPE,
+RMSNorm, SwiGLU, grouped key/value heads, q/k norm; all off is GPT-2 exactly).
 
-Read top-down: the config; the attention backends, one record each (kernel, when it cannot run, what to
-fall back to, how it decodes from a KV cache); `resolve`, which turns a requested backend into the one that
-runs; the model, which resolves once when it is set up for a device, dtype and use (`setup_attention`),
-never inside forward; and `python model.py`, which prints what this machine can run. The kernels live in
-attention.py; generation's KV caches and the kernels that read them in kv_cache.py; the block's switchable
-pieces (norms, MLPs, RoPE) in layers.py.
+Read top-down: the config; the block's pieces (norms, MLPs, RoPE); attention, which is where the kernels differ:
+the mask of one forward pass, the three kernels of this file (manual, sdpa, flash_attn_2) and the registry that
+turns a requested backend into the one that runs (falling back with a WARNING that says why, and one INFO line
+naming what runs); the model; the loss without full logits; `python model.py`, which prints what this machine
+can run. The model resolves its attention once, when it is set up for a device, dtype and use, never inside
+forward.
+
+This file imports nothing else of this repo. More kernels (flash-attn 3 and 4, flex_attention, auto's measured
+per-card order) register themselves from kernels/ (`import kernels`); generation with a KV cache lives in
+generation/.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
+import importlib.metadata
 import inspect
 import logging
 import math
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import torch
@@ -26,46 +33,23 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from attention import (
-    FLASH_ATTN_2,
-    FLASH_ATTN_3,
-    FLASH_ATTN_4,
-    MPS_MASK_PROBLEM,
-    AttentionMask,
-    FlashAttention,
-    Need,
-    auto_order,
-    card_key,
-    dtype_name,
-    flex_attention,
-    flex_problem,
-    manual_attention,
-    manual_problem,
-    measured_order,
-    read_auto_table,
-    sdpa_attention,
-    sdpa_kernel_problem,
-    sdpa_problem,
-)
-from cross_entropy import chunked_cross_entropy
-from kv_cache import (
-    FLEX_DECODE,
-    MANUAL_DECODE,
-    SDPA_DECODE,
-    DecodeKernel,
-    Generation,
-    Step,
-    check_generation,
-    flash_decode,
-    next_token,
-    paged_problem,
-)
-from layers import Rotary, apply_rotary, check_block, document_positions, make_mlp, make_norm, mlp_hidden_size
-
 log = logging.getLogger("model")
 
 # ----------------------------------------------------------------------------------------------
 # Config
+
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+SDPA_KERNELS = {
+    "auto": None,
+    "flash": "FLASH_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "math": "MATH",
+}
+CROSS_ENTROPY = ("auto", "plain", "chunked")
+AUTO_CHUNKED_LOGITS = 2**31  # auto chunks the loss past this many logits a micro-batch (8 GiB in float32)
+CHECKPOINTING = ("none", "mlp", "block")  # mlp keeps attention's outputs: at long T, attention is the costly part
 
 
 @dataclass
@@ -77,7 +61,7 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm, as GPT-2 has them
-    # The modern block: each switch off is GPT-2 (layers.py)
+    # The modern block: each switch off is GPT-2
     rope: bool = False  # rotary position embedding on q and k, in place of learned positions (no wpe)
     rope_theta: float = 10000.0  # RoPE's base: the slowest pair of dimensions turns once in ~2π·rope_theta tokens
     norm: str = "layernorm"  # layernorm (GPT-2) | rmsnorm (no bias)
@@ -87,7 +71,7 @@ class GPTConfig:
     qk_norm: bool = False  # normalize q and k per head (with `norm`) before RoPE and attention
     attention_backend: str = "auto"  # a name or alias in BACKENDS, or auto; see resolve
     sdpa_kernel: str = "auto"  # restrict the sdpa backend to one PyTorch kernel: auto|flash|cudnn|efficient|math
-    auto_measure: bool = True  # auto on a GPU the table does not know times the candidates once (cached)
+    auto_measure: bool = True  # auto on a GPU its table does not know times the candidates once (kernels/auto.py)
     cross_entropy: str = "auto"  # plain (full logits) | chunked (lm_head + loss by rows) | auto: chunked if big
     activation_checkpointing: str = "none"  # recompute in backward to save memory: none | mlp | block
     use_flash_attention: bool | None = None  # deprecated: True means attention_backend="flash_attn_2"
@@ -101,22 +85,56 @@ class GPTConfig:
             )
             self.attention_backend, self.use_flash_attention = new, None
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if not positive_int(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.head_dim % 2:
             raise ValueError(f"head dim n_embd/n_head = {self.head_dim} must be even")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        check_block(self)  # the modern block's switches
+        self.check_block()
         self.attention_backend = canonical_backend(self.attention_backend)
-        if self.sdpa_kernel not in SDPA_KERNELS:
-            raise ValueError(f"unknown sdpa_kernel {self.sdpa_kernel!r}; choose one of {', '.join(SDPA_KERNELS)}")
-        for name, allowed in (("cross_entropy", CROSS_ENTROPY), ("activation_checkpointing", CHECKPOINTING)):
+        for name, allowed in (
+            ("sdpa_kernel", SDPA_KERNELS),
+            ("cross_entropy", CROSS_ENTROPY),
+            ("activation_checkpointing", CHECKPOINTING),
+        ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
+
+    def check_block(self) -> None:
+        """ValueError, one line naming what is allowed, for a bad switch of the modern block."""
+        if self.norm not in NORMS:
+            raise ValueError(f"unknown norm {self.norm!r}; choose one of {', '.join(NORMS)}")
+        if self.mlp not in MLPS:
+            raise ValueError(f"unknown mlp {self.mlp!r}; choose one of {', '.join(MLPS)}")
+        if self.mlp_hidden is not None and not positive_int(self.mlp_hidden):
+            raise ValueError(f"mlp_hidden must be a positive integer or None (its default); got {self.mlp_hidden}")
+        n_kv_head, n_head = self.n_kv_head, self.n_head
+        if n_kv_head is not None and not (positive_int(n_kv_head) and n_head % n_kv_head == 0):
+            raise ValueError(
+                f"n_kv_head must be a positive integer that divides n_head ({n_head}), or None (= n_head); "
+                f"got {n_kv_head}"
+            )
+        theta = self.rope_theta
+        if not (isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 0):
+            raise ValueError(f"rope_theta must be a finite number > 0, got {theta!r}")
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> GPTConfig:
+        """The config a checkpoint saved; ValueError (one line) for settings this version does not know."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in saved if k not in known)
+        if unknown:
+            raise ValueError(
+                f"model_config has settings this version does not know ({', '.join(unknown)}); "
+                f"it was probably saved by a newer version of this code"
+            )
+        try:
+            return cls(**saved)
+        except TypeError as error:
+            raise ValueError(f"invalid model_config ({error})") from None
 
     def chunks_loss(self, tokens: int) -> bool:
         """Whether the loss over `tokens` targets runs chunked (cross_entropy; auto: past AUTO_CHUNKED_LOGITS)."""
@@ -137,25 +155,427 @@ class GPTConfig:
         return self.mlp_hidden or mlp_hidden_size(self.mlp, self.n_embd)
 
 
+def positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 # ----------------------------------------------------------------------------------------------
-# Attention backends: one record each. Adding a backend = its kernel (attention.py) + one record here.
+# The block's switchable pieces: the norm, the MLP, rotary position embedding. GPT-2's parameter names are kept
+# wherever a piece has the same role (c_fc, c_proj, weight, bias).
+
+NORM_EPS = 1e-5  # GPT-2's LayerNorm eps, and Llama's RMSNorm eps
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with an optional bias (PyTorch's has no bias=False before 2.1)."""
+
+    def __init__(self, ndim: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, NORM_EPS)
+
+
+def make_norm(kind: str, ndim: int, bias: bool) -> nn.Module:
+    """GPT-2's LayerNorm, or RMSNorm (no mean subtraction and no bias, whatever `bias` says, as in Llama)."""
+    if kind == "rmsnorm":
+        return nn.RMSNorm(ndim, eps=NORM_EPS)
+    return LayerNorm(ndim, bias)
+
+
+def mlp_hidden_size(kind: str, n_embd: int) -> int:
+    """GPT-2's 4·n_embd; for SwiGLU 8/3·n_embd (as many weights as 4·n_embd in two matrices), rounded up to a
+    multiple of 64 for the matmuls."""
+    if kind == "swiglu":
+        return -(-8 * n_embd // (3 * 64)) * 64
+    return 4 * n_embd
+
+
+class MLP(nn.Module):
+    """GPT-2's MLP: c_fc, tanh GELU, c_proj."""
+
+    def __init__(self, n_embd: int, hidden: int, bias: bool, dropout: float):
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, hidden, bias=bias)
+        self.gelu = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(hidden, n_embd, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class SwiGLU(nn.Module):
+    """SwiGLU (Shazeer 2020; Llama's MLP): c_proj(silu(c_gate(x)) * c_fc(x)). The gate is its own Linear, not a
+    half of a c_fc twice as wide: each matrix maps one to one to Llama's gate_proj, up_proj, down_proj, and
+    LoRA or a sharded layer can take each whole."""
+
+    def __init__(self, n_embd: int, hidden: int, bias: bool, dropout: float):
+        super().__init__()
+        self.c_gate = nn.Linear(n_embd, hidden, bias=bias)
+        self.c_fc = nn.Linear(n_embd, hidden, bias=bias)
+        self.c_proj = nn.Linear(hidden, n_embd, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(F.silu(self.c_gate(x)) * self.c_fc(x)))
+
+
+def make_mlp(kind: str, n_embd: int, hidden: int, bias: bool, dropout: float) -> nn.Module:
+    return (SwiGLU if kind == "swiglu" else MLP)(n_embd, hidden, bias, dropout)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (RoPE, Su et al. 2021) in the half-split layout of GPT-NeoX and Hugging Face's
+    Llama: dimension i of a head turns with i + head_dim/2 by the angle pos · theta^(-2i/head_dim).
+
+    cos and sin are tabled once for every position below block_size, as non-persistent buffers (checkpoints
+    never hold them); `forward(pos)` looks up any positions: (T,) shared by the batch, or (B, T), one row each
+    (positions that restart per document, or each sequence's own positions in a KV cache)."""
+
+    def __init__(self, head_dim: int, block_size: int, theta: float):
+        super().__init__()
+        inv_freq = theta ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # (hs/2,)
+        angles = torch.arange(block_size, dtype=torch.float64)[:, None] * inv_freq  # (block_size, hs/2)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at `pos`, shaped to broadcast over (B, nh, T, hs/2): (T, hs/2) or (B, 1, T, hs/2)."""
+        cos, sin = self.cos[pos], self.sin[pos]
+        if pos.dim() == 2:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x (B, nh, T, hs) turned by the angles of rope = Rotary(pos); computed in the tables' precision, returned
+    in x's dtype."""
+    cos, sin = rope
+    x1, x2 = x.chunk(2, dim=-1)  # (B, nh, T, hs/2) each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) position of each token within its document (runs of equal ids): packed documents each start at 0,
+    as they would alone."""
+    T = doc_ids.size(1)
+    index = torch.arange(T, device=doc_ids.device).expand_as(doc_ids)  # (B, T)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values  # minus where its document starts
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention: what a use needs of a kernel, the mask of one forward pass, and this file's kernels (one
+# signature: (q, k, v, mask, dropout_p) -> y on (B, H, T, D), causal; k and v may have fewer heads than q)
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Need:
+    """What a use of attention requires of a kernel."""
+
+    device: torch.device
+    dtype: torch.dtype  # the compute dtype (autocast's, else the weights')
+    head_dim: int = 64
+    documents: bool = False  # attention restricted to documents of a packed row
+    dropout: bool = False  # attention dropout during training
+    training: bool = True  # gradients are needed
+    seq_len: int = 0  # the longest sequence this use runs (0: unknown); only auto's order depends on it
+    kv_cache: str = "none"  # generation: the KV cache decode steps read (none | contiguous | paged, kv_cache.py)
+    compiled: bool = False  # generation: the decode step runs under torch.compile (CUDA graphs)
+    mps_fix: bool = True  # keep SDPA away from explicit masks on MPS (sdpa_problem); GPTConfig.disable_mps_fix
+
+    def __post_init__(self):
+        object.__setattr__(self, "device", torch.device(self.device))
+
+    @property
+    def where(self) -> str:
+        return f"{self.device.type}/{dtype_name(self.dtype)}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+class AttentionMask:
+    """The causal (and same-document) mask of one forward pass.
+
+    Built once per forward and shared by all layers; each kernel asks for the form it needs (a dense
+    boolean mask, cu_seqlens for varlen kernels, or a kernel's own `form`), made on first use.
+    `doc_ids` (B, T): documents are the runs of equal ids, so ids need not be sorted.
+    """
+
+    def __init__(self, seq_len: int, device: torch.device, doc_ids: torch.Tensor | None = None):
+        self.seq_len, self.device = seq_len, device
+        self.segments = None if doc_ids is None else _run_ids(doc_ids)
+        self._dense = self._varlen = None
+        self._forms: dict[str, object] = {}
+
+    @property
+    def has_documents(self) -> bool:
+        return self.segments is not None
+
+    def dense(self) -> torch.Tensor:
+        """(B or 1, 1, T, T) bool, True where attention is allowed."""
+        if self._dense is None:
+            T = self.seq_len
+            mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
+            if self.segments is not None:
+                mask = mask & (self.segments[:, :, None] == self.segments[:, None, :])  # (B, T, T)
+            self._dense = mask.view(-1, 1, T, T)
+        return self._dense
+
+    def varlen(self) -> tuple[torch.Tensor, int]:
+        """cu_seqlens (int32, one entry per document start plus the end) over the flattened (B*T) tokens."""
+        if self._varlen is None:
+            starts = torch.ones_like(self.segments, dtype=torch.bool)
+            starts[:, 1:] = self.segments[:, 1:] != self.segments[:, :-1]
+            first = starts.flatten().nonzero().flatten()  # one host sync per forward, not per layer
+            cu_seqlens = torch.cat([first, first.new_tensor([self.segments.numel()])]).to(torch.int32)
+            self._varlen = (cu_seqlens, self.seq_len)  # T bounds every document's length
+        return self._varlen
+
+    def form(self, name: str, make: Callable[[AttentionMask], object]):
+        """A kernel's own form of this mask (e.g. flex_attention's BlockMask), made by make(self) on first use."""
+        if name not in self._forms:
+            self._forms[name] = make(self)
+        return self._forms[name]
+
+
+def _run_ids(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Number the runs of equal ids in each row 0, 1, 2, ... (documents are contiguous runs)."""
+    change = torch.zeros_like(doc_ids, dtype=torch.int32)
+    change[:, 1:] = (doc_ids[:, 1:] != doc_ids[:, :-1]).to(torch.int32)
+    return change.cumsum(dim=1)
+
+
+def repeat_kv(q, k, v):
+    """k and v (B, n_kv, S, D) with each head repeated for the n_head/n_kv query heads that share it (GQA/MQA):
+    for kernels that take no fewer key/value heads than query heads."""
+    group = q.size(1) // k.size(1)
+    if group == 1:
+        return k, v
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, S, D)
+
+
+def manual_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
+    """The reference: explicit scores, mask and a float32 (or wider) softmax. O(T^2) memory."""
+    k, v = repeat_kv(q, k, v)
+    scores = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.size(-1)))  # (B, H, T, T)
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    scores = scores.masked_fill(~mask.dense(), float("-inf"))
+    weights = F.dropout(F.softmax(scores, dim=-1), p=dropout_p).to(v.dtype)
+    return weights @ v
+
+
+def manual_problem(need: Need) -> str:
+    return ""
+
+
+def sdpa_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0, kernel: str = "auto"):
+    """torch.nn.functional.scaled_dot_product_attention; `kernel` pins one of PyTorch's kernels."""
+    if kernel == "auto":
+        context = contextlib.nullcontext()
+    else:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        context = sdpa_kernel(getattr(SDPBackend, SDPA_KERNELS[kernel]))
+    attn_mask = mask.dense() if mask.has_documents else None
+    k, v, gqa = sdpa_kv(q, k, v, attn_mask, kernel)
+    with context:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=attn_mask is None, **gqa
+        )
+
+
+def sdpa_kv(q, k, v, attn_mask, kernel: str = "auto"):
+    """(k, v, keywords) for SDPA when k and v may have fewer heads than q. enable_gqa where the kernel that
+    will run reads grouped heads itself: PyTorch's flash kernel on CUDA (half precision, no mask; a GPU older
+    than sm80 has none and runs the math kernel instead) and the math kernel. Elsewhere k and v are repeated to
+    q's heads: the efficient kernel and the CPU kernels take no grouped heads, so enable_gqa with a mask
+    (documents, decode steps) could leave only the math kernel."""
+    if k.size(1) == q.size(1):
+        return k, v, {}
+    if kernel == "math" or (q.is_cuda and q.dtype in HALF and attn_mask is None and kernel in ("auto", "flash")):
+        return k, v, {"enable_gqa": True}
+    return *repeat_kv(q, k, v), {}
+
+
+MPS_MASK_PROBLEM = "SDPA on MPS can return NaN for masked rows with an explicit mask (pytorch#107616)"
+
+
+def sdpa_problem(need: Need) -> str:
+    # document masks and KV-cache decode steps pass SDPA an explicit mask; plain causal attention does not
+    if need.device.type == "mps" and need.mps_fix and (need.documents or need.kv_cache != "none"):
+        return MPS_MASK_PROBLEM + "; disable_mps_fix=true keeps SDPA"
+    return ""
+
+
+def sdpa_kernel_problem(kernel: str, need: Need) -> str:
+    """Why PyTorch's SDPA kernel `kernel` cannot be pinned for this use ('' when it can)."""
+    device, dtype = need.device, need.dtype
+    if kernel in ("cudnn", "efficient") and device.type != "cuda":
+        return f"SDPA's {kernel} kernel runs on CUDA only (device is {device.type})"
+    if kernel == "flash" and device.type == "cuda" and dtype not in HALF:
+        return f"SDPA's flash kernel needs float16 or bfloat16 on CUDA (this run is {dtype_name(dtype)})"
+    if kernel == "cudnn" and dtype not in HALF:
+        return f"SDPA's cudnn kernel needs float16 or bfloat16 (this run is {dtype_name(dtype)})"
+    if kernel in ("flash", "cudnn") and need.documents:
+        return f"SDPA's {kernel} kernel takes no document mask"
+    if kernel in ("flash", "cudnn") and device.type == "cuda" and cuda_capability(device) < (8, 0):
+        return f"SDPA's {kernel} kernel needs compute capability >= 8.0"
+    return ""
+
+
+# flash-attn packages: one class for the package family; flash-attn 2 here, 3 and 4 in kernels/flash.py
+
+
+class Package(NamedTuple):
+    module: object  # None when it cannot be imported
+    version: str
+    problem: str  # why it cannot be used ('' when it can)
+
+
+def import_package(name: str, pretty: str, distribution: str) -> Package:
+    """Import module `name` of a flash-attn package; a Package saying why not when it cannot."""
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if name == error.name or name.startswith(f"{error.name}."):
+            return Package(None, "", f"{pretty} is not installed")
+        return Package(None, "", f"{pretty} failed to import: {error}")
+    except (ImportError, OSError) as error:  # typically a wheel built for another torch/CUDA
+        return Package(None, "", f"{pretty} failed to import: {str(error).splitlines()[0]}")
+    if not hasattr(module, "flash_attn_func"):  # flash-attn-4 alone leaves a bare flash_attn namespace
+        return Package(None, "", f"{pretty} is not installed (module {name} has no flash_attn_func)")
+    return Package(module, dist_version(distribution) or getattr(module, "__version__", ""), "")
+
+
+def dist_version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+class FlashAttention:
+    """One flash-attn package as an attention kernel. The package is imported once, by the first
+    `problem` check (which the model runs when it resolves its backend); a call then reads the module
+    from an attribute, so torch.compile never traces an import."""
+
+    def __init__(
+        self,
+        label: str,
+        modules: tuple[tuple[str, str, str], ...],
+        min_sm: tuple[int, int],
+        sm_rule: str,
+        dropout: bool = False,
+    ):
+        self.label = label  # the name in messages: "flash-attn 2"
+        self.modules = modules  # (import name, pretty name, distribution), tried in order
+        self.min_sm, self.sm_rule, self.dropout = min_sm, sm_rule, dropout
+        self._package: Package | None = None
+
+    def package(self) -> Package:
+        if self._package is None:
+            found = [self.load(*module) for module in self.modules]
+            self._package = next((p for p in found if p.module is not None), found[0])
+        return self._package
+
+    def load(self, name: str, pretty: str, distribution: str) -> Package:
+        return import_package(name, pretty, distribution)
+
+    def forget(self):
+        """Drop the cached import (tests simulate installs; a long session may pip-install)."""
+        self._package = None
+
+    def capability_problem(self, capability: tuple[int, int], sm: str) -> str:
+        return "" if capability >= self.min_sm else f"{self.label} needs {self.sm_rule} (this GPU is {sm})"
+
+    def problem(self, need: Need) -> str:
+        package = self.package()
+        if package.problem:
+            return package.problem
+        if need.device.type != "cuda":
+            return f"flash-attn runs on CUDA GPUs only (device is {need.device.type})"
+        capability = cuda_capability(need.device)
+        problem = self.capability_problem(capability, "sm{}{}".format(*capability))
+        if problem:
+            return problem
+        if need.dtype not in HALF:
+            return f"flash-attn needs float16 or bfloat16 (this run is {dtype_name(need.dtype)})"
+        if need.head_dim % 8 or need.head_dim > 256:
+            return f"flash-attn needs a head dim that is a multiple of 8 and <= 256 (got {need.head_dim})"
+        if need.dropout and not self.dropout:
+            return f"{self.label} has no attention dropout (set dropout=0)"
+        if need.kv_cache != "none" and not hasattr(package.module, "flash_attn_with_kvcache"):
+            return f"{self.label} has no flash_attn_with_kvcache, which decoding from a KV cache calls"
+        return ""
+
+    def __call__(self, q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
+        package = self._package.module if self._package is not None else self.package().module
+        kwargs = {"dropout_p": dropout_p} if self.dropout else {}
+        B, H, T, D = q.shape
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, T, H, D); k, v may have fewer heads (GQA)
+        if mask.has_documents:
+            cu_seqlens, max_len = mask.varlen()
+            q, k, v = (x.reshape(B * T, x.size(2), D) for x in (q, k, v))
+            y = package.flash_attn_varlen_func(
+                q,
+                k,
+                v,
+                cu_seqlens_q=cu_seqlens,
+                cu_seqlens_k=cu_seqlens,
+                max_seqlen_q=max_len,
+                max_seqlen_k=max_len,
+                causal=True,
+                **kwargs,
+            )
+        else:
+            y = package.flash_attn_func(q, k, v, causal=True, **kwargs)
+        y = y[0] if isinstance(y, tuple) else y  # FA3 builds and FA4 also return the log-sum-exp
+        return y.reshape(B, T, H, D).transpose(1, 2)
+
+
+FLASH_ATTN_2 = FlashAttention(
+    "flash-attn 2", (("flash_attn", "flash-attn", "flash-attn"),), (8, 0), "compute capability >= 8.0", dropout=True
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# The registry: one record per backend. Adding a backend = its kernel + one register() call (kernels/ holds the
+# ones beyond this file's three).
 
 
 @dataclass(frozen=True)
 class AttentionBackend:
     name: str
-    kernel: Callable | None  # (q, k, v, mask, dropout_p) -> y, all (B, H, T, D), causal
+    kernel: Callable | None  # (q, k, v, mask, dropout_p) -> y, all (B, H, T, D), causal; None: no kernel of its own
     problem: Callable[[Need], str]  # why it cannot run for a use ('' when it can)
     fallback: str | None  # what an explicit request of this backend falls back to
     aliases: tuple[str, ...] = ()
-    decode: DecodeKernel | None = None  # attention over a KV cache for generation (kv_cache.py)
 
 
 BACKENDS: dict[str, AttentionBackend] = {}
-SDPA_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")
-CROSS_ENTROPY = ("auto", "plain", "chunked")
-AUTO_CHUNKED_LOGITS = 2**31  # auto chunks the loss past this many logits a micro-batch (8 GiB in float32)
-CHECKPOINTING = ("none", "mlp", "block")  # mlp keeps attention's outputs: at long T, attention is the costly part
+# auto's order for a use: (names to try, how they were chosen). kernels/auto.py registers a per-card table, and a
+# timing of the candidates for a card the table does not know, which only setup_attention(measure=True) runs
+AutoOrder = Callable[[Need], tuple[tuple[str, ...], str]]
+MeasuredOrder = Callable[[Need, int], "tuple[tuple[str, ...], str] | None"]  # (need, n_head)
+AUTO_ORDERS: list[tuple[AutoOrder, MeasuredOrder | None]] = []
 
 
 def register(backend: AttentionBackend) -> AttentionBackend:
@@ -163,23 +583,23 @@ def register(backend: AttentionBackend) -> AttentionBackend:
     return backend
 
 
-FA4_DECODE, FA3_DECODE, FA2_DECODE = (flash_decode(kernel) for kernel in (FLASH_ATTN_4, FLASH_ATTN_3, FLASH_ATTN_2))
+def register_auto_order(order: AutoOrder, measured: MeasuredOrder | None = None) -> None:
+    """auto's order from now on (the last registered wins); `measured` times the candidates where it can."""
+    AUTO_ORDERS.append((order, measured))
 
-for _backend in (
-    AttentionBackend(
-        "flash_attn_4", FLASH_ATTN_4, FLASH_ATTN_4.problem, "flash_attn_3", ("flash_attention_4",), FA4_DECODE
-    ),
-    AttentionBackend(
-        "flash_attn_3", FLASH_ATTN_3, FLASH_ATTN_3.problem, "flash_attn_2", ("flash_attention_3",), FA3_DECODE
-    ),
-    AttentionBackend("flash_attn_2", FLASH_ATTN_2, FLASH_ATTN_2.problem, "sdpa", ("flash_attention_2",), FA2_DECODE),
-    AttentionBackend("flex_attention", flex_attention, flex_problem, "sdpa", ("flex",), FLEX_DECODE),
-    AttentionBackend("sdpa", sdpa_attention, sdpa_problem, "manual", (), SDPA_DECODE),
-    AttentionBackend("manual", manual_attention, manual_problem, None, ("eager",), MANUAL_DECODE),
-    # A cache layout, not a kernel: generation under it runs auto's pick for a paged cache (GPT._resolve)
-    AttentionBackend("paged_attention", None, paged_problem, "sdpa", ("paged", "paged_attn")),
-):
-    register(_backend)
+
+def default_auto_order(need: Need) -> tuple[tuple[str, ...], str]:
+    """Without kernels/: PyTorch's SDPA first (it picks its own fastest kernel), except for packed documents,
+    which SDPA only takes as a dense mask and flash-attn's varlen kernel reads as cu_seqlens."""
+    if need.documents:
+        return ("flash_attn_2", "sdpa", "manual"), "default order"
+    return ("sdpa", "flash_attn_2", "manual"), "default order"
+
+
+register_auto_order(default_auto_order)
+register(AttentionBackend("flash_attn_2", FLASH_ATTN_2, FLASH_ATTN_2.problem, "sdpa", ("flash_attention_2",)))
+register(AttentionBackend("sdpa", sdpa_attention, sdpa_problem, "manual"))
+register(AttentionBackend("manual", manual_attention, manual_problem, None, ("eager",)))
 
 
 def backend_names() -> tuple[str, ...]:
@@ -211,18 +631,18 @@ def resolve(requested: str, need: Need, order: tuple[tuple[str, ...], str] | Non
     """The backend that runs for `need` when `requested` is asked for, and why.
 
     An explicit request follows its fallback chain; `auto` takes the first that runs of `order`
-    ((names, how chosen); default: attention.auto_order, from the card's table).
+    ((names, how chosen); default: the registered auto order for this use).
     """
     requested = canonical_backend(requested)
     if requested == "auto":
-        names, how = order or auto_order(need)
+        names, how = order or AUTO_ORDERS[-1][0](need)
     else:
         names, how = [requested], ""
         while BACKENDS[names[-1]].fallback:
             names.append(BACKENDS[names[-1]].fallback)
     skipped = []
     for name in names:
-        problem = BACKENDS[name].problem(need)
+        problem = BACKENDS[name].problem(need) if name in BACKENDS else f"{name} is not registered (import kernels)"
         if not problem:
             break
         skipped.append((name, problem))
@@ -239,13 +659,52 @@ def resolve(requested: str, need: Need, order: tuple[tuple[str, ...], str] | Non
 
 
 class Attention(NamedTuple):
-    """What the model's forward calls, resolved by setup_attention."""
+    """A resolved backend: what the model's forward calls, and what it was resolved for."""
 
     kernel: Callable
     resolution: Resolution
-    need: Need  # what it was resolved for
-    decode: DecodeKernel | None = None  # generation with a KV cache: attention over it
-    under: str = ""  # paged_attention: the backend whose kernels run under it
+    need: Need
+
+
+def attention_for(config: GPTConfig, need: Need, logged: set[str], order=None) -> Attention:
+    """Resolve config.attention_backend for `need` (auto: in `order` if given); the sdpa backend pinned to
+    config.sdpa_kernel where that runs. `logged`: the lines already said (log_once)."""
+    resolution = resolve(config.attention_backend, need, order)
+    kernel = BACKENDS[resolution.used].kernel
+    if resolution.used == "sdpa" and config.sdpa_kernel != "auto":
+        problem = sdpa_kernel_problem(config.sdpa_kernel, need)
+        if problem:
+            message = f"sdpa_kernel={config.sdpa_kernel} requested but {problem}; letting PyTorch choose"
+            log_once(logged, logging.WARNING, message)
+        else:
+            kernel = functools.partial(sdpa_attention, kernel=config.sdpa_kernel)
+    return Attention(kernel, resolution, need)
+
+
+def log_resolution(requested: str, attention: Attention, logged: set[str], detail: str = "") -> None:
+    """A WARNING when an explicit request falls back (saying why), and one INFO line naming what runs."""
+    resolution, kernel = attention.resolution, attention.kernel
+    if requested == "auto" and MPS_MASK_PROBLEM in resolution.reason:  # an explicit request warns below
+        log_once(logged, logging.WARNING, f"auto: {MPS_MASK_PROBLEM}; using {resolution.used}")
+    if requested != "auto" and resolution.used != requested:
+        log_once(
+            logged, logging.WARNING, f"{requested} requested but {resolution.reason}; falling back to {resolution.used}"
+        )
+    detail += f", kernel {kernel.keywords['kernel']}" if isinstance(kernel, functools.partial) else ""
+    if requested == "auto":
+        note = f" ({resolution.reason})"
+    elif resolution.reason:
+        note = f" (requested {requested}: {resolution.reason})"
+    else:
+        note = ""
+    log_once(logged, logging.INFO, f"attention backend: {resolution.used}{detail}{note}")
+
+
+def log_once(logged: set[str], level: int, message: str) -> None:
+    """Say `message` unless it is in `logged` (a model says each fallback and backend line once)."""
+    if message not in logged:
+        logged.add(message)
+        log.log(level, message)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -266,6 +725,7 @@ class CausalSelfAttention(nn.Module):
             self.q_norm, self.k_norm = (make_norm(config.norm, head_dim, config.bias) for _ in "qk")
 
     def forward(self, x, attend: Callable, mask: AttentionMask, rope=None):
+        """`attend` is the resolved kernel (or, in generation, a cache's decode kernel); `mask` what it reads."""
         B, T, C = x.shape
         hs = C // self.n_head
         q, k, v = self.c_attn(x).split((self.n_head * hs, self.n_kv_head * hs, self.n_kv_head * hs), dim=-1)
@@ -320,17 +780,8 @@ class GPT(nn.Module):
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2 scales residual projections by depth
                 nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-        self.attention: dict[bool, Attention] = {}  # documents or not -> kernel; set by setup_attention
-        self.attention_device: torch.device | None = None
-        self._logged: set[str] = set()  # say each fallback and backend line once per model
-
-    @classmethod
-    def from_pretrained(cls, path_or_name, **overrides) -> GPT:
-        """GPT-2 weights: a hub name (gpt2 ... gpt2-xl, from the Hugging Face cache), a Hugging Face GPT-2 folder,
-        or a checkpoint of this repo or nanoGPT; overrides set GPTConfig fields such as attention_backend."""
-        from interop import from_pretrained  # interop imports this module
-
-        return from_pretrained(path_or_name, **overrides)
+        self.attention: Attention | None = None  # the resolved backend; set by setup_attention
+        self.logged_lines: set[str] = set()  # say each fallback and backend line once per model
 
     @staticmethod
     def _init_weights(module):
@@ -341,7 +792,7 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    # -- attention backend: resolved once for the device, dtype and use the model runs with --
+    # -- attention: resolved once for the device, dtype and use the model runs with --
 
     def setup_attention(
         self,
@@ -351,84 +802,31 @@ class GPT(nn.Module):
         training: bool = True,
         seq_len: int | None = None,
         documents: bool = False,
-        kv_cache: str = "none",
-        compiled: bool = False,
+        measure: bool = False,
     ) -> Resolution:
-        """Resolve the attention backend for this device, compute dtype (autocast's) and use, and log it:
-        a WARNING when an explicit request falls back, one INFO line naming what runs. Call it before
-        torch.compile; forward then reads the result. `documents` says whether the run packs documents
-        (both kinds are resolved; the one in use is logged); `kv_cache`, which cache generation decodes
-        from, and `compiled`, whether its decode step is compiled. Returns the resolution in use."""
+        """Resolve the attention backend for this device, compute dtype (autocast's) and use (training or not,
+        packed documents or not), hold it, and log it: a WARNING when an explicit request falls back, one INFO
+        line naming what runs. Call it before torch.compile; forward then reads the result. `measure`: auto on
+        a card its table does not know may time the candidates (kernels/auto.py) here, never in forward."""
+        need = self.attention_need(device, dtype, training=training, seq_len=seq_len, documents=documents)
+        order, measured = None, AUTO_ORDERS[-1][1]
+        if measure and measured is not None and self.config.auto_measure and self.config.attention_backend == "auto":
+            order = measured(need, self.config.n_head)
+        self.attention = attention_for(self.config, need, self.logged_lines, order)
+        log_resolution(self.config.attention_backend, self.attention, self.logged_lines)
+        return self.attention.resolution
+
+    def attention_need(self, device, dtype: torch.dtype, *, training=True, seq_len=None, documents=False, **use):
+        """What a use of this model asks of an attention kernel (Need); `use`: Need's generation fields."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None and torch.cuda.is_available():  # as tensors' cuda:N
             device = torch.device("cuda", torch.cuda.current_device())
         dropout = training and self.config.dropout > 0
-        seq_len = seq_len or self.config.block_size
-        self.attention = {}
-        for docs in (False, True):
-            mps_fix = not self.config.disable_mps_fix
-            need = Need(
-                device, dtype, self.config.head_dim, docs, dropout, training, seq_len, kv_cache, compiled, mps_fix
-            )
-            self.attention[docs] = self._resolve(need, measure=docs == documents)
-        self.attention_device = device
-        self._log(self.attention[documents])
-        return self.attention[documents].resolution
-
-    def _resolve(self, need: Need, measure: bool) -> Attention:
-        requested, order = self.config.attention_backend, None
-        measure = measure and self.config.auto_measure and need.kv_cache == "none"  # decode kernels: by design
-        if requested == "auto" and measure and self._card_unknown(need):
-            runs = {
-                n: BACKENDS[n].kernel for n in auto_order(need)[0] if n != "manual" and not BACKENDS[n].problem(need)
-            }
-            if len(runs) > 1:
-                order = measured_order(runs, need, self.config.n_head)
-        resolution = resolve(requested, need, order)
-        under = resolve("auto", need).used if resolution.used == "paged_attention" else ""
-        record = BACKENDS[under or resolution.used]
-        kernel = record.kernel
-        if record.name == "sdpa" and self.config.sdpa_kernel != "auto":
-            problem = sdpa_kernel_problem(self.config.sdpa_kernel, need)
-            if problem:
-                self._log_once(
-                    logging.WARNING,
-                    f"sdpa_kernel={self.config.sdpa_kernel} requested but {problem}; letting PyTorch choose",
-                )
-            else:
-                kernel = functools.partial(sdpa_attention, kernel=self.config.sdpa_kernel)
-        return Attention(kernel, resolution, need, record.decode, under)
-
-    @staticmethod
-    def _card_unknown(need: Need) -> bool:
-        return need.device.type == "cuda" and card_key(need.device) not in read_auto_table()
-
-    def _log(self, attention: Attention):
-        requested, resolution, kernel = self.config.attention_backend, attention.resolution, attention.kernel
-        if requested == "auto" and MPS_MASK_PROBLEM in resolution.reason:  # an explicit request warns below
-            self._log_once(logging.WARNING, f"auto: {MPS_MASK_PROBLEM}; using {resolution.used}")
-        if requested != "auto" and resolution.used != requested:
-            self._log_once(
-                logging.WARNING, f"{requested} requested but {resolution.reason}; falling back to {resolution.used}"
-            )
-        detail = f" over {attention.under} (auto's pick for a paged cache)" if attention.under else ""
-        detail += f", kernel {kernel.keywords['kernel']}" if isinstance(kernel, functools.partial) else ""
-        if attention.need.kv_cache == "paged":
-            detail += f", paged KV cache: {attention.decode.pages}"
-        elif attention.need.kv_cache == "contiguous":
-            detail += ", contiguous KV cache"
-        if requested == "auto":
-            note = f" ({resolution.reason})"
-        elif resolution.reason:
-            note = f" (requested {requested}: {resolution.reason})"
-        else:
-            note = ""
-        self._log_once(logging.INFO, f"attention backend: {resolution.used}{detail}{note}")
-
-    def _log_once(self, level: int, message: str):
-        if message not in self._logged:
-            self._logged.add(message)
-            log.log(level, message)
+        c = self.config
+        seq_len = seq_len or c.block_size
+        return Need(
+            device, dtype, c.head_dim, documents, dropout, training, seq_len, mps_fix=not c.disable_mps_fix, **use
+        )
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         """autocast's dtype where it is on, else the weights'."""
@@ -445,9 +843,12 @@ class GPT(nn.Module):
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
-        if self.attention_device != idx.device:  # not set up for this device: resolve for training, once
-            self.setup_attention(idx.device, self.compute_dtype(idx.device))
-        attend = self.attention[doc_ids is not None].kernel
+        attention = self.attention
+        if attention is None or attention.need.device != idx.device:  # not set up for this device: now, once
+            self.setup_attention(idx.device, self.compute_dtype(idx.device), documents=doc_ids is not None)
+            attention = self.attention
+        if doc_ids is not None and not attention.need.documents:
+            raise ValueError("packed documents (doc_ids) need setup_attention(..., documents=True) first")
         mask = AttentionMask(T, idx.device, doc_ids)
         pos = torch.arange(T, device=idx.device) if doc_ids is None else document_positions(doc_ids)  # (T,)|(B, T)
         x, rope = self.embed(idx, pos)
@@ -455,9 +856,9 @@ class GPT(nn.Module):
         recompute_blocks = self.config.activation_checkpointing == "block" and self.training and torch.is_grad_enabled()
         for block in self.transformer.h:
             if recompute_blocks:
-                x = checkpoint(block, x, attend, mask, rope, use_reentrant=False)
+                x = checkpoint(block, x, attention.kernel, mask, rope, use_reentrant=False)
             else:
-                x = block(x, attend, mask, rope)
+                x = block(x, attention.kernel, mask, rope)
         return self.head(x, targets)
 
     def head(self, x, targets=None):
@@ -481,78 +882,24 @@ class GPT(nn.Module):
             return x, self.rotary(pos)
         return x + self.transformer.wpe(pos), None
 
-    def forward_cached(self, idx, step: Step, attends: Sequence[Callable]) -> torch.Tensor:
-        """Logits (B, vocab) at each row's newest token, for generation: idx (B, T) sits at positions
-        step.q_pos, continuing each sequence in its cache, and layer i attends through attends[i] (kv_cache.py)."""
-        x, rope = self.embed(idx, step.q_pos)
-        for block, attend in zip(self.transformer.h, attends):
-            x = block(x, attend, step, rope)
-        x = x[torch.arange(idx.size(0), device=idx.device), step.last]  # (B, C): the rest works per token
-        return self.lm_head(self.transformer.ln_f(x))
-
     @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor | Sequence[torch.Tensor],
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        **options,
-    ):
-        """Sample max_new_tokens tokens after idx: a (B, T) tensor gives (B, T + max_new_tokens); a list of
-        1-D prompts of different lengths gives a list, each prompt followed by its new tokens. options: stream's
-        (kv_cache, compile, vocab_size, page_size)."""
-        prompts = list(idx)
-        steps = list(self.stream(prompts, max_new_tokens, temperature, top_k, **options))
-        new = torch.stack(steps, dim=1) if steps else prompts[0].new_zeros(len(prompts), 0)  # (B, new)
-        if isinstance(idx, torch.Tensor):
-            return torch.cat((idx, new.to(idx.dtype)), dim=1)
-        return [torch.cat((prompt, row.to(prompt.dtype))) for prompt, row in zip(prompts, new)]
-
-    @torch.no_grad()
-    def stream(
-        self,
-        prompts: Sequence[torch.Tensor],
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        *,
-        kv_cache: str = "contiguous",
-        compile: bool = False,
-        vocab_size: int | None = None,
-        page_size: int | None = None,
-    ) -> Iterator[torch.Tensor]:
-        """Yield the next token of every prompt, (B,), max_new_tokens times.
-
-        The prompts (1-D, of any lengths) are read once (prefill); each later step feeds only the newest tokens
-        and reads the rest from a per-layer KV cache: "contiguous" (preallocated), "paged" (pages allocated on
-        demand; what attention_backend="paged_attention" means) or "none" (the whole context every step, as
-        nanoGPT). compile: a static-shape decode step under torch.compile(mode="reduce-overhead"), CUDA graphs
-        (elsewhere it runs eagerly). Past block_size every row reads its last block_size tokens (kv_cache.py).
-        temperature 0 is greedy; only ids below vocab_size are drawn; page_size overrides the kernel's. The
-        attention backend is resolved for this use once, and the previous choice restored after."""
-        check_generation(max_new_tokens, temperature, top_k, kv_cache, compile)
-        if not prompts or any(p.dim() != 1 or p.numel() == 0 for p in prompts):
-            raise ValueError("every prompt must be a non-empty 1-D tensor of token ids")
-        if self.config.attention_backend == "paged_attention" and kv_cache == "contiguous":
-            kv_cache = "paged"  # the backend names the cache layout
-        device, longest = prompts[0].device, max(p.numel() for p in prompts)
-        saved = self.attention, self.attention_device
-        seq_len = min(self.config.block_size, longest + max_new_tokens)
-        self.setup_attention(
-            device, self.compute_dtype(device), training=False, seq_len=seq_len, kv_cache=kv_cache, compiled=compile
-        )
-        try:
-            attention = self.attention[False]
-            generation = Generation(
-                self, prompts, max_new_tokens, attention, kv_cache, compile=compile, page_size=page_size
-            )
-            for _, logits in zip(range(max_new_tokens), generation):  # range first: no step past the last
-                tokens = next_token(logits, temperature, top_k, vocab_size)
-                generation.add(tokens)
-                yield tokens
-        finally:
-            self.attention, self.attention_device = saved
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None):
+        """Sample max_new_tokens tokens after idx (B, T), nanoGPT's way: the whole context (its last block_size
+        tokens) every step. generation.generate is the fast way (KV caches, compiled decode, mixed lengths)."""
+        for _ in range(max_new_tokens):
+            context = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size :]
+            logits, _ = self(context)
+            logits = logits[:, -1, :].float()
+            if temperature == 0:
+                token = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits[logits < kth] = -float("inf")
+                token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat((idx, token), dim=1)
+        return idx
 
     # -- helpers for training --
 
@@ -588,6 +935,71 @@ class GPT(nn.Module):
         self.config.block_size = block_size
         if "wpe" in self.transformer:  # RoPE's tables only ever get read below block_size
             self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+
+
+# ----------------------------------------------------------------------------------------------
+# The loss without the full logits: lm_head and cross-entropy fused, a chunk of rows at a time.
+# GPT-2's vocabulary makes the logits the largest tensor of a training step (3.3 GB in float32 for 16 x 1024
+# tokens). For a chunk of rows at a time, forward computes the logits, the loss and both gradients, then drops
+# the chunk; backward only scales the stored gradients: the same three matmuls as the plain path, nothing
+# recomputed (Liger-Kernel's approach, in plain PyTorch so torch.compile fuses the per-chunk softmax).
+
+
+IGNORE_INDEX = -1  # targets equal to this add nothing to the loss (as F.cross_entropy's ignore_index)
+CHUNK_ELEMENTS = 2**28  # most logits per chunk: 5,336 rows of GPT-2's 50,304 (0.5 GiB in bf16, 1 GiB in fp32)
+
+
+def chunk_rows(vocab_size: int, rows: int) -> int:
+    """Rows per chunk: equal chunks of at most CHUNK_ELEMENTS logits (a short last chunk would make a slow matmul)."""
+    chunks = math.ceil(rows * vocab_size / CHUNK_ELEMENTS)
+    return max(1, math.ceil(rows / chunks))
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # x (N, C) and weight (V, C) in the compute dtype; targets (N,)
+        n, step = x.size(0), chunk_rows(weight.size(0), x.size(0))
+        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        wide = torch.promote_types(x.dtype, torch.float32)  # softmax and sums: float32, or float64 for float64
+        count = (targets != IGNORE_INDEX).sum().clamp(min=1).to(wide)
+        loss = torch.zeros((), dtype=wide, device=x.device)
+        grad_x = torch.empty_like(x) if needs_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=wide, device=x.device) if needs_grad else None
+        for start in range(0, n, step):
+            rows, target = x[start : start + step], targets[start : start + step]
+            logits = (rows @ weight.t()).to(wide)  # (rows, V): the plain path's logits, upcast as it does
+            keep = target != IGNORE_INDEX
+            safe_target = torch.where(keep, target, 0).unsqueeze(1)
+            log_norm = torch.logsumexp(logits, dim=1, keepdim=True)
+            loss += ((log_norm - logits.gather(1, safe_target)).squeeze(1) * keep).sum()
+            if needs_grad:  # d loss / d logits = softmax - one_hot, zero on ignored rows
+                grad_logits = torch.exp(logits - log_norm)
+                grad_logits.scatter_add_(1, safe_target, torch.full_like(log_norm, -1.0))
+                grad_logits = (grad_logits * keep.unsqueeze(1)).to(x.dtype)
+                grad_x[start : start + step] = grad_logits @ weight
+                grad_weight += (grad_logits.t() @ rows).to(wide)
+        if needs_grad:
+            ctx.save_for_backward(grad_x, grad_weight.to(weight.dtype), count)
+        return loss / count
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_x, grad_weight, count = ctx.saved_tensors
+        scale = grad_loss / count
+        return grad_x * scale.to(grad_x.dtype), grad_weight * scale.to(grad_weight.dtype), None
+
+
+def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of softmax(x @ weight.T) against targets (IGNORE_INDEX skipped), as
+    F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=-1) gives it, without holding the
+    (N, V) logits. x (..., C); weight (V, C); targets (...). Under autocast both are cast to its dtype,
+    as F.linear would cast them."""
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else weight.dtype
+    with torch.autocast(x.device.type, enabled=False):
+        return _ChunkedLinearCrossEntropy.apply(
+            x.reshape(-1, x.size(-1)).to(dtype), weight.to(dtype), targets.reshape(-1)
+        )
 
 
 # ----------------------------------------------------------------------------------------------

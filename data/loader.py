@@ -11,7 +11,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data.common import DATA_ROOT, DataError, open_split, prepare_command, read_meta
+from data.common import DATA_ROOT, open_split, prepare_command, read_meta
+from errors import DataError
 
 REQUIRED_FILES = ("train.bin", "val.bin", "meta.json")
 PREPARE_LOCK = ".prepare.lock"  # held while a dataset folder is auto-prepared; never removed (see prepare_once)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import tiktoken
 
-from data.common import DataError
+from errors import DataError
 
 Encode = Callable[[str], list[int]]
 Decode = Callable[[Sequence[int]], str]

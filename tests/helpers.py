@@ -373,8 +373,8 @@ def stand_in_flash_module(calls: list, table_keyword: str = "block_table"):
 def stand_in_flash(monkeypatch, module):
     """A flash kernel (attention.FlashAttention) over `module`, registered as flash_attn_2 and allowed on CPU."""
     import attention
-    import kv_cache
     import model
+    from generation import kv_cache
 
     kernel = attention.FlashAttention("stand-in flash", (), (0, 0), "")
     kernel._package = attention.Package(module, "0.0-fake", "")

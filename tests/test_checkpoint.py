@@ -23,9 +23,10 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
-from checkpoint import (
-    CheckpointError,
+from errors import CheckpointError
+from helpers import REPO, file_size_limit, run_script, subprocess_env, tiny_config, tree_digest
+from storage import checkpoint
+from storage.checkpoint import (
     capture_rng,
     claim_out_dir,
     export_safetensors,
@@ -33,7 +34,6 @@ from checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from helpers import REPO, file_size_limit, run_script, subprocess_env, tiny_config, tree_digest
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -99,7 +99,7 @@ def test_failed_save_is_one_line_and_leaves_previous_checkpoint(monkeypatch, tmp
 
 KILL_HARNESS = """
 import os, sys, torch
-from checkpoint import save_checkpoint
+from storage.checkpoint import save_checkpoint
 state = torch.load(sys.argv[2], weights_only=True)
 state["padding"] = torch.ones(10_000_000)  # 40 MB: every step of a save lasts long enough to be caught
 print("ready", flush=True)

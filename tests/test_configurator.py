@@ -8,7 +8,8 @@ from typing import Literal
 import pytest
 
 import configurator
-from configurator import ConfigError, format_help, load_config, parse_bool
+from configurator import format_help, load_config, parse_bool
+from errors import ConfigError
 
 
 @dataclass

@@ -20,7 +20,6 @@ import pytest
 
 from data import atomic, common, loader, tokenizer
 from data.common import (
-    DataError,
     largest_token_id,
     open_split,
     prepare_text,
@@ -31,6 +30,7 @@ from data.common import (
     write_split,
 )
 from data.tokenizer import EOT, EOT_ID, gpt2_encoding, gpt2_meta, load_tokenizer
+from errors import DataError
 from helpers import run_script, subprocess_env, tiny_text
 
 SAMPLE_TEXT = (

@@ -12,8 +12,8 @@ import signal
 import pytest
 import torch
 
-from checkpoint import load_checkpoint
 from helpers import Child, tiny_args
+from storage.checkpoint import load_checkpoint
 
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import attention
-import kv_cache
 import model
 from attention import Package
+from generation import kv_cache
+from generation.kv_cache import ContiguousKVCache, PagedKVCache, Step
 from helpers import REPO, stand_in_flash, stand_in_flash_module, tiny_config
-from kv_cache import ContiguousKVCache, PagedKVCache, Step
 from model import GPT
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster, and the CPU is shared

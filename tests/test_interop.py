@@ -16,13 +16,14 @@ import torch
 from torch.nn import functional as F
 
 import data.tokenizer
-import interop
 import sample
 import train
-from checkpoint import CheckpointError, load_checkpoint
-from data.common import DataError, read_meta
+from data.common import read_meta
+from errors import CheckpointError, DataError
 from helpers import one_torch_thread, tiny_args
 from model import GPT, GPTConfig
+from storage.checkpoint import load_checkpoint
+from weights import hf as interop
 
 transformers = pytest.importorskip("transformers")  # slow to import: once, here
 

@@ -12,14 +12,14 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-import checkpoint
-import lora
 import sample
 import train
-from checkpoint import load_checkpoint
 from helpers import tiny_args, tiny_config
-from lora import LoRALinear, apply_lora, lora_state_dict, merge_lora
 from model import GPT
+from storage import checkpoint
+from storage.checkpoint import load_checkpoint
+from weights import lora
+from weights.lora import LoRALinear, apply_lora, lora_state_dict, merge_lora
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,17 +15,17 @@ import pytest
 import torch
 
 import attention
-import kv_cache
 import model
-import preflight
 import sample
 import train
-from checkpoint import load_checkpoint
 from data.common import read_meta
+from errors import UsageError
+from generation import kv_cache
 from helpers import stand_in_flash, stand_in_flash_module, tiny_args, tiny_config
 from layers import Rotary, apply_rotary, mlp_hidden_size
 from model import GPT, GPTConfig
-from runtime import UsageError
+from storage.checkpoint import load_checkpoint
+from training import preflight
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -23,13 +23,13 @@ import time
 import pytest
 import torch
 
-import parallel
 import train
 from bench.bench_two_nodes import free_port  # a port outside the ephemeral range
-from checkpoint import load_checkpoint
 from helpers import REPO, Child, one_torch_thread, subprocess_env, tiny_args, tiny_config
 from model import GPT
-from runtime import Runtime, join_process_group, leave_process_group
+from storage.checkpoint import load_checkpoint
+from training import parallel
+from training.runtime import Runtime, join_process_group, leave_process_group
 
 ACCUM = 4  # micro-steps per optimizer step over all ranks: 1 rank x 4, 2 x 2, 4 x 1
 MAX_ITERS = 60
@@ -201,9 +201,9 @@ def gloo_world_of_one(monkeypatch):
 
 GLOO_THREADS_AT_EXIT = """
 import os, torch
-import parallel
+from training import parallel
 from model import GPT, GPTConfig
-from runtime import Runtime, join_process_group, leave_process_group
+from training.runtime import Runtime, join_process_group, leave_process_group
 
 def gloo_threads():
     names = (open(f"/proc/self/task/{task}/comm").read() for task in os.listdir("/proc/self/task"))

@@ -22,10 +22,10 @@ import torch
 
 import model
 import train
-import train_checkpoint
-from checkpoint import load_checkpoint
 from helpers import Child, WarmProcess, tiny_args, tree_digest
-from runtime import Runtime, StopFlags
+from storage.checkpoint import load_checkpoint
+from training import state as train_checkpoint
+from training.runtime import Runtime, StopFlags
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import sample
-from checkpoint import load_checkpoint
 from data.tokenizer import gpt2_meta, load_tokenizer, tokenizer_vocab_size
 from helpers import REPO, Child, subprocess_env
 from model import GPT, GPTConfig
+from storage.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

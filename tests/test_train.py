@@ -17,17 +17,18 @@ import pytest
 import torch
 import torch._dynamo
 
-import checkpoint
-import preflight
 import train
-from checkpoint import claim_out_dir, load_checkpoint
 from configurator import load_config
 from data import common, loader
-from data.common import DataError, prepare_text
+from data.common import prepare_text
+from errors import DataError
 from helpers import REPO, TINY_MODEL, Child, file_size_limit, run_script, tiny_args, tree_digest
 from model import GPT, GPTConfig
-from runtime import model_flops_utilization, peak_flops_for
+from storage import checkpoint
+from storage.checkpoint import claim_out_dir, load_checkpoint
 from train import DEPRECATED, TrainConfig, learning_rate_at
+from training import preflight
+from training.runtime import model_flops_utilization, peak_flops_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import train
-from checkpoint import load_checkpoint
 from helpers import tiny_args
+from storage.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,9 +1,9 @@
 """
-GPT-2 weights in and out: Hugging Face GPT-2 checkpoints and nanoGPT checkpoints load into GPT, and our
+GPT-2 weights in and out: Hugging Face GPT-2 checkpoints (and ours, and nanoGPT's) load into GPT, and our
 checkpoints export as Hugging Face GPT-2 folders.
 
-    python interop.py export out/ckpt.pt hf-model/   # config.json + model.safetensors, for GPT2LMHeadModel
-    model = GPT.from_pretrained("gpt2")              # or a folder with config.json + model.safetensors
+    python -m weights hf out/ckpt.pt hf-model/       # config.json + model.safetensors, for GPT2LMHeadModel
+    model = from_pretrained("gpt2")                  # or a folder with config.json + model.safetensors
 
 Hugging Face's GPT-2 keeps GPT-2's parameter names, as ours do, but stores its four projections as Conv1D with
 weights (in, out) where nn.Linear has (out, in): they are transposed on the way in and out. Hub names
@@ -12,24 +12,23 @@ weights (in, out) where nn.Linear has (out, in): they are transposed on the way 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-from checkpoint import CheckpointError, check_model_weights, load_checkpoint, read_torch_file, write_safetensors
-from data.common import DataError, make_out_dir, read_meta_pkl
+from data.common import make_out_dir
 from data.tokenizer import gpt2_meta
-from lora import load_model_weights
+from errors import CheckpointError, DataError
 from model import GPT, GPTConfig
+from storage.checkpoint import check_model_weights, read_torch_file, write_safetensors
+from weights.load import is_mask_buffer, load_checkpoint
+from weights.lora import load_model_weights
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # in order of preference
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")  # stored (in, out)
-BUFFERS = ("attn.bias", "attn.masked_bias")  # the causal mask, saved by older GPT-2 code: not weights
 SOURCES = (
     "a .pt checkpoint, an out_dir with ckpt.pt, a Hugging Face GPT-2 folder (config.json + model.safetensors "
     f"or pytorch_model.bin), or a hub name ({', '.join(HUB_NAMES)})"
@@ -159,43 +158,6 @@ def hf_weights(folder: Path) -> dict:
     return {"model": model, "meta": meta if isinstance(meta, dict) else None}
 
 
-def is_mask_buffer(name: str) -> bool:
-    return ".".join(name.split(".")[-2:]) in BUFFERS  # h.0.attn.bias is; h.0.attn.c_attn.bias is not
-
-
-def from_nanogpt(state: dict, path: Path) -> dict:
-    """A nanoGPT checkpoint (model_args, model) as ours: `_orig_mod.` prefixes (torch.compile's) and the causal
-    mask buffers dropped; the tokenizer is GPT-2's for a GPT-2-sized vocabulary, else the char vocabulary of
-    its dataset's meta.pkl (data/<dataset>/meta.pkl, or beside the checkpoint)."""
-    args, weights = state.get("model_args"), state.get("model")
-    if not isinstance(args, dict) or not isinstance(weights, dict):
-        raise CheckpointError(f"{path}: a nanoGPT checkpoint needs model_args and model dicts")
-    known = {f.name for f in dataclasses.fields(GPTConfig)}
-    model_config = {key: value for key, value in args.items() if key in known}
-    model = {
-        str(key).removeprefix("_orig_mod."): value for key, value in weights.items() if not is_mask_buffer(str(key))
-    }
-    return {"model": model, "model_config": model_config, "meta": nanogpt_meta(state, path), "source": "nanoGPT"}
-
-
-def nanogpt_meta(state: dict, path: Path) -> dict:
-    vocab_size = state["model_args"].get("vocab_size")
-    if isinstance(vocab_size, int) and vocab_size >= 50257:
-        return gpt2_meta()
-    dataset = (state.get("config") or {}).get("dataset", "")
-    places = ([Path("data") / str(dataset) / "meta.pkl"] if dataset else []) + [path.parent / "meta.pkl"]
-    found = next((place for place in places if place.is_file()), None)
-    if found is None:
-        raise CheckpointError(
-            f"{path}: a nanoGPT checkpoint of vocab_size {vocab_size} needs its dataset's meta.pkl for the "
-            f"tokenizer; put it at {' or '.join(map(str, places))}"
-        )
-    try:
-        return read_meta_pkl(found)
-    except DataError as error:
-        raise CheckpointError(str(error)) from None
-
-
 def model_from_checkpoint(state: dict, path, **overrides) -> GPT:
     """A GPT with the checkpoint's weights; `overrides` set GPTConfig fields that do not change the weights'
     shapes (attention_backend, dropout, ...); a smaller block_size crops the position embeddings."""
@@ -296,29 +258,3 @@ def write_config_json(config: dict, meta: dict | None, path: Path) -> None:
         path.write_text(json.dumps(hf, indent=2) + "\n", encoding="utf-8")
     except OSError as error:
         raise CheckpointError(f"cannot write {path}: {error.strerror or error}") from None
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="interop.py", description="Export a checkpoint of this repo as a Hugging Face GPT-2 folder."
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    export = commands.add_parser(
-        "export",
-        help="write OUT_DIR/config.json and OUT_DIR/model.safetensors (GPT2LMHeadModel.from_pretrained(OUT_DIR))",
-    )
-    export.add_argument("checkpoint", help="a .pt checkpoint (out_dir/ckpt.pt) or an out_dir")
-    export.add_argument("out_dir", help="folder to write (created if missing)")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        source = Path(args.checkpoint)
-        out = export_hf(source / "ckpt.pt" if source.is_dir() else source, args.out_dir)
-    except CheckpointError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -41,15 +41,26 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attention import AttentionMask, FlashAttention, Need, compiled_flex_attention, manual_attention, sdpa_kv
+from kernels.auto import gpu_generation
+from kernels.flash import FLASH_ATTN_3, FLASH_ATTN_4
+from kernels.flex import compiled_flex_attention
+from model import (
+    FLASH_ATTN_2,
+    AttentionBackend,
+    AttentionMask,
+    FlashAttention,
+    Need,
+    manual_attention,
+    register,
+    sdpa_kv,
+)
 
 log = logging.getLogger("model")
 
@@ -461,6 +472,37 @@ def flash_decode(kernel: FlashAttention) -> DecodeKernel:
     return DecodeKernel(FlashDecode(kernel), 256, IN_PLACE)  # flash-attn 2 takes pages of a multiple of 256
 
 
+DECODE_KERNELS = {
+    "flash_attn_4": flash_decode(FLASH_ATTN_4),
+    "flash_attn_3": flash_decode(FLASH_ATTN_3),
+    "flash_attn_2": flash_decode(FLASH_ATTN_2),
+    "flex_attention": FLEX_DECODE,
+    "sdpa": SDPA_DECODE,
+    "manual": MANUAL_DECODE,
+}
+
+# auto's order for decoding from a KV cache. Eager: the fewest launches per step first (flash-attn's
+# flash_attn_with_kvcache reads the cache, pages included, in place), SDPA before flex, whose eager calls cost
+# more host time. Compiled (CUDA graphs, no launch cost): flex_attention skips the cache's empty key blocks and
+# manual's one-query scores fuse into Triton kernels, both ahead of flash-attn's and SDPA's kernels made for
+# many queries (bench/results/h100-generate-compiled.md).
+DECODE_ORDER = {
+    ("cuda", "contiguous", False): ("flash_attn_3", "flash_attn_2", "sdpa", "flex_attention", "manual"),
+    ("cuda", "paged", False): ("flash_attn_3", "flash_attn_2", "flex_attention", "sdpa", "manual"),
+    ("cuda", "contiguous", True): ("flex_attention", "manual", "flash_attn_3", "flash_attn_2", "sdpa"),
+    ("cuda", "paged", True): ("flex_attention", "flash_attn_3", "flash_attn_2", "manual", "sdpa"),
+    ("other", "contiguous", False): ("sdpa", "manual"),
+    ("other", "paged", False): ("sdpa", "manual"),
+}
+
+
+def decode_order(need: Need) -> tuple[tuple[str, ...], str]:
+    """auto's order for decoding from need.kv_cache (compiled: CUDA graphs, on CUDA only)."""
+    generation = gpu_generation(need.device)[0]
+    compiled = need.compiled and generation == "cuda"  # elsewhere the compiled step runs eagerly
+    return DECODE_ORDER[(generation, need.kv_cache, compiled)], f"{'compiled ' if compiled else ''}decode order"
+
+
 def paged_problem(need: Need) -> str:
     """paged_attention is a cache layout for generation, not a kernel of its own."""
     if need.training:
@@ -470,139 +512,6 @@ def paged_problem(need: Need) -> str:
     return ""
 
 
-# ----------------------------------------------------------------------------------------------
-# Sampling and the generation loop
-
-
-def check_generation(max_new_tokens: int, temperature: float, top_k: int | None, kv_cache: str, compile: bool):
-    """ValueError with a clear message for a setting generation cannot use."""
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
-    if kv_cache not in KV_CACHES:
-        raise ValueError(f"unknown kv_cache {kv_cache!r}; choose one of {', '.join(KV_CACHES)}")
-    if compile and kv_cache == "none":
-        raise ValueError("compile compiles the decode step over a KV cache; it needs kv_cache contiguous or paged")
-
-
-def next_token(logits, temperature: float, top_k: int | None, vocab_size: int | None = None) -> torch.Tensor:
-    """(B,) ids drawn from logits (B, V), only below vocab_size (a padded vocabulary's extra ids decode to
-    nothing); temperature 0 takes the likeliest."""
-    logits = logits[:, :vocab_size].float()
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-        logits[logits < kth] = -float("inf")
-    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)[:, 0]
-
-
-class Generation:
-    """One generate call: the tokens so far, the cache and how a step runs. Iterating yields the logits
-    (B, vocab) for each row's next token; `add` appends the tokens drawn from them."""
-
-    def __init__(
-        self,
-        model,
-        prompts: Sequence[torch.Tensor],
-        max_new_tokens: int,
-        attention,
-        kv_cache: str,
-        *,
-        compile: bool = False,
-        page_size: int | None = None,
-    ):
-        config, device = model.config, prompts[0].device
-        self.model, self.block_size = model, config.block_size
-        self.counts = [p.numel() for p in prompts]  # tokens per row so far, on the host
-        B, longest = len(prompts), max(self.counts)
-        self.tokens = torch.zeros(B, longest + max_new_tokens, dtype=torch.long, device=device)
-        for b, prompt in enumerate(prompts):
-            self.tokens[b, : prompt.numel()] = prompt
-        self.rows, self.ends = torch.arange(B, device=device), torch.tensor(self.counts, device=device)
-        self.newest = None  # (B, 1) the tokens added last, which the next decode step feeds
-        self.cache = None
-        if kv_cache == "none":
-            kernel = attention.kernel
-            self.attends = [lambda q, k, v, step, p: kernel(q, k, v, step.chunk_mask, p)] * config.n_layer
-        else:
-            self.cache = make_cache(
-                config,
-                prompts,
-                max_new_tokens,
-                kv_cache,
-                attention.decode,
-                device,
-                model.compute_dtype(device),
-                static=compile,
-                page_size=page_size,
-            )
-            self.attends = self.cache.attends(attention.kernel, attention.decode.run)
-        self.decode = None
-        if compile:
-            if device.type == "cuda":  # CUDA graphs read these in place; a new call's cache re-records, not recompiles
-                for tensor in self.cache.static_tensors():
-                    torch._dynamo.mark_static_address(tensor, guard=False)
-            self.decode = compile_step(self.decode_static, device)
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        yield self.prefill()
-        while True:
-            if self.cache is None or max(self.cache.host_lengths) >= self.block_size:
-                yield self.prefill()  # no cache, or a full one: the last block_size tokens of each row again
-            elif self.decode is not None:
-                self.cache.reserve([n + 1 for n in self.cache.host_lengths])
-                logits = self.decode(self.newest, self.cache.lengths)
-                self.cache.advance(1)
-                yield logits
-            else:
-                yield self.model.forward_cached(self.newest, self.cache.extend(1), self.attends)
-
-    def add(self, tokens: torch.Tensor):
-        """Append (B,) tokens, one per row."""
-        self.tokens[self.rows, self.ends] = tokens
-        self.ends += 1
-        self.counts = [n + 1 for n in self.counts]
-        self.newest = tokens[:, None]
-
-    def prefill(self) -> torch.Tensor:
-        """Run each row's last block_size tokens (right-padded to the longest) into an empty cache."""
-        windows = [min(n, self.block_size) for n in self.counts]
-        T = max(windows)
-        starts = torch.tensor([n - w for n, w in zip(self.counts, windows)], device=self.tokens.device)
-        index = torch.minimum(starts[:, None] + torch.arange(T, device=starts.device), self.ends[:, None] - 1)
-        idx = self.tokens.gather(1, index)  # (B, T): padding repeats a row's last token, never read
-        if self.cache is None:  # each step a new length, for which cuDNN's SDPA kernel would build a new plan
-            with sdpa_kernel(_DECODE_SDPA_KERNELS):
-                return self.model.forward_cached(idx, Step.chunk(windows, T, idx.device), self.attends)
-        return self.model.forward_cached(idx, self.cache.prefill(windows, T), self.attends)
-
-    def decode_static(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One token per row over the whole capacity: the same shapes every step (what torch.compile captures)."""
-        return self.model.forward_cached(tokens, Step.decoding(positions, self.cache.capacity), self.attends)
-
-
-def compile_step(step: Callable, device: torch.device) -> Callable:
-    """The static decode step under torch.compile with CUDA graphs (gpt-fast's approach); eager elsewhere."""
-    if device.type != "cuda":
-        log.info(f"compile: CUDA graphs need a CUDA device; the static decode step runs eagerly on {device.type}")
-        return step
-    return torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)
-
-
-def make_cache(
-    config, prompts, max_new_tokens, kind, decode: DecodeKernel, device, dtype, *, static=False, page_size=None
-) -> KVCache:
-    """A cache for these prompts: capacity for the longest sequence generation can reach (block_size at most);
-    a paged pool with exactly the pages all rows together can need."""
-    lengths = [min(p.numel() + max_new_tokens, config.block_size) for p in prompts]
-    shape = (config.n_layer, len(prompts), max(lengths), config.kv_heads, config.head_dim, dtype, device)
-    if kind == "contiguous":
-        return ContiguousKVCache(*shape, static=static)
-    page_size = page_size or decode.page_size
-    num_pages = sum(-(-n // page_size) for n in lengths)
-    return PagedKVCache(*shape, page_size=page_size, num_pages=num_pages, static=static)
+# A cache layout, not a kernel: generation under it runs auto's pick for a paged cache (generation/loop.py). It is
+# a name attention_backend takes, so that a model can be configured to sample from a paged cache.
+register(AttentionBackend("paged_attention", None, paged_problem, "sdpa", ("paged", "paged_attn")))

@@ -16,12 +16,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from errors import UsageError
+from storage.checkpoint import format_bytes
+
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DIST_BACKENDS = ("nccl", "gloo")
-
-
-class UsageError(ValueError):
-    """Bad input found after the config was read (device, data, checkpoint); one line, exit code 2."""
 
 
 class PeerFailed(UsageError):
@@ -251,14 +250,6 @@ def available_memory(device: torch.device) -> tuple[int, str]:
             return 0, ""
         return total, f"this machine has {format_bytes(total)} of RAM"
     return 0, ""
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if n < 1024 or unit == "PiB":
-            return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def emit(*values, **kwargs) -> None:

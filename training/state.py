@@ -10,20 +10,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from checkpoint import LATEST, CheckpointError, capture_rng, restore_rng, save_checkpoint
 from data.loader import Batches
-from lora import checkpoint_entries
-from parallel import full_model_state, is_sharded, load_sharded_optimizer, save_sharded_optimizer
-from preflight import checkpoint_path
-from runtime import agree
-
-if TYPE_CHECKING:
-    from train import TrainState
+from errors import CheckpointError
+from storage.checkpoint import LATEST, capture_rng, restore_rng, save_checkpoint
+from training.parallel import full_model_state, is_sharded, load_sharded_optimizer, save_sharded_optimizer
+from training.preflight import checkpoint_path
+from training.runtime import agree
+from weights.lora import checkpoint_entries
 
 log = logging.getLogger("train")
 
@@ -42,7 +39,7 @@ def keep_kernels(optimizer: torch.optim.Optimizer) -> None:
                 param_state["step"] = param_state["step"].to(param.device, torch.float32)
 
 
-def restore_progress(state: TrainState, batches: Batches, checkpoint: dict) -> None:
+def restore_progress(state, batches: Batches, checkpoint: dict) -> None:
     """Optimizer, scaler, counters, the data stream, and (with the same number of ranks) each rank's RNG.
     Checkpoints of earlier versions hold a data position per rank instead of one stream: rank 0's continues."""
     runtime, path = state.runtime, checkpoint_path(state.cfg)
@@ -77,7 +74,7 @@ def restore_progress(state: TrainState, batches: Batches, checkpoint: dict) -> N
         )
 
 
-def write_checkpoint(state: TrainState, batches: Batches, meta: dict, is_best: bool) -> Path:
+def write_checkpoint(state, batches: Batches, meta: dict, is_best: bool) -> Path:
     """Write a checkpoint from rank 0, with the data stream's position and every rank's RNG (and under FSDP
     the sharded optimizer state, from every rank); returns out_dir/ckpt.pt. A failed save (a full disk, ...)
     is a CheckpointError on every rank."""
@@ -110,9 +107,7 @@ def write_checkpoint(state: TrainState, batches: Batches, meta: dict, is_best: b
     return Path(cfg.out_dir) / LATEST
 
 
-def state_dict(
-    state: TrainState, meta: dict, ranks: list[dict], batches: Batches, entries: dict, sharded: str | None
-) -> dict:
+def state_dict(state, meta: dict, ranks: list[dict], batches: Batches, entries: dict, sharded: str | None) -> dict:
     """What a checkpoint holds (checkpoint.py's REQUIRED_KEYS and RESUME_KEYS, and the run's config). `entries`:
     "model" (with LoRA, the adapters, and "lora"); `sharded`: the DCP folder beside it that holds the optimizer
     state instead, under FSDP."""

@@ -28,9 +28,10 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from checkpoint import CheckpointError, atomic_save, check_model_weights, load_checkpoint, os_reason, saved_model_config
+from errors import CheckpointError, UsageError
 from model import GPT, GPTConfig
-from runtime import UsageError
+from storage.checkpoint import atomic_save, check_model_weights, os_reason
+from weights.load import load_checkpoint, saved_model_config
 
 log = logging.getLogger("lora")
 

@@ -10,20 +10,18 @@ Checkpoints that survive a kill, load without running code, and never overwrite 
 - `out_dir/ckpt-0001000.pt` per save; `ckpt.pt` (latest) and `best.pt` (lowest val loss) are copies of it,
   files of their own, so `cp ckpt-0000500.pt ckpt.pt` (a rollback) changes nothing else. Rotation and the
   clean-up of a killed writer's temporary files touch only these names, never a user's own files.
-- An FSDP run (parallel.py) also writes its sharded optimizer state as a torch.distributed.checkpoint folder,
+- An FSDP run (training/parallel.py) also writes its sharded optimizer state as a torch.distributed.checkpoint folder,
   `ckpt-<iter>.dcp`, renamed into place once complete and before the files that name it; it goes when its
   `ckpt-<iter>.pt` is rotated away. ckpt.pt itself holds the full weights, so it loads like any other.
 - Loading uses `torch.load(weights_only=True)`: only tensors and plain containers are read back, so a
   malicious file cannot run code. Everything saved (RNG states too) is stored in such types. A loaded
   checkpoint is checked against the schema below; every problem is one CheckpointError line.
 
-    python checkpoint.py export out/ckpt.pt out/model.safetensors   # weights only, for other tools
-    python checkpoint.py merge out-lora/ckpt.pt out/merged.pt       # LoRA adapters merged into their base (lora.py)
+Reading a checkpoint into a model (the schema's model_config, nanoGPT's checkpoints) is weights/load.py's.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import hashlib
 import json
@@ -32,15 +30,14 @@ import pickle
 import random
 import re
 import shutil
-import sys
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from data.atomic import atomic_path, fsync_dir, tmp_path_for, tmp_target
-from runtime import format_bytes
+from errors import CheckpointError
+from storage.atomic import atomic_path, fsync_dir, tmp_path_for, tmp_target
 
 LATEST, BEST = "ckpt.pt", "best.pt"
 NUMBERED = re.compile(r"ckpt-\d{7,}\.pt")  # f"ckpt-{iter_num:07d}.pt"
@@ -51,11 +48,6 @@ PROBE = "write-probe"  # written (as .write-probe.tmp.<pid>) and deleted at star
 # What a checkpoint holds: key -> type. RESUME_KEYS are needed only to continue a run (--init_from=resume).
 REQUIRED_KEYS = {"model": dict, "model_config": dict, "meta": dict}
 RESUME_KEYS = {"optimizer": dict, "scaler": dict, "iter_num": int, "best_val_loss": (int, float), "rng": list}
-
-
-class CheckpointError(ValueError):
-    """A missing, unreadable or mismatched checkpoint, or an out_dir that cannot be used; one line saying what
-    and what to do."""
 
 
 def os_reason(error: OSError) -> str:
@@ -290,19 +282,13 @@ def _rotate(out_dir: Path, keep_last_k: int) -> None:
 # Loading
 
 
-def load_checkpoint(path, map_location="cpu", *, resume: bool = False) -> dict:
-    """The checkpoint at `path`, read without running code and checked against the schema (REQUIRED_KEYS, and
-    RESUME_KEYS when `resume`); CheckpointError (one line) for anything else."""
+def read_checkpoint_file(path, map_location="cpu"):
+    """What the file at `path` holds, read without running code; CheckpointError (one line) when it is missing
+    or not a torch file. weights.load.load_checkpoint converts and checks it."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}; train first (python train.py) or point at another out_dir")
-    state = read_torch_file(path, map_location)
-    if isinstance(state, dict) and "model_args" in state and "model_config" not in state:
-        from interop import from_nanogpt  # interop imports this module
-
-        state = from_nanogpt(state, path)
-    check_schema(state, path, resume=resume)
-    return state
+    return read_torch_file(path, map_location)
 
 
 def read_torch_file(path: Path, map_location="cpu"):
@@ -362,7 +348,6 @@ def check_schema(state, path, *, resume: bool = False) -> None:
     bad = [str(k) for k, v in state["model"].items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
     if bad:
         raise CheckpointError(f"{path}: model holds entries that are not named tensors: {', '.join(bad[:3])}")
-    saved_model_config(state, path)
     meta = state["meta"]
     if not isinstance(meta.get("tokenizer"), str) or not isinstance(meta.get("vocab_size"), int):
         raise CheckpointError(f"{path}: meta lacks tokenizer or vocab_size; this checkpoint's tokenizer is unknown")
@@ -377,23 +362,6 @@ def check_schema(state, path, *, resume: bool = False) -> None:
             raise CheckpointError(f"{path}: sharded is {sharded!r}, not the name of a ckpt-<iter>.dcp folder")
         if sharded is not None and not (Path(path).parent / sharded).is_dir():
             raise CheckpointError(f"{path}: its optimizer state {Path(path).parent / sharded} is missing")
-
-
-def saved_model_config(state: dict, path):
-    """The checkpoint's GPTConfig; one line for settings this version does not know (a newer version's)."""
-    from model import GPTConfig
-
-    known = {f.name for f in dataclasses.fields(GPTConfig)}
-    unknown = sorted(str(k) for k in state["model_config"] if k not in known)
-    if unknown:
-        raise CheckpointError(
-            f"{path}: model_config has settings this version does not know ({', '.join(unknown)}); "
-            f"it was probably saved by a newer version of this code"
-        )
-    try:
-        return GPTConfig(**state["model_config"])
-    except (TypeError, ValueError) as error:
-        raise CheckpointError(f"{path}: invalid model_config ({error})") from None
 
 
 def check_model_weights(expected: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], path) -> None:
@@ -483,22 +451,6 @@ def _to_tuples(value):
 # Export
 
 
-def export_safetensors(checkpoint_path, out_path) -> Path:
-    """Model weights only (no optimizer, no pickle), with the model config in the file's metadata."""
-    checkpoint_path, out_path = Path(checkpoint_path), Path(out_path)
-    if out_path.resolve() == checkpoint_path.resolve() or is_checkpoint_name(out_path.name):
-        raise CheckpointError(f"refusing to write the export over the checkpoint {out_path}; name another file")
-    if not out_path.parent.is_dir():
-        raise CheckpointError(f"cannot write {out_path}: folder {out_path.parent} does not exist")
-    state = load_checkpoint(checkpoint_path)
-    if "lora" in state:
-        raise CheckpointError(f"{checkpoint_path} holds LoRA adapters; first run: python checkpoint.py merge CKPT OUT")
-    # lm_head.weight is tied to transformer.wte.weight; safetensors stores shared tensors only once
-    weights = {k: v.contiguous() for k, v in state["model"].items() if k != "lm_head.weight"}
-    metadata = {"model_config": json.dumps(state["model_config"]), "tied": "lm_head.weight=transformer.wte.weight"}
-    return write_safetensors(weights, out_path, metadata)
-
-
 def write_safetensors(weights: dict[str, torch.Tensor], out_path: Path, metadata: dict[str, str]) -> Path:
     """Write `weights` (no tensor stored twice) atomically; an OSError is one CheckpointError line."""
     from safetensors.torch import save_file
@@ -511,26 +463,9 @@ def write_safetensors(weights: dict[str, torch.Tensor], out_path: Path, metadata
     return out_path
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 3 or argv[0] not in ("export", "merge"):
-        print(
-            "usage: python checkpoint.py export CKPT.pt OUT.safetensors | merge ADAPTER_CKPT.pt OUT.pt", file=sys.stderr
-        )
-        return 2
-    try:
-        if argv[0] == "export":
-            out = export_safetensors(argv[1], argv[2])
-        else:
-            from lora import merge_checkpoint  # lora.py imports this module
-
-            out = merge_checkpoint(argv[1], argv[2])
-    except CheckpointError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(f"wrote {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def format_bytes(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

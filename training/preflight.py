@@ -16,19 +16,17 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from checkpoint import LATEST, check_same_tokenizer, claim_out_dir, load_checkpoint
 from data.common import read_meta
 from data.loader import ensure_dataset
-from interop import load_weights
-from lora import check_targets
+from errors import UsageError
 from model import GPT, GPTConfig
-from parallel import PARALLELISMS, REDUCE_DTYPES
-from runtime import DIST_BACKENDS, DTYPES, Runtime, UsageError, available_memory, format_bytes
-
-if TYPE_CHECKING:
-    from train import TrainConfig
+from storage.checkpoint import LATEST, check_same_tokenizer, claim_out_dir, format_bytes
+from training.parallel import PARALLELISMS, REDUCE_DTYPES
+from training.runtime import DIST_BACKENDS, DTYPES, Runtime, available_memory
+from weights.hf import load_weights
+from weights.load import load_checkpoint
+from weights.lora import check_targets
 
 log = logging.getLogger("train")
 
@@ -42,7 +40,7 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduc
 CUDA_GRAPH_MODES = ("max-autotune", "reduce-overhead")  # the compile modes that replay CUDA graphs
 
 
-def check_config(cfg: TrainConfig) -> None:
+def check_config(cfg) -> None:
     """Each setting alone and the settings together (ValueError); then the model's own checks."""
     positive = (
         "eval_interval",
@@ -124,7 +122,7 @@ def check_config(cfg: TrainConfig) -> None:
     cfg.model_config()  # the model's own checks (head dim, backend names, ...)
 
 
-def check_before_training(cfg: TrainConfig, runtime: Runtime) -> tuple[dict | None, Path, dict, int]:
+def check_before_training(cfg, runtime: Runtime) -> tuple[dict | None, Path, dict, int]:
     """Everything that can be checked before the model is built, in this order: wandb, the checkpoint to start
     from, the dataset (prepared if missing) and its tokenizer against the checkpoint's, the vocabulary size, and
     memory. Returns (checkpoint or None, data_dir, the dataset's meta, the model's vocab_size)."""
@@ -144,11 +142,11 @@ def check_before_training(cfg: TrainConfig, runtime: Runtime) -> tuple[dict | No
     return checkpoint, data_dir, meta, vocab_size
 
 
-def checkpoint_path(cfg: TrainConfig) -> Path:
+def checkpoint_path(cfg) -> Path:
     return Path(cfg.out_dir) / LATEST if cfg.init_from == "resume" else Path(cfg.init_from)
 
 
-def resolve_init_from(cfg: TrainConfig) -> TrainConfig:
+def resolve_init_from(cfg):
     """init_from=auto is resume when out_dir holds a ckpt.pt, else scratch: a job that torchrun restarts after a
     crash (--max-restarts) continues from its last checkpoint, and its first start begins afresh."""
     if cfg.init_from != "auto":
@@ -156,7 +154,7 @@ def resolve_init_from(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(cfg, init_from="resume" if (Path(cfg.out_dir) / LATEST).is_file() else "scratch")
 
 
-def read_checkpoint(cfg: TrainConfig) -> dict | None:
+def read_checkpoint(cfg) -> dict | None:
     if cfg.init_from == "scratch":
         return None
     if cfg.init_from == "resume":
@@ -164,7 +162,7 @@ def read_checkpoint(cfg: TrainConfig) -> dict | None:
     return load_weights(cfg.init_from, also=("scratch", "resume", "auto"))[0]
 
 
-def with_weights_shape(cfg: TrainConfig, checkpoint: dict | None) -> TrainConfig:
+def with_weights_shape(cfg, checkpoint: dict | None):
     """cfg with the model shape of a Hugging Face checkpoint's weights (as nanoGPT's init_from=gpt2 does), so
     that --init_from=gpt2 needs no shape settings; other checkpoints must match cfg (check_checkpoint_shape)."""
     if checkpoint is None or checkpoint.get("source") != "huggingface":
@@ -172,7 +170,7 @@ def with_weights_shape(cfg: TrainConfig, checkpoint: dict | None) -> TrainConfig
     return dataclasses.replace(cfg, **{key: checkpoint["model_config"][key] for key in SHAPE_FIELDS})
 
 
-def claim_run_out_dir(cfg: TrainConfig, runtime: Runtime, model: GPT, hold: contextlib.ExitStack) -> None:
+def claim_run_out_dir(cfg, runtime: Runtime, model: GPT, hold: contextlib.ExitStack) -> None:
     """Rank 0 of a run that will save claims out_dir (checkpoint.claim_out_dir: lock, write probe, free space
     for the first save, no overwriting another run's checkpoints unless asked), held until `hold` closes."""
     if runtime.master and not cfg.eval_only:
@@ -183,7 +181,7 @@ def claim_run_out_dir(cfg: TrainConfig, runtime: Runtime, model: GPT, hold: cont
         )
 
 
-def check_wandb(cfg: TrainConfig) -> None:
+def check_wandb(cfg) -> None:
     if not cfg.wandb_log:
         return
     try:
@@ -192,7 +190,7 @@ def check_wandb(cfg: TrainConfig) -> None:
         raise UsageError("wandb_log=True but the wandb package is not installed; pip install wandb") from None
 
 
-def model_vocab_size(cfg: TrainConfig, meta: dict) -> int:
+def model_vocab_size(cfg, meta: dict) -> int:
     if cfg.vocab_size is not None:
         if cfg.vocab_size < meta["vocab_size"]:
             raise UsageError(f"vocab_size {cfg.vocab_size} is smaller than the dataset's {meta['vocab_size']}")
@@ -233,7 +231,7 @@ def parameter_count(config: GPTConfig) -> int:
     return config.vocab_size * width + positions + config.n_layer * (attention + mlp + 2 * norm(width)) + norm(width)
 
 
-def check_memory(cfg: TrainConfig, vocab_size: int, runtime: Runtime) -> None:
+def check_memory(cfg, vocab_size: int, runtime: Runtime) -> None:
     """Refuse, before allocating anything, a run whose weights, optimizer state and activations cannot fit in
     the device's memory (a lower bound of what it needs)."""
     model_config = cfg.model_config(vocab_size=vocab_size)

@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from data.atomic import fsync_dir, tmp_path_for
-from runtime import Runtime, UsageError
+from errors import UsageError
+from storage.atomic import fsync_dir, tmp_path_for
+from training.runtime import Runtime
 
 PARALLELISMS = ("ddp", "fsdp")
 REDUCE_DTYPES = ("float32", "bfloat16")  # of DDP's gradient all-reduce

@@ -1,0 +1,252 @@
+"""
+Generation: prompts of any lengths read once (prefill), then one token per step (decode) from a KV cache
+(kv_cache.py), with its own resolved attention: the model's training choice is never touched.
+
+    from generation import generate, stream
+    out = generate(model, idx, 100, temperature=0.8, top_k=200)           # (B, T + 100); KV cache, eager
+    for tokens in stream(model, prompts, 100, kv_cache="paged", compile=True): ...   # (B,) per step
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch.nn import functional as F
+from torch.nn.attention import sdpa_kernel
+
+from generation.kv_cache import (
+    _DECODE_SDPA_KERNELS,
+    DECODE_KERNELS,
+    KV_CACHES,
+    ContiguousKVCache,
+    DecodeKernel,
+    KVCache,
+    PagedKVCache,
+    Step,
+    decode_order,
+    log,
+)
+from model import BACKENDS, GPT, Attention, attention_for, log_resolution, resolve
+
+
+def forward_cached(model: GPT, idx, step: Step, attends: Sequence[Callable]) -> torch.Tensor:
+    """Logits (B, vocab) at each row's newest token: idx (B, T) sits at positions step.q_pos, continuing each
+    sequence in its cache, and layer i attends through attends[i]."""
+    x, rope = model.embed(idx, step.q_pos)
+    for block, attend in zip(model.transformer.h, attends):
+        x = block(x, attend, step, rope)
+    x = x[torch.arange(idx.size(0), device=idx.device), step.last]  # (B, C): the rest works per token
+    return model.lm_head(model.transformer.ln_f(x))
+
+
+def generation_attention(model: GPT, need) -> tuple[Attention, DecodeKernel | None]:
+    """The backend generation runs for `need` (auto: the decode order for a KV cache), its decode kernel, and
+    the INFO line saying so. paged_attention runs auto's pick for a paged cache under it."""
+    config = model.config
+    order = decode_order(need) if need.kv_cache != "none" else None
+    attention = attention_for(config, need, model.logged_lines, order)
+    used, detail = attention.resolution.used, ""
+    if used == "paged_attention":
+        used = resolve("auto", need, order).used
+        attention = attention._replace(kernel=BACKENDS[used].kernel)
+        detail = f" over {used} (auto's pick for a paged cache)"
+    decode = DECODE_KERNELS.get(used)
+    if need.kv_cache == "paged":
+        detail += f", paged KV cache: {decode.pages}"
+    elif need.kv_cache == "contiguous":
+        detail += ", contiguous KV cache"
+    log_resolution(config.attention_backend, attention, model.logged_lines, detail)
+    return attention, decode
+
+
+@torch.no_grad()
+def generate(model: GPT, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None, **options):
+    """Sample max_new_tokens tokens after idx: a (B, T) tensor gives (B, T + max_new_tokens); a list of 1-D
+    prompts of different lengths gives a list, each prompt followed by its new tokens. options: stream's."""
+    prompts = list(idx)
+    steps = list(stream(model, prompts, max_new_tokens, temperature, top_k, **options))
+    new = torch.stack(steps, dim=1) if steps else prompts[0].new_zeros(len(prompts), 0)  # (B, new)
+    if isinstance(idx, torch.Tensor):
+        return torch.cat((idx, new.to(idx.dtype)), dim=1)
+    return [torch.cat((prompt, row.to(prompt.dtype))) for prompt, row in zip(prompts, new)]
+
+
+@torch.no_grad()
+def stream(
+    model: GPT,
+    prompts: Sequence[torch.Tensor],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    *,
+    kv_cache: str = "contiguous",
+    compile: bool = False,
+    vocab_size: int | None = None,
+    page_size: int | None = None,
+) -> Iterator[torch.Tensor]:
+    """Yield the next token of every prompt, (B,), max_new_tokens times.
+
+    kv_cache: "contiguous" (preallocated), "paged" (pages allocated on demand; what
+    attention_backend="paged_attention" means) or "none" (the whole context every step, as nanoGPT). compile: a
+    static-shape decode step under torch.compile(mode="reduce-overhead"), CUDA graphs (elsewhere it runs eagerly).
+    Past block_size every row reads its last block_size tokens. temperature 0 is greedy; only ids below
+    vocab_size are drawn; page_size overrides the kernel's."""
+    check_generation(max_new_tokens, temperature, top_k, kv_cache, compile)
+    if not prompts or any(p.dim() != 1 or p.numel() == 0 for p in prompts):
+        raise ValueError("every prompt must be a non-empty 1-D tensor of token ids")
+    if model.config.attention_backend == "paged_attention" and kv_cache == "contiguous":
+        kv_cache = "paged"  # the backend names the cache layout
+    device, longest = prompts[0].device, max(p.numel() for p in prompts)
+    seq_len = min(model.config.block_size, longest + max_new_tokens)
+    need = model.attention_need(
+        device, model.compute_dtype(device), training=False, seq_len=seq_len, kv_cache=kv_cache, compiled=compile
+    )
+    attention, decode = generation_attention(model, need)
+    generation = Generation(
+        model, prompts, max_new_tokens, attention, decode, kv_cache, compile=compile, page_size=page_size
+    )
+    for _, logits in zip(range(max_new_tokens), generation):  # range first: no step past the last
+        tokens = next_token(logits, temperature, top_k, vocab_size)
+        generation.add(tokens)
+        yield tokens
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling and the generation loop
+
+
+def check_generation(max_new_tokens: int, temperature: float, top_k: int | None, kv_cache: str, compile: bool):
+    """ValueError with a clear message for a setting generation cannot use."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+    if kv_cache not in KV_CACHES:
+        raise ValueError(f"unknown kv_cache {kv_cache!r}; choose one of {', '.join(KV_CACHES)}")
+    if compile and kv_cache == "none":
+        raise ValueError("compile compiles the decode step over a KV cache; it needs kv_cache contiguous or paged")
+
+
+def next_token(logits, temperature: float, top_k: int | None, vocab_size: int | None = None) -> torch.Tensor:
+    """(B,) ids drawn from logits (B, V), only below vocab_size (a padded vocabulary's extra ids decode to
+    nothing); temperature 0 takes the likeliest."""
+    logits = logits[:, :vocab_size].float()
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        logits[logits < kth] = -float("inf")
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)[:, 0]
+
+
+class Generation:
+    """One generate call: the tokens so far, the cache and how a step runs. Iterating yields the logits
+    (B, vocab) for each row's next token; `add` appends the tokens drawn from them."""
+
+    def __init__(
+        self,
+        model,
+        prompts: Sequence[torch.Tensor],
+        max_new_tokens: int,
+        attention: Attention,
+        decode: DecodeKernel | None,
+        kv_cache: str,
+        *,
+        compile: bool = False,
+        page_size: int | None = None,
+    ):
+        config, device = model.config, prompts[0].device
+        self.model, self.block_size = model, config.block_size
+        self.counts = [p.numel() for p in prompts]  # tokens per row so far, on the host
+        B, longest = len(prompts), max(self.counts)
+        self.tokens = torch.zeros(B, longest + max_new_tokens, dtype=torch.long, device=device)
+        for b, prompt in enumerate(prompts):
+            self.tokens[b, : prompt.numel()] = prompt
+        self.rows, self.ends = torch.arange(B, device=device), torch.tensor(self.counts, device=device)
+        self.newest = None  # (B, 1) the tokens added last, which the next decode step feeds
+        self.cache = None
+        if kv_cache == "none":
+            kernel = attention.kernel
+            self.attends = [lambda q, k, v, step, p: kernel(q, k, v, step.chunk_mask, p)] * config.n_layer
+        else:
+            self.cache = make_cache(
+                config,
+                prompts,
+                max_new_tokens,
+                kv_cache,
+                decode,
+                device,
+                model.compute_dtype(device),
+                static=compile,
+                page_size=page_size,
+            )
+            self.attends = self.cache.attends(attention.kernel, decode.run)
+        self.decode = None
+        if compile:
+            if device.type == "cuda":  # CUDA graphs read these in place; a new call's cache re-records, not recompiles
+                for tensor in self.cache.static_tensors():
+                    torch._dynamo.mark_static_address(tensor, guard=False)
+            self.decode = compile_step(self.decode_static, device)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        yield self.prefill()
+        while True:
+            if self.cache is None or max(self.cache.host_lengths) >= self.block_size:
+                yield self.prefill()  # no cache, or a full one: the last block_size tokens of each row again
+            elif self.decode is not None:
+                self.cache.reserve([n + 1 for n in self.cache.host_lengths])
+                logits = self.decode(self.newest, self.cache.lengths)
+                self.cache.advance(1)
+                yield logits
+            else:
+                yield forward_cached(self.model, self.newest, self.cache.extend(1), self.attends)
+
+    def add(self, tokens: torch.Tensor):
+        """Append (B,) tokens, one per row."""
+        self.tokens[self.rows, self.ends] = tokens
+        self.ends += 1
+        self.counts = [n + 1 for n in self.counts]
+        self.newest = tokens[:, None]
+
+    def prefill(self) -> torch.Tensor:
+        """Run each row's last block_size tokens (right-padded to the longest) into an empty cache."""
+        windows = [min(n, self.block_size) for n in self.counts]
+        T = max(windows)
+        starts = torch.tensor([n - w for n, w in zip(self.counts, windows)], device=self.tokens.device)
+        index = torch.minimum(starts[:, None] + torch.arange(T, device=starts.device), self.ends[:, None] - 1)
+        idx = self.tokens.gather(1, index)  # (B, T): padding repeats a row's last token, never read
+        if self.cache is None:  # each step a new length, for which cuDNN's SDPA kernel would build a new plan
+            with sdpa_kernel(_DECODE_SDPA_KERNELS):
+                return forward_cached(self.model, idx, Step.chunk(windows, T, idx.device), self.attends)
+        return forward_cached(self.model, idx, self.cache.prefill(windows, T), self.attends)
+
+    def decode_static(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One token per row over the whole capacity: the same shapes every step (what torch.compile captures)."""
+        return forward_cached(self.model, tokens, Step.decoding(positions, self.cache.capacity), self.attends)
+
+
+def compile_step(step: Callable, device: torch.device) -> Callable:
+    """The static decode step under torch.compile with CUDA graphs (gpt-fast's approach); eager elsewhere."""
+    if device.type != "cuda":
+        log.info(f"compile: CUDA graphs need a CUDA device; the static decode step runs eagerly on {device.type}")
+        return step
+    return torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+
+
+def make_cache(
+    config, prompts, max_new_tokens, kind, decode: DecodeKernel, device, dtype, *, static=False, page_size=None
+) -> KVCache:
+    """A cache for these prompts: capacity for the longest sequence generation can reach (block_size at most);
+    a paged pool with exactly the pages all rows together can need."""
+    lengths = [min(p.numel() + max_new_tokens, config.block_size) for p in prompts]
+    shape = (config.n_layer, len(prompts), max(lengths), config.kv_heads, config.head_dim, dtype, device)
+    if kind == "contiguous":
+        return ContiguousKVCache(*shape, static=static)
+    page_size = page_size or decode.page_size
+    num_pages = sum(-(-n // page_size) for n in lengths)
+    return PagedKVCache(*shape, page_size=page_size, num_pages=num_pages, static=static)

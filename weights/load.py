@@ -1,0 +1,92 @@
+"""
+Reading a checkpoint for a model: ours (checked against the schema and this version's GPTConfig) or nanoGPT's
+(converted on the way in). Plain file I/O lives in storage/checkpoint.py; this adds what needs the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from data.common import read_meta_pkl
+from data.tokenizer import gpt2_meta
+from errors import CheckpointError, DataError
+from model import GPTConfig
+from storage import checkpoint as storage
+from storage.checkpoint import is_checkpoint_name, write_safetensors
+
+BUFFERS = ("attn.bias", "attn.masked_bias")  # the causal mask, saved by older GPT-2 code: not weights
+
+
+def load_checkpoint(path, map_location="cpu", *, resume: bool = False) -> dict:
+    """The checkpoint at `path` (a nanoGPT one converted), read without running code and checked: the schema
+    (storage.checkpoint.check_schema) and a model_config this version knows. CheckpointError (one line) else."""
+    path = Path(path)
+    state = storage.read_checkpoint_file(path, map_location)
+    if isinstance(state, dict) and "model_args" in state and "model_config" not in state:
+        state = from_nanogpt(state, path)
+    storage.check_schema(state, path, resume=resume)
+    saved_model_config(state, path)
+    return state
+
+
+def saved_model_config(state: dict, path) -> GPTConfig:
+    """The checkpoint's GPTConfig; one line for settings this version does not know (a newer version's)."""
+    try:
+        return GPTConfig.from_dict(state["model_config"])
+    except ValueError as error:
+        raise CheckpointError(f"{path}: {error}") from None
+
+
+def is_mask_buffer(name: str) -> bool:
+    return ".".join(name.split(".")[-2:]) in BUFFERS  # h.0.attn.bias is; h.0.attn.c_attn.bias is not
+
+
+def from_nanogpt(state: dict, path: Path) -> dict:
+    """A nanoGPT checkpoint (model_args, model) as ours: `_orig_mod.` prefixes (torch.compile's) and the causal
+    mask buffers dropped; the tokenizer is GPT-2's for a GPT-2-sized vocabulary, else the char vocabulary of
+    its dataset's meta.pkl (data/<dataset>/meta.pkl, or beside the checkpoint)."""
+    args, weights = state.get("model_args"), state.get("model")
+    if not isinstance(args, dict) or not isinstance(weights, dict):
+        raise CheckpointError(f"{path}: a nanoGPT checkpoint needs model_args and model dicts")
+    known = {f.name for f in dataclasses.fields(GPTConfig)}
+    model_config = {key: value for key, value in args.items() if key in known}
+    model = {
+        str(key).removeprefix("_orig_mod."): value for key, value in weights.items() if not is_mask_buffer(str(key))
+    }
+    return {"model": model, "model_config": model_config, "meta": nanogpt_meta(state, path), "source": "nanoGPT"}
+
+
+def nanogpt_meta(state: dict, path: Path) -> dict:
+    vocab_size = state["model_args"].get("vocab_size")
+    if isinstance(vocab_size, int) and vocab_size >= 50257:
+        return gpt2_meta()
+    dataset = (state.get("config") or {}).get("dataset", "")
+    places = ([Path("data") / str(dataset) / "meta.pkl"] if dataset else []) + [path.parent / "meta.pkl"]
+    found = next((place for place in places if place.is_file()), None)
+    if found is None:
+        raise CheckpointError(
+            f"{path}: a nanoGPT checkpoint of vocab_size {vocab_size} needs its dataset's meta.pkl for the "
+            f"tokenizer; put it at {' or '.join(map(str, places))}"
+        )
+    try:
+        return read_meta_pkl(found)
+    except DataError as error:
+        raise CheckpointError(str(error)) from None
+
+
+def export_safetensors(checkpoint_path, out_path) -> Path:
+    """Model weights only (no optimizer, no pickle), with the model config in the file's metadata."""
+    checkpoint_path, out_path = Path(checkpoint_path), Path(out_path)
+    if out_path.resolve() == checkpoint_path.resolve() or is_checkpoint_name(out_path.name):
+        raise CheckpointError(f"refusing to write the export over the checkpoint {out_path}; name another file")
+    if not out_path.parent.is_dir():
+        raise CheckpointError(f"cannot write {out_path}: folder {out_path.parent} does not exist")
+    state = load_checkpoint(checkpoint_path)
+    if "lora" in state:
+        raise CheckpointError(f"{checkpoint_path} holds LoRA adapters; first run: python checkpoint.py merge CKPT OUT")
+    # lm_head.weight is tied to transformer.wte.weight; safetensors stores shared tensors only once
+    weights = {k: v.contiguous() for k, v in state["model"].items() if k != "lm_head.weight"}
+    metadata = {"model_config": json.dumps(state["model_config"]), "tied": "lm_head.weight=transformer.wte.weight"}
+    return write_safetensors(weights, out_path, metadata)
