@@ -133,7 +133,7 @@ class GPTConfig:
             )
         try:
             return cls(**saved)
-        except TypeError as error:
+        except (TypeError, ValueError) as error:
             raise ValueError(f"invalid model_config ({error})") from None
 
     def chunks_loss(self, tokens: int) -> bool:

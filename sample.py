@@ -60,6 +60,8 @@ class SampleConfig:
     disable_mps_fix: bool = False  # on MPS, let SDPA decode from the KV cache (explicit masks) despite the NaN risk
     batch_size: int = 1  # samples generated together; above 1, a --start=FILE:path holds one prompt per line
     compile: bool = False  # torch.compile the decode step with CUDA graphs (on CUDA; elsewhere it runs eagerly)
+    cuda_graph: bool = True  # on CUDA, capture the eager decode step once as a CUDA graph (no compile needed)
+    slide: str = "half"  # past block_size: half (re-read the last block_size/2, decode on) | exact (nanoGPT's)
 
     def __post_init__(self):
         if self.init_from and self.checkpoint:
@@ -75,7 +77,7 @@ class SampleConfig:
         self.attention_backend = canonical_backend(self.attention_backend)  # eager, flash_attention_2, ...
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        check_generation(self.max_new_tokens, self.temperature, self.top_k, self.kv_cache, self.compile)
+        check_generation(self.max_new_tokens, self.temperature, self.top_k, self.kv_cache, self.compile, self.slide)
 
 
 def read_prompt(start: str) -> str:
@@ -113,6 +115,7 @@ def generate(
     top_k: int | None,
     kv_cache: str = "contiguous",
     compile: bool = False,
+    **options,
 ) -> Iterator[torch.Tensor]:
     """Yield idx (B, T) grown by one token at a time, drawn only from ids below vocab_size (the tokenizer's).
 
@@ -121,7 +124,15 @@ def generate(
     tokens drawn so far. temperature 0 takes the likeliest token.
     """
     tokens_stream = stream(
-        model, list(idx), max_new_tokens, temperature, top_k, kv_cache=kv_cache, compile=compile, vocab_size=vocab_size
+        model,
+        list(idx),
+        max_new_tokens,
+        temperature,
+        top_k,
+        kv_cache=kv_cache,
+        compile=compile,
+        vocab_size=vocab_size,
+        **options,
     )
     for tokens in tokens_stream:
         idx = torch.cat((idx, tokens[:, None].to(idx.dtype)), dim=1)
@@ -133,7 +144,7 @@ class Timing:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.prefill_s = self.decode_s = 0.0
+        self.prefill_s = self.warmup_s = self.decode_s = 0.0
         self.prompt_tokens = self.decoded = 0
 
     def now(self) -> float:
@@ -148,6 +159,8 @@ class Timing:
         ):
             rate = f"{tokens / seconds:,.0f}" if seconds > 0 else "-"
             print(f"{name}: {tokens} tokens in {seconds:.2f} s ({rate} tokens/s)", file=sys.stderr)
+            if name == "prefill" and self.warmup_s:  # a CUDA graph's capture, or a compile, in the first step
+                print(f"warm-up: the first decode step took {self.warmup_s:.2f} s", file=sys.stderr)
         print(f"{generated} tokens in {elapsed:.1f} s ({generated / elapsed:,.0f} tokens/s)", file=sys.stderr)
 
 
@@ -204,32 +217,17 @@ def sample(cfg: SampleConfig) -> int:
     device = pick_device(cfg.device)
     runtime = Runtime(device, pick_dtype(cfg.dtype, device))
     model, encode, decode, vocab_size = load_model(cfg, device)
-    block_size = model.config.block_size
-    prompts = encode_prompts(cfg, encode, block_size)
+    prompts = encode_prompts(cfg, encode, model.config.block_size)
     torch.manual_seed(cfg.seed)
     jobs = [prompt for prompt in prompts for _ in range(cfg.num_samples)]  # each prompt's samples in turn
     timing = Timing(device)
-    generated, started = 0, time.time()
+    started = time.time()
     for first in range(0, len(jobs), cfg.batch_size):
         batch = jobs[first : first + cfg.batch_size]
         new: list[torch.Tensor] = []  # (B,) tokens per step: what Ctrl-C prints
         try:
             with runtime.autocast():
-                begun = prefilled = timing.now()
-                rows = [torch.tensor(prompt, dtype=torch.long, device=device) for prompt in batch]
-                for tokens in stream(
-                    model,
-                    rows,
-                    cfg.max_new_tokens,
-                    cfg.temperature,
-                    cfg.top_k,
-                    kv_cache=cfg.kv_cache,
-                    compile=cfg.compile,
-                    vocab_size=vocab_size,
-                ):
-                    new.append(tokens)
-                    if len(new) == 1:
-                        prefilled = timing.now()
+                sample_batch(cfg, model, batch, vocab_size, timing, new)
         except KeyboardInterrupt:  # Ctrl-C: print the samples so far
             print_samples(batch, new, decode)
             numbers = f"sample {first + 1}" if len(batch) == 1 else f"samples {first + 1}-{first + len(batch)}"
@@ -238,14 +236,30 @@ def sample(cfg: SampleConfig) -> int:
                 file=sys.stderr,
             )
             return 130
-        timing.prefill_s += prefilled - begun
-        timing.decode_s += timing.now() - prefilled
-        timing.prompt_tokens += sum(min(len(prompt), block_size) for prompt in batch)
-        timing.decoded += len(batch) * (cfg.max_new_tokens - 1)  # the first token of each comes with the prefill
-        generated += len(batch) * cfg.max_new_tokens
         print_samples(batch, new, decode)
-    timing.report(generated, time.time() - started)
+    timing.report(len(jobs) * cfg.max_new_tokens, time.time() - started)
     return 0
+
+
+def sample_batch(cfg: SampleConfig, model: GPT, batch: list[list[int]], vocab_size: int, timing: Timing, new: list):
+    """Generate one batch's tokens into `new`, timing its prefill (to the first token), warm-up (the first decode
+    step: a CUDA graph's capture, or a compile) and decode (the rest)."""
+    device = timing.device
+    begun = prefilled = warmed = timing.now()
+    rows = [torch.tensor(prompt, dtype=torch.long, device=device) for prompt in batch]
+    graph = cfg.cuda_graph and device.type == "cuda" and cfg.kv_cache != "none" and not cfg.compile
+    options = dict(kv_cache=cfg.kv_cache, compile=cfg.compile, cuda_graph=graph, slide=cfg.slide, vocab_size=vocab_size)
+    for tokens in stream(model, rows, cfg.max_new_tokens, cfg.temperature, cfg.top_k, **options):
+        new.append(tokens)
+        if len(new) == 1:
+            prefilled = warmed = timing.now()
+        elif len(new) == 2:
+            warmed = timing.now()
+    timing.prefill_s += prefilled - begun
+    timing.warmup_s += warmed - prefilled
+    timing.decode_s += timing.now() - warmed
+    timing.prompt_tokens += sum(min(len(prompt), model.config.block_size) for prompt in batch)
+    timing.decoded += len(batch) * max(0, cfg.max_new_tokens - 2)  # the first two: prefill and warm-up
 
 
 def print_samples(batch: list[list[int]], new: list[torch.Tensor], decode):

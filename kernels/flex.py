@@ -12,8 +12,22 @@ import torch
 from model import HALF, AttentionBackend, AttentionMask, Need, dtype_name, register, torch_version
 
 
-def block_mask(mask: AttentionMask):
-    """flex_attention's BlockMask of a forward pass's mask (made once per forward, shared by the layers)."""
+def block_mask(mask: AttentionMask, heads: int):
+    """flex_attention's BlockMask of a forward pass's mask (made once per forward, shared by the layers).
+
+    Packed documents give one mask per row, and each row gets its `heads` too: with a broadcast head dim (H=1)
+    inductor may give the size-1 dim of the BlockMask's tensors, built inside a compiled graph, a stride that
+    flex's kernels then take for the batch stride, and they read past those tensors (an illegal memory access
+    on CUDA, or a silently wrong loss; torch 2.11, bench/NOTES.md). One head is that case itself: its mask is
+    built outside the graph instead."""
+    if mask.segments is None:
+        return _create(mask, None, None)
+    if heads == 1:
+        return _create_eagerly(mask)
+    return _create(mask, mask.segments.size(0), heads)
+
+
+def _create(mask: AttentionMask, batch: int | None, heads: int | None, **options):
     from torch.nn.attention.flex_attention import create_block_mask
 
     segments = mask.segments
@@ -27,8 +41,12 @@ def block_mask(mask: AttentionMask):
         def mask_mod(b, h, q, kv):
             return (q >= kv) & (segments[b, q] == segments[b, kv])
 
-    batch = None if segments is None else segments.size(0)
-    return create_block_mask(mask_mod, batch, None, mask.seq_len, mask.seq_len, device=mask.device)
+    return create_block_mask(mask_mod, batch, heads, mask.seq_len, mask.seq_len, device=mask.device, **options)
+
+
+@torch.compiler.disable
+def _create_eagerly(mask: AttentionMask):
+    return _create(mask, mask.segments.size(0), None, _compile=True)
 
 
 def flex_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
@@ -37,7 +55,8 @@ def flex_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
     from torch.nn.attention.flex_attention import flex_attention as flex
 
     run = flex if torch.compiler.is_compiling() else compiled_flex_attention()
-    return run(q, k, v, block_mask=mask.form("flex", block_mask), enable_gqa=k.size(1) != q.size(1))
+    mask_blocks = mask.form("flex", lambda m: block_mask(m, q.size(1)))
+    return run(q, k, v, block_mask=mask_blocks, enable_gqa=k.size(1) != q.size(1))
 
 
 @functools.cache

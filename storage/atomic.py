@@ -1,6 +1,6 @@
 """Write a file so that a crash or kill at any moment leaves either the old file or the new one, whole.
 
-Used for datasets (data/common.py) and checkpoints (checkpoint.py); it imports nothing of this repo.
+Used for datasets (data/common.py) and checkpoints (storage/checkpoint.py); it imports nothing of this repo.
 """
 
 from __future__ import annotations

@@ -32,7 +32,10 @@ def parse_args(argv: list[str]):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as stop:  # --help, or one `error:` line for a bad command line
+        return stop.code
     source = Path(args.checkpoint)
     if args.command != "merge" and source.is_dir():
         source = source / "ckpt.pt"

@@ -85,7 +85,7 @@ def export_safetensors(checkpoint_path, out_path) -> Path:
         raise CheckpointError(f"cannot write {out_path}: folder {out_path.parent} does not exist")
     state = load_checkpoint(checkpoint_path)
     if "lora" in state:
-        raise CheckpointError(f"{checkpoint_path} holds LoRA adapters; first run: python checkpoint.py merge CKPT OUT")
+        raise CheckpointError(f"{checkpoint_path} holds LoRA adapters; first run: python -m weights merge CKPT OUT")
     # lm_head.weight is tied to transformer.wte.weight; safetensors stores shared tensors only once
     weights = {k: v.contiguous() for k, v in state["model"].items() if k != "lm_head.weight"}
     metadata = {"model_config": json.dumps(state["model_config"]), "tied": "lm_head.weight=transformer.wte.weight"}

@@ -4,7 +4,7 @@ base weights stay frozen; the adapters alone train, and a checkpoint holds only 
 
     python train.py config/finetune_shakespeare_lora.py               # adapters on a GPT-2 checkpoint
     python sample.py --out_dir=out-shakespeare-lora                   # base + adapters, merged
-    python checkpoint.py merge out-shakespeare-lora/ckpt.pt merged.pt   # one plain checkpoint of both
+    python -m weights merge out-shakespeare-lora/ckpt.pt merged.pt    # one plain checkpoint of both
 
 A LoRALinear keeps its Linear's `weight` and `bias` under their own names and adds `lora_A` (rank, in) and
 `lora_B` (out, rank): the base model's state_dict keys do not change, so base weights load into a LoRA model and
@@ -283,7 +283,7 @@ def checkpoint_entries(model: GPT) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# python checkpoint.py merge ADAPTER.pt OUT.pt
+# python -m weights merge ADAPTER.pt OUT.pt
 
 
 def merge_checkpoint(adapter_path, out_path) -> Path:

@@ -1,1 +1,1 @@
-"""FineWeb-Edu, GPT-2 BPE: `python data/fineweb/prepare.py`."""
+"""FineWeb-Edu, GPT-2 BPE: `python -m data.fineweb.prepare`."""

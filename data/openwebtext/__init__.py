@@ -1,1 +1,1 @@
-"""OpenWebText, GPT-2 BPE: `python data/openwebtext/prepare.py`."""
+"""OpenWebText, GPT-2 BPE: `python -m data.openwebtext.prepare`."""

@@ -1,1 +1,1 @@
-"""Shakespeare, GPT-2 BPE: `python data/shakespeare/prepare.py`."""
+"""Shakespeare, GPT-2 BPE: `python -m data.shakespeare.prepare`."""

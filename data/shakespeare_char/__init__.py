@@ -1,1 +1,1 @@
-"""Shakespeare, character level: `python data/shakespeare_char/prepare.py`."""
+"""Shakespeare, character level: `python -m data.shakespeare_char.prepare`."""

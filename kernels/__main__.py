@@ -1,0 +1,8 @@
+"""`python -m kernels`: what this machine can run, with every registered kernel (`python model.py` shows model.py's
+three alone)."""
+
+import kernels  # noqa: F401  (registers flash-attn 3/4, flex_attention and auto's table)
+import model
+
+if __name__ == "__main__":
+    model.main()
