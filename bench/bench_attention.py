@@ -1,10 +1,10 @@
 """Time every attention backend of model.py on the same inputs: forward, forward+backward, memory, error.
 
-    python bench/bench_attention.py                     # H100 grid: D 64/128, T 512..32768, bf16, causal
-    python bench/bench_attention.py --docs              # also document-masked cells (~4 documents per row)
-    python bench/bench_attention.py --docs-only         # only those (-> <card>-attention-docs.json)
-    python bench/bench_attention.py --dtype float16 --budget 0
-    python bench/bench_attention.py --quick             # tiny CPU run (seconds), what tests/test_bench.py runs
+    python -m bench.bench_attention                     # H100 grid: D 64/128, T 512..32768, bf16, causal
+    python -m bench.bench_attention --docs              # also document-masked cells (~4 documents per row)
+    python -m bench.bench_attention --docs-only         # only those (-> <card>-attention-docs.json)
+    python -m bench.bench_attention --dtype float16 --budget 0
+    python -m bench.bench_attention --quick             # tiny CPU run (seconds), what tests/test_bench.py runs
 
 Every cell (head dim, sequence length, documents or not) gets fresh random inputs with the same number of
 tokens per call (batch = tokens // T, at least 1) and H = 16 heads for both head dims (so H*D is 1024 or
@@ -17,7 +17,6 @@ first line) in `status`; cells the --budget leaves no time for say so too.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import math
@@ -29,22 +28,20 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from attention import AttentionMask, Need, sdpa_attention, sdpa_kernel_problem  # noqa: E402
-from bench.report import (  # noqa: E402
-    DEFAULT_OUT,
-    Budget,
-    Column,
+import kernels  # noqa: F401  (registers flash_attn_3/4, flex_attention and auto's table into model.BACKENDS)
+from bench.grid import (
+    BenchParser,
+    Grid,
     cuda_graph,
     failure_reason,
     free_device_memory,
     median_ms,
-    plot_lines,
-    results_header,
-    write_results,
+    number,
+    run_grid,
 )
-from model import BACKENDS, resolve  # noqa: E402
-from runtime import synchronize  # noqa: E402
+from bench.report import Column, plot_lines
+from model import BACKENDS, AttentionMask, Need, resolve, sdpa_attention, sdpa_kernel_problem
+from training.runtime import synchronize
 
 SDPA_VARIANTS = ("sdpa:auto", "sdpa:flash", "sdpa:cudnn", "sdpa:efficient", "sdpa:math")
 ALL_BACKENDS = ("manual", *SDPA_VARIANTS, "flex_attention", "flash_attn_2", "flash_attn_3", "flash_attn_4", "auto")
@@ -66,6 +63,7 @@ class Cell:
     seq_len: int
     docs: bool
     dtype: torch.dtype
+    seed: int = 0  # of the cell's random inputs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -83,16 +81,16 @@ def document_ids(batch: int, seq_len: int, generator: torch.Generator, n_docs: i
     return torch.stack(rows)
 
 
-def make_inputs(cell: Cell, heads: int, tokens: int, device: torch.device, seed: int):
+def make_inputs(cell: Cell, heads: int, tokens: int, device: torch.device):
     """Fresh random q, k, v (requiring grad), an upstream gradient and the mask: never zeros, which can hide
     unwritten outputs and run faster than real data."""
     batch = max(1, tokens // cell.seq_len)
-    on_device = torch.Generator(device=device).manual_seed(seed)  # drawing 4 x 32M values on the host is slow
+    on_device = torch.Generator(device=device).manual_seed(cell.seed)  # drawing 4 x 32M values on the host is slow
     shape = (batch, heads, cell.seq_len, cell.head_dim)  # (B, H, T, D)
     q, k, v, grad_out = (torch.randn(shape, generator=on_device, device=device, dtype=cell.dtype) for _ in range(4))
     for t in (q, k, v):
         t.requires_grad_(True)
-    on_host = torch.Generator().manual_seed(seed)
+    on_host = torch.Generator().manual_seed(cell.seed)
     doc_ids = document_ids(batch, cell.seq_len, on_host).to(device) if cell.docs else None
     return q, k, v, grad_out, AttentionMask(cell.seq_len, device, doc_ids)
 
@@ -197,14 +195,13 @@ class Measurement:
 def prepare_backend(backend: str, cell: Cell, inputs, reference, args, device) -> Measurement:
     """Everything but the timing: first call (compiles flex, builds the mask form), error, memory."""
     q, k, v, grad_out, mask = inputs
-    row = empty_row(backend, cell, q.size(0))
     plan = plan_backend(backend, cell, device)
-    row["resolved"] = plan.resolved
-    measurement = Measurement(row, {}, {}, {"fwd": [], "fwd_bwd": []})
-    skip = quick_skip_reason(backend, cell, args)
-    if plan.forward_problem or skip:
-        measurement.status = {"fwd": plan.forward_problem or skip, "fwd_bwd": plan.forward_problem or skip}
-        return measurement
+    row = {**empty_row(backend, cell, q.size(0)), "resolved": plan.resolved}
+    m = Measurement(row, {}, {}, {"fwd": [], "fwd_bwd": []})
+    skip = plan.forward_problem or quick_skip_reason(backend, cell, args)
+    if skip:
+        m.status = {"fwd": skip, "fwd_bwd": skip}
+        return m
     if plan.backward_problem:  # forward-only (flex on CPU): autograd inputs would make it refuse to run
         q, k, v = (t.detach() for t in (q, k, v))
 
@@ -214,10 +211,24 @@ def prepare_backend(backend: str, cell: Cell, inputs, reference, args, device) -
     def forward_backward():
         plan.fn(q, k, v, mask, 0.0).backward(grad_out)
 
-    # Any exception a kernel raises (RuntimeError, a Triton compile error, OOM) becomes this cell's reason.
+    m.status["fwd"] = first_forward(m, forward, reference, device)
+    if m.status["fwd"] != "ok" or plan.backward_problem:
+        if m.status["fwd"] == "ok" and device.type == "cuda":
+            row["peak_mem_mib"], row["mem_pass"] = memory_mib(forward, device, ()), "fwd"
+        m.status["fwd_bwd"] = plan.backward_problem or m.status["fwd"]
+        return m
+    m.status["fwd_bwd"] = first_backward(m, forward_backward, (q, k, v), device)
+    return m
+
+
+def first_forward(m: Measurement, forward, reference, device) -> str:
+    """The first call (compiles flex and flash-attn-4, builds the mask form the backend needs) and its error
+    against the reference: 'ok', or why it failed; any exception a kernel raises (RuntimeError, a Triton
+    compile error, OOM) is the reason."""
+    row = m.row
     try:
         start = time.perf_counter()
-        out = forward()  # first call: compiles (flex, flash-attn-4) and builds the mask form the backend needs
+        out = forward()
         synchronize(device)
         row["first_call_s"] = time.perf_counter() - start
         error = out.detach().float() - reference
@@ -226,24 +237,25 @@ def prepare_backend(backend: str, cell: Cell, inputs, reference, args, device) -
         del out, error
         if not math.isfinite(row["max_err"]):  # a NaN-producing kernel's time means nothing
             raise FloatingPointError(f"non-finite output (max error {row['max_err']})")
-        measurement.status["fwd"], measurement.runs["fwd"] = "ok", (forward, ())
     except Exception as error:  # noqa: BLE001 - recorded, never swallowed
-        measurement.status["fwd"] = failure_reason(error)
-    if measurement.status["fwd"] != "ok" or plan.backward_problem:
-        if measurement.status["fwd"] == "ok" and device.type == "cuda":
-            row["peak_mem_mib"], row["mem_pass"] = memory_mib(forward, device, ()), "fwd"
-        measurement.status["fwd_bwd"] = plan.backward_problem or measurement.status["fwd"]
-        return measurement
+        return failure_reason(error)
+    m.runs["fwd"] = (forward, ())
+    return "ok"
+
+
+def first_backward(m: Measurement, forward_backward, grads, device) -> str:
+    """The first fwd+bwd (compiles the backward of flex and flash-attn-4) and its memory: 'ok' or why not."""
     try:
-        forward_backward()  # compiles the backward (flex, flash-attn-4) before memory is measured
+        forward_backward()  # before memory is measured: compiling takes memory of its own
         if device.type == "cuda":
-            row["peak_mem_mib"], row["mem_pass"] = memory_mib(forward_backward, device, (q, k, v)), "fwd_bwd"
-        measurement.status["fwd_bwd"], measurement.runs["fwd_bwd"] = "ok", (forward_backward, (q, k, v))
+            m.row["peak_mem_mib"], m.row["mem_pass"] = memory_mib(forward_backward, device, grads), "fwd_bwd"
+        m.runs["fwd_bwd"] = (forward_backward, grads)
+        status = "ok"
     except Exception as error:  # noqa: BLE001 - recorded, never swallowed
-        measurement.status["fwd_bwd"] = failure_reason(error)
-    for t in (q, k, v):
+        status = failure_reason(error)
+    for t in grads:
         t.grad = None
-    return measurement
+    return status
 
 
 def capture_graphs(measurements: list[Measurement], device: torch.device):
@@ -350,7 +362,8 @@ def finish_row(row: dict, fwd_status: str, fwd_bwd_status: str) -> dict:
 def cells_in_order(args) -> list[Cell]:
     """Causal cells before document cells; within each, seq lens in the order given (most wanted first)."""
     dtype = getattr(torch, args.dtype)
-    return [Cell(d, t, docs, dtype) for docs in mask_kinds(args) for t in args.seq_lens for d in args.head_dims]
+    shapes = [(docs, t, d) for docs in mask_kinds(args) for t in args.seq_lens for d in args.head_dims]
+    return [Cell(d, t, docs, dtype, seed=1000 + index) for index, (docs, t, d) in enumerate(shapes)]
 
 
 def mask_kinds(args) -> tuple[bool, ...]:
@@ -358,41 +371,35 @@ def mask_kinds(args) -> tuple[bool, ...]:
     return (True,) if args.docs_only else (False, True) if args.docs else (False,)
 
 
-def run_grid(args, device: torch.device) -> list[dict]:
-    budget = Budget(args.budget)
-    rows = []
-    for index, cell in enumerate(cells_in_order(args)):
-        batch = max(1, args.tokens // cell.seq_len)
-        if budget.exhausted():
-            rows += [finish_row(empty_row(b, cell, batch), budget.reason(), budget.reason()) for b in args.backends]
-            continue
-        inputs = make_inputs(cell, args.heads, args.tokens, device, seed=1000 + index)
-        reference = reference_attention(*inputs[:3], inputs[4])
-        measurements = []
-        for backend in args.backends:
-            measurements.append(prepare_backend(backend, cell, inputs, reference, args, device))
-            if "OOM" in measurements[-1].status["fwd_bwd"]:
-                free_device_memory()  # the failed call's tensors may sit in reference cycles until collected
-        if args.timing == "graph" and device.type == "cuda":
-            capture_graphs(measurements, device)
-        time_in_rounds(measurements, args, device)
-        for m in measurements:
-            rows.append(finish_measurement(m, cell, args.heads))
-            print(progress_line(rows[-1], budget.elapsed()), flush=True)
-        del inputs, reference, measurements
-        free_device_memory()
+def measure_cell(cell: Cell, args, device: torch.device) -> list[dict]:
+    """Every backend's row in one cell: all prepared on the same inputs, then timed in turn (time_in_rounds)."""
+    inputs = make_inputs(cell, args.heads, args.tokens, device)
+    reference = reference_attention(*inputs[:3], inputs[4])
+    measurements = []
+    for backend in args.backends:
+        measurements.append(prepare_backend(backend, cell, inputs, reference, args, device))
+        if "OOM" in measurements[-1].status["fwd_bwd"]:
+            free_device_memory()  # the failed call's tensors may sit in reference cycles until collected
+    if args.timing == "graph" and device.type == "cuda":
+        capture_graphs(measurements, device)
+    time_in_rounds(measurements, args, device)
+    rows = [finish_measurement(m, cell, args.heads) for m in measurements]
+    del inputs, reference, measurements
+    free_device_memory()
     return rows
 
 
-def progress_line(row: dict, elapsed: float) -> str:
-    def num(key, fmt):
-        return fmt.format(row[key]) if row[key] is not None else "-"
+def skipped_cell(cell: Cell, reason: str, args) -> list[dict]:
+    batch = max(1, args.tokens // cell.seq_len)
+    return [finish_row(empty_row(backend, cell, batch), reason, reason) for backend in args.backends]
 
+
+def progress_line(row: dict) -> str:
     return (
-        f"[{elapsed:6.1f}s] D={row['head_dim']:<3} T={row['seq_len']:<5} docs={int(row['docs'])} "
-        f"{row['backend']:<15} fwd {num('fwd_ms', '{:.3f}'):>8} ms  fwd+bwd {num('fwd_bwd_ms', '{:.3f}'):>8} ms "
-        f"{num('fwd_bwd_tflops', '{:.0f}'):>4} TF/s  mem {num('peak_mem_mib', '{:.0f}'):>6} MiB  "
-        f"err {num('max_err', '{:.1e}')}  {row['status'] if row['status'] != 'ok' else ''}"
+        f"D={row['head_dim']:<3} T={row['seq_len']:<5} docs={int(row['docs'])} {row['backend']:<15} "
+        f"fwd {number(row, 'fwd_ms', '{:.3f}'):>8} ms  fwd+bwd {number(row, 'fwd_bwd_ms', '{:.3f}'):>8} ms "
+        f"{number(row, 'fwd_bwd_tflops', '{:.0f}'):>4} TF/s  mem {number(row, 'peak_mem_mib', '{:.0f}'):>6} MiB  "
+        f"err {number(row, 'max_err', '{:.1e}')}  {row['status'] if row['status'] != 'ok' else ''}"
     )
 
 
@@ -436,100 +443,46 @@ def plot(rows: list[dict], path: Path):
 # ----------------------------------------------------------------------------------------------
 
 
+QUICK = dict(
+    device="cpu",
+    dtype="float32",
+    head_dims=[64],
+    seq_lens=[64, 128],
+    tokens=256,
+    backends=list(QUICK_BACKENDS),
+    budget=0,
+    name="attention-quick",
+    warmup_ms=5,
+    rep_ms=20,
+    rounds=1,
+)
+FULL = dict(  # and device: cuda if there is one
+    dtype="bfloat16",
+    head_dims=[64, 128],
+    seq_lens=list(DEFAULT_SEQ_LENS),
+    tokens=16384,
+    backends=list(ALL_BACKENDS),
+    budget=240,
+    name=None,  # attention[-docs][-<dtype>], from the grid
+    warmup_ms=25,
+    rep_ms=100,
+    rounds=3,
+)
+
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    full = {**FULL, "device": "cuda" if torch.cuda.is_available() else "cpu"}
+    parser = BenchParser(
+        __doc__,
+        QUICK,
+        full,
+        quick_help="tiny CPU run: T 64/128, D 64, float32, manual/sdpa/flex/auto (flex in one cell), with documents",
+        dtypes=("bfloat16", "float16", "float32"),
     )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="tiny CPU run: T 64/128, D 64, float32, manual/sdpa/flex/auto (flex in one cell)",
-    )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present; --quick: cpu)")
-    parser.add_argument(
-        "--dtype",
-        default=None,
-        choices=("bfloat16", "float16", "float32"),
-        help="input dtype (default bfloat16; --quick: float32)",
-    )
-    parser.add_argument("--head-dims", type=int, nargs="+", default=None, help="default 64 128")
-    parser.add_argument(
-        "--seq-lens",
-        type=int,
-        nargs="+",
-        default=None,
-        help="default 1024 4096 16384 512 2048 8192 32768 (measured in this order)",
-    )
-    parser.add_argument("--tokens", type=int, default=None, help="B*T per call (default 16384; B >= 1)")
-    parser.add_argument("--heads", type=int, default=16, help="attention heads H, for every head dim (default 16)")
-    parser.add_argument(
-        "--docs",
-        action="store_true",
-        help="also run every cell with document masks (~4 documents per row), after the causal ones",
-    )
-    parser.add_argument(
-        "--docs-only",
-        action="store_true",
-        help="only the document-masked cells (default name attention-docs), e.g. in a second call",
-    )
-    parser.add_argument("--backends", nargs="+", default=None, choices=ALL_BACKENDS, help="default: all")
-    parser.add_argument(
-        "--budget",
-        type=float,
-        default=None,
-        help="seconds for the whole grid; later cells are recorded as skipped (default 240; 0: none)",
-    )
-    parser.add_argument("--warmup-ms", type=float, default=None, help="do_bench warm-up per timing (default 25 ms)")
-    parser.add_argument(
-        "--rep-ms", type=float, default=None, help="do_bench repetition time per timing (default 100 ms)"
-    )
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        default=None,
-        help="timings per backend, interleaved across the cell's backends; the median counts (default 3; --quick: 1)",
-    )
-    parser.add_argument(
-        "--timing",
-        default="graph",
-        choices=("graph", "eager"),
-        help="on CUDA, time replays of a CUDA graph of each call (default) or eager calls",
-    )
-    parser.add_argument("--name", default=None, help="results name (default attention[-float16] / attention-quick)")
+    add_grid_options(parser)
     args = parser.parse_args(argv)
     if args.quick:
-        defaults = dict(
-            device="cpu",
-            dtype="float32",
-            head_dims=[64],
-            seq_lens=[64, 128],
-            tokens=256,
-            backends=list(QUICK_BACKENDS),
-            budget=0,
-            name="attention-quick",
-            warmup_ms=5,
-            rep_ms=20,
-            rounds=1,
-        )
         args.docs = True  # cheap on CPU, and it exercises the document path
-    else:
-        defaults = dict(
-            device="cuda" if torch.cuda.is_available() else "cpu",
-            dtype="bfloat16",
-            head_dims=[64, 128],
-            seq_lens=list(DEFAULT_SEQ_LENS),
-            tokens=16384,
-            backends=list(ALL_BACKENDS),
-            budget=240,
-            name=None,
-            warmup_ms=25,
-            rep_ms=100,
-            rounds=3,
-        )
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
     if args.name is None:
         args.name = (
             "attention" + ("-docs" if args.docs_only else "") + ("" if args.dtype == "bfloat16" else f"-{args.dtype}")
@@ -540,56 +493,83 @@ def parse_args(argv=None):
     return args
 
 
+def add_grid_options(parser: BenchParser):
+    parser.add_argument("--head-dims", type=int, nargs="+", help="default 64 128")
+    parser.add_argument(
+        "--seq-lens", type=int, nargs="+", help="default 1024 4096 16384 512 2048 8192 32768 (in order)"
+    )
+    parser.add_argument("--tokens", type=int, help="B*T per call (default 16384; B >= 1)")
+    parser.add_argument("--heads", type=int, default=16, help="attention heads H, for every head dim (default 16)")
+    parser.add_argument(
+        "--docs", action="store_true", help="also every cell with document masks (~4 a row), after the causal ones"
+    )
+    parser.add_argument(
+        "--docs-only", action="store_true", help="only the document-masked cells (default name attention-docs)"
+    )
+    parser.add_argument("--backends", nargs="+", choices=ALL_BACKENDS, help="default: all")
+    parser.add_argument("--warmup-ms", type=float, help="do_bench warm-up per timing (default 25 ms)")
+    parser.add_argument("--rep-ms", type=float, help="do_bench repetition time per timing (default 100 ms)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="timings per backend, interleaved across the cell's backends; the median counts (default 3; --quick: 1)",
+    )
+    parser.add_argument(
+        "--timing",
+        default="graph",
+        choices=("graph", "eager"),
+        help="on CUDA, time replays of a CUDA graph of each call (default) or eager calls",
+    )
+
+
+def results_notes(args, device: torch.device) -> dict:
+    graphs = args.timing == "graph" and device.type == "cuda"
+    return {
+        "shapes": f"B = max(1, {args.tokens} // T), H = {args.heads} for every D; {args.dtype} inputs (B, H, T, D)",
+        "timing": f"median over {args.rounds} rounds (every backend of a cell timed in turn, each round) "
+        "of the median of triton.testing.do_bench (CUDA events, L2 flushed before each run; host clock on CPU); "
+        + (
+            "each call captured in a CUDA graph and its replays timed, so host launch work is left out "
+            "(fwd_timing/fwd_bwd_timing say where capture failed and eager calls were timed); "
+            if graphs
+            else "eager calls; "
+        )
+        + "forward timed with autograd on, as in training; mask forms (dense, BlockMask, cu_seqlens) built before "
+        "timing, as the model builds them once per forward for all layers",
+        "flops": FLOP_CONVENTION,
+        "memory": "peak_mem_mib = max_memory_allocated during one fwd+bwd (mem_pass) minus what was "
+        "allocated before (inputs, grad_out, mask, reference)",
+        "error": "max_err = max |out - ref|, rel_err = ||out - ref|| / ||ref||; ref = float32 attention "
+        "on upcast inputs, computed in query-row chunks, no TF32",
+    }
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
-    if args.quick:
-        torch.set_num_threads(1)  # tiny ops gain nothing from threads, and a shared CPU makes them crawl
     from torch._dynamo import config as dynamo_config  # here: importing this module stays cheap for tests
 
     # flex_attention is compiled with static shapes: one recompile per cell, more than dynamo's default 8.
     limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
     setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), 256))
-    start = time.perf_counter()
-    rows = run_grid(args, device)
-    header = results_header(
-        args.name,
-        device,
-        grid={
-            "backends": args.backends,
-            "head_dims": args.head_dims,
-            "seq_lens": args.seq_lens,
-            "docs": list(mask_kinds(args)),
-            "dtype": args.dtype,
-            "tokens_per_call": args.tokens,
-            "heads": args.heads,
-        },
-        flop_convention=FLOP_CONVENTION,
-        wall_s=round(time.perf_counter() - start, 1),
-        notes={
-            "shapes": f"B = max(1, {args.tokens} // T), H = {args.heads} for every D; {args.dtype} inputs (B, H, T, D)",
-            "timing": f"median over {args.rounds} rounds (every backend of a cell timed in turn, each round) "
-            "of the median of triton.testing.do_bench (CUDA events, L2 flushed before each run; "
-            "host clock on CPU); "
-            + (
-                "each call captured in a CUDA graph and its replays timed, so host launch work is "
-                "left out (fwd_timing/fwd_bwd_timing say where capture failed and eager calls were "
-                "timed); "
-                if args.timing == "graph" and device.type == "cuda"
-                else "eager calls; "
-            )
-            + "forward timed with autograd on, as in training; "
-            "mask forms (dense, BlockMask, cu_seqlens) built before timing, as the model builds them "
-            "once per forward for all layers",
-            "flops": FLOP_CONVENTION,
-            "memory": "peak_mem_mib = max_memory_allocated during one fwd+bwd (mem_pass) minus what was "
-            "allocated before (inputs, grad_out, mask, reference)",
-            "error": "max_err = max |out - ref|, rel_err = ||out - ref|| / ||ref||; ref = float32 attention "
-            "on upcast inputs, computed in query-row chunks, no TF32",
-        },
+    grid = Grid(
+        measure=lambda cell: measure_cell(cell, args, device),
+        skipped=lambda cell, reason: skipped_cell(cell, reason, args),
+        progress=progress_line,
+        columns=COLUMNS,
+        plot=plot,
     )
-    for path in write_results(args.out, args.name, header, rows, COLUMNS, plot):
-        print(f"wrote {path}")
+    settings = {
+        "backends": args.backends,
+        "head_dims": args.head_dims,
+        "seq_lens": args.seq_lens,
+        "docs": list(mask_kinds(args)),
+        "dtype": args.dtype,
+        "tokens_per_call": args.tokens,
+        "heads": args.heads,
+    }
+    header = {"grid": settings, "flop_convention": FLOP_CONVENTION, "notes": results_notes(args, device)}
+    header, rows = run_grid(grid, cells_in_order(args), args, device, header)
     from bench.readme_table import backend_table
 
     print(backend_table({"header": header, "rows": rows}))

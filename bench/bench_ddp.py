@@ -2,16 +2,16 @@
 the scaling against one GPU (1.0 = perfect); optionally GPT-2 XL (1.5B) under FSDP, and the largest model that
 trains under DDP and under FSDP.
 
-    python bench/bench_ddp.py                  # GPT-2 124M, T=1024, micro-batch 16, DDP on 1 2 4 GPUs
-    python bench/bench_ddp.py --gpus 1 2 4 8
-    python bench/bench_ddp.py --fsdp           # also GPT-2 XL (48 layers, width 1600) under FSDP, same GPU counts
-    python bench/bench_ddp.py --largest        # also the deepest width-1600 GPT that trains, DDP and FSDP
-    python bench/bench_ddp.py --quick          # CPU, gloo, a tiny model on 1 and 2 processes: checks the script
-    python bench/bench_ddp.py --gpus 1 2 --variant overlap:--ddp_graph_split=true,--ddp_bucket_cap_mb=25
+    python -m bench.bench_ddp                  # GPT-2 124M, T=1024, micro-batch 16, DDP on 1 2 4 GPUs
+    python -m bench.bench_ddp --gpus 1 2 4 8
+    python -m bench.bench_ddp --fsdp           # also GPT-2 XL (48 layers, width 1600) under FSDP, same GPU counts
+    python -m bench.bench_ddp --largest        # also the deepest width-1600 GPT that trains, DDP and FSDP
+    python -m bench.bench_ddp --quick          # CPU, gloo, a tiny model on 1 and 2 processes: checks the script
+    python -m bench.bench_ddp --gpus 1 2 --variant overlap:--ddp_graph_split=true,--ddp_bucket_cap_mb=25
                                                # other DDP settings, scaled by the same 1-GPU run
 
 Each run is train.py itself under torchrun (--log_interval=10: a log line waits for the GPU); its figures are
-train.py's own iter lines (bench.report.parse_log_line) after the first --warmup iterations, medians over the
+train.py's own iter lines (bench.launch.parse_log_line) after the first --warmup iterations, medians over the
 rest. Every run has the same tokens per optimizer step: gradient_accumulation_steps = (GPUs of the largest run) x
 --accum, split over the GPUs. The data is a char corpus of this repo's sources with GPT-2's vocabulary size (no
 download).
@@ -21,27 +21,18 @@ NCCL_NVLS_ENABLE=0 in every launched process. Results: bench/results/<card>-ddp.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import re
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.report import DEFAULT_OUT, Column, parse_log_line, results_header, write_results  # noqa: E402
-from parallel import PARALLELISMS  # noqa: E402
+from bench import launch
+from bench.report import DEFAULT_OUT, GPT2_124M, GPT2_VOCAB, TINY, Column, pyplot, results_header, write_results
+from training.parallel import PARALLELISMS
 
-ROOT = Path(__file__).resolve().parents[1]
-GPT2 = {"n_layer": 12, "n_head": 12, "n_embd": 768}
 GPT2_XL = {"n_layer": 48, "n_head": 25, "n_embd": 1600}
-TINY = {"n_layer": 2, "n_head": 2, "n_embd": 64}
 LARGEST_LAYERS = (48, 96, 192, 384, 768)  # width 1600: about 1.5B, 3B, 6B, 12B, 24B parameters
 COLUMNS = [
     Column("run", "run"),
@@ -66,87 +57,8 @@ def params_millions(shape: dict, vocab_size: int | None, block_size: int) -> flo
     return (((vocab_size or 256) + block_size) * width + shape["n_layer"] * 12 * width * width) / 1e6
 
 
-def corpus(folder: Path) -> Path:
-    """A char-level dataset of this repo's own sources: no network needed on the GPU host."""
-    from data.common import prepare_text
-
-    if not (folder / "meta.json").exists():
-        text = "".join(p.read_text(errors="replace") for p in sorted(ROOT.glob("**/*.py")) + sorted(ROOT.glob("*.md")))
-        prepare_text(text * 4, folder, "char")
-    return folder
-
-
-def torchrun_env(quick: bool) -> dict:
-    """The environment of every launched torchrun: NVLink multicast off, output unbuffered; --quick: one
-    thread per CPU process."""
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
-    if quick:
-        env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def failure_line(output: str) -> str:
-    """What a failed run said: its last `error:` line, else the last exception line of a traceback, else its last
-    line that is not torchrun's ==== or ---- rule. A timeout says how far the run had got."""
-    lines = [line.strip() for line in output.splitlines() if line.strip().strip("=-")]
-    if len(lines) > 1 and lines[-1].startswith("timed out after"):
-        return f"{lines[-1]}; last output: {lines[-2]}"[:200]
-    errors = [line for line in lines if line.startswith("error:")]
-    exceptions = [line for line in lines if re.match(r"^(\[rank\d+\]:)?\s*[\w.]*(Error|Exception)\b.*:", line)]
-    return ((errors or exceptions or lines or ["(no output)"])[-1])[:200]
-
-
-def launch(args, gpus: int, settings: list[str], out_dir: Path, stop_at_iter: int | None = None):
-    """torchrun train.py on `gpus` processes; (exit code, output, seconds)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", "train.py"]
-    command += settings + [f"--out_dir={out_dir}", "--overwrite_out_dir=true"]
-    return run_until(command, torchrun_env(args.quick), args.timeout, stop_at_iter)
-
-
-def run_until(command: list[str], env: dict, timeout: float, stop_at_iter: int | None = None):
-    """Run a command to its end, or until it logs iteration stop_at_iter (then exit code 0: the probe has its
-    answer, and the final checkpoint of a model of billions of parameters is not worth its minutes), or for
-    `timeout` seconds (124). Either way nothing it started is left running. (exit code, output, seconds)."""
-    start = time.perf_counter()
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    timer = threading.Timer(timeout, kill_tree, [process.pid])
-    timer.start()
-    lines, reached = [], False
-    for line in process.stdout:
-        lines.append(line)
-        parsed = parse_log_line(line)
-        if stop_at_iter is not None and parsed and parsed["iter"] >= stop_at_iter:
-            reached = True
-            kill_tree(process.pid)
-            break
-    lines += process.stdout.readlines()
-    process.wait()
-    timed_out = not timer.is_alive() and not reached
-    timer.cancel()
-    code = 0 if reached else 124 if timed_out else process.returncode
-    return code, "".join(lines) + (f"\ntimed out after {timeout} s" if timed_out else ""), time.perf_counter() - start
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and all its descendants: torchrun starts each worker in a session of its own, so killing
-    torchrun alone would leave them holding their GPUs."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    family, index = [pid], 0
-    while index < len(family):
-        family += children.get(family[index], [])
-        index += 1
-    for member in family:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(member, signal.SIGKILL)
-
-
 def run_settings(args, shape: dict, parallelism: str, micro_batch: int, accum_total: int) -> list[str]:
-    settings = [f"--{key}={value}" for key, value in shape.items()]
-    settings += [
+    settings = launch.flags(shape) + [
         f"--data_dir={args.data}",
         f"--parallelism={parallelism}",
         f"--batch_size={micro_batch}",
@@ -183,6 +95,7 @@ def measure(
     warmup: int | None = None,
     stop_at_iter: int | None = None,
 ) -> dict:
+    """One row: train.py under torchrun on `gpus` processes, its iter lines past `warmup` summed up."""
     accum_total = max(args.gpus) * args.accum
     row = {
         "run": run,
@@ -196,24 +109,30 @@ def measure(
         "tokens_per_step": accum_total * micro_batch * args.block_size,
     }
     settings = run_settings(args, shape, parallelism, micro_batch, accum_total) + list(settings)
-    code, output, seconds = launch(args, gpus, settings, args.work / f"{run}-{model}-{gpus}", stop_at_iter)
-    lines = [parsed for line in output.splitlines() if (parsed := parse_log_line(line))]
-    steady = [line for line in lines if line["iter"] > (args.warmup if warmup is None else warmup)]
-    row["wall_s"] = round(seconds, 1)
-    if code != 0 or not steady:
-        row["status"] = f"exit {code}: {failure_line(output)}"
-        return row
+    out_dir = args.work / f"{run}-{model}-{gpus}"
+    settings += [f"--out_dir={out_dir}", "--overwrite_out_dir=true"]
+    command = launch.train_command(settings, ["--standalone", f"--nproc_per_node={gpus}"])
+    result = launch.run(command, launch.torchrun_env(args.quick), args.timeout, stop_at_iter)
+    return {**row, **figures(result, args.warmup if warmup is None else warmup, gpus)}
+
+
+def figures(result: launch.Run, warmup: int, gpus: int) -> dict:
+    """Medians of the iter lines past `warmup` (the peak memory: the largest), or why there are none."""
+    steady = [line for line in result.lines if line["iter"] > warmup]
+    if result.code != 0 or not steady:
+        return {"wall_s": round(result.seconds, 1), "status": f"exit {result.code}: {result.failure()}"}
     mfus = [line["mfu"] for line in steady if line["mfu"] is not None]
-    row.update(
-        ms_per_iter=statistics.median(line["ms_per_iter"] for line in steady),
-        tokens_per_sec=statistics.median(line["tokens_per_sec"] for line in steady),
-        mfu=statistics.median(mfus) if mfus else None,
-        mem_gib=max(line["mem_gib"] for line in steady),  # rank 0's peak
-        final_loss=steady[-1]["loss"],
-        status="ok",
-    )
-    row["tokens_per_sec_per_gpu"] = row["tokens_per_sec"] / gpus
-    return row
+    tokens_per_sec = statistics.median(line["tokens_per_sec"] for line in steady)
+    return {
+        "wall_s": round(result.seconds, 1),
+        "ms_per_iter": statistics.median(line["ms_per_iter"] for line in steady),
+        "tokens_per_sec": tokens_per_sec,
+        "mfu": statistics.median(mfus) if mfus else None,
+        "mem_gib": max(line["mem_gib"] for line in steady),  # rank 0's peak
+        "final_loss": steady[-1]["loss"],
+        "status": "ok",
+        "tokens_per_sec_per_gpu": tokens_per_sec / gpus,
+    }
 
 
 def add_scaling(rows: list[dict]) -> None:
@@ -261,11 +180,7 @@ def progress(row: dict) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     figure, (speed, scaling) = plt.subplots(1, 2, figsize=(11, 4.5))
     for key in dict.fromkeys((r["run"], r["model"]) for r in rows if "largest" not in r["run"]):
         points = sorted((r["gpus"], r) for r in rows if (r["run"], r["model"]) == key and r.get("tokens_per_sec"))
@@ -290,20 +205,55 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--gpus", type=int, nargs="+", default=None, help="GPU counts (default 1 2 4; --quick 1 2)")
-    parser.add_argument("--micro-batch", type=int, default=None, help="sequences per GPU and micro-step (16)")
+    add_options(parser)
+    args = parser.parse_args(argv)
+    quick = args.quick
+    args.gpus = args.gpus or ([1, 2] if quick else [1, 2, 4])
+    args.micro_batch = args.micro_batch or (4 if quick else 16)
+    args.iters = args.iters or (6 if quick else 60)
+    args.warmup = args.warmup if args.warmup is not None else (2 if quick else 20)
+    args.log_interval = args.log_interval or (1 if quick else 10)
+    args.name = args.name or ("ddp-quick" if quick else "ddp")
+    args.block_size, args.vocab_size = (64, None) if quick else (1024, GPT2_VOCAB)  # quick: the corpus's vocabulary
+    args.data = launch.corpus(args.work / "data")
+    args.variants = [parse_variant(text, parser) for text in args.variant]
+    if args.variant_gpus and not set(args.variant_gpus) <= {g for g in args.gpus if g > 1}:
+        parser.error(f"--variant-gpus {args.variant_gpus}: choose among --gpus above 1 ({args.gpus})")
+    return args
+
+
+def add_options(parser: argparse.ArgumentParser):
+    parser.add_argument("--gpus", type=int, nargs="+", help="GPU counts (default 1 2 4; --quick 1 2)")
+    parser.add_argument("--micro-batch", type=int, help="sequences per GPU and micro-step (16)")
     parser.add_argument("--accum", type=int, default=2, help="micro-steps per GPU on the largest GPU count (2)")
-    parser.add_argument("--iters", type=int, default=None, help="iterations per run (default 60; --quick 6)")
-    parser.add_argument("--warmup", type=int, default=None, help="iterations left out of the medians (20; quick 2)")
+    parser.add_argument("--iters", type=int, help="iterations per run (default 60; --quick 6)")
+    parser.add_argument("--warmup", type=int, help="iterations left out of the medians (20; quick 2)")
     parser.add_argument(
         "--log-interval",
         type=int,
-        default=None,
         help="train.py's log_interval (default 10; --quick 1): each log line waits for the GPU, so 1 adds a host "
         "sync to every step",
     )
     parser.add_argument("--fsdp", action="store_true", help="also GPT-2 XL under FSDP on each GPU count")
     parser.add_argument("--skip-ddp", action="store_true", help="leave out the DDP rows (e.g. only --fsdp)")
+    add_largest_options(parser)
+    parser.add_argument("--quick", action="store_true", help="CPU, gloo, tiny model: checks the script")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per train.py run (900)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
+    parser.add_argument("--work", type=Path, default=Path("out-bench-ddp"), help="folder for data and out_dirs")
+    parser.add_argument("--name", help="results name (default ddp; --quick ddp-quick)")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:--key=value[,--key=value]",
+        help="a DDP row set with these train.py settings on each GPU count > 1, scaled by the plain 1-GPU run",
+    )
+    parser.add_argument("--variant-gpus", type=int, nargs="+", help="GPU counts of the --variant rows (all > 1)")
+    parser.add_argument("extra", nargs="*", help="more train.py --key=value settings for every run (after --)")
+
+
+def add_largest_options(parser: argparse.ArgumentParser):
     parser.add_argument("--largest", action="store_true", help="also the deepest width-1600 GPT that trains")
     parser.add_argument(
         "--largest-layers",
@@ -320,36 +270,6 @@ def parse_args(argv=None):
         default=list(PARALLELISMS),
         help="which of them --largest probes (default both)",
     )
-    parser.add_argument("--quick", action="store_true", help="CPU, gloo, tiny model: checks the script")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per train.py run (900)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
-    parser.add_argument("--work", type=Path, default=Path("out-bench-ddp"), help="folder for data and out_dirs")
-    parser.add_argument("--name", default=None, help="results name (default ddp; --quick ddp-quick)")
-    parser.add_argument(
-        "--variant",
-        action="append",
-        default=[],
-        metavar="NAME:--key=value[,--key=value]",
-        help="a DDP row set with these train.py settings on each GPU count > 1, scaled by the plain 1-GPU run",
-    )
-    parser.add_argument(
-        "--variant-gpus", type=int, nargs="+", default=None, help="GPU counts of the --variant rows (all > 1)"
-    )
-    parser.add_argument("extra", nargs="*", help="more train.py --key=value settings for every run (after --)")
-    args = parser.parse_args(argv)
-    quick = args.quick
-    args.gpus = args.gpus or ([1, 2] if quick else [1, 2, 4])
-    args.micro_batch = args.micro_batch or (4 if quick else 16)
-    args.iters = args.iters or (6 if quick else 60)
-    args.warmup = args.warmup if args.warmup is not None else (2 if quick else 20)
-    args.log_interval = args.log_interval or (1 if quick else 10)
-    args.name = args.name or ("ddp-quick" if quick else "ddp")
-    args.block_size, args.vocab_size = (64, None) if quick else (1024, 50304)  # quick: the corpus's own vocabulary
-    args.data = corpus(args.work / "data")
-    args.variants = [parse_variant(text, parser) for text in args.variant]
-    if args.variant_gpus and not set(args.variant_gpus) <= {g for g in args.gpus if g > 1}:
-        parser.error(f"--variant-gpus {args.variant_gpus}: choose among --gpus above 1 ({args.gpus})")
-    return args
 
 
 def parse_variant(text: str, parser: argparse.ArgumentParser) -> tuple[str, list[str]]:
@@ -394,7 +314,7 @@ def main(argv=None) -> int:
         print(progress(row), flush=True)
         save(args, rows, start)
 
-    small = ("tiny", TINY) if args.quick else ("gpt2-124M", GPT2)
+    small = ("tiny", TINY) if args.quick else ("gpt2-124M", GPT2_124M)
     runs = ([] if args.skip_ddp else [("ddp", *small)]) + ([("fsdp", "gpt2-xl-1.5B", GPT2_XL)] if args.fsdp else [])
     if args.quick and args.fsdp:
         runs[-1] = ("fsdp", *small)

@@ -1,10 +1,10 @@
 """Time generation for GPT-2 124M shapes (random weights) per attention backend and KV cache.
 
-    python bench/bench_generate.py                  # CUDA, bf16: batch 1 and 32, prompt 128 and 2048, 256 new tokens
-    python bench/bench_generate.py --budget 0       # the whole grid, however long it takes
-    python bench/bench_generate.py --quick          # tiny CPU model, a few tokens: seconds
+    python -m bench.bench_generate                  # CUDA, bf16: batch 1 and 32, prompt 128 and 2048, 256 new tokens
+    python -m bench.bench_generate --budget 0       # the whole grid, however long it takes
+    python -m bench.bench_generate --quick          # tiny CPU model, a few tokens: seconds
 
-Each row runs GPT.stream (model.py) greedily on random prompts, the same way sample.py generates: prefill time
+Each row runs generation.stream greedily on random prompts, the same way sample.py generates: prefill time
 is the time to the first token (the whole prompt read), decode time the rest; tok/s counts tokens of the whole
 batch. A short untimed run of the same shapes comes first (flex_attention and torch.compile compile there, CUDA
 graphs are captured). `compile` rows run the static decode step under torch.compile(mode="reduce-overhead").
@@ -18,31 +18,20 @@ peer; then no cache (the whole context every step, as nanoGPT generates).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch._dynamo
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.report import (  # noqa: E402
-    DEFAULT_OUT,
-    Budget,
-    Column,
-    failure_reason,
-    free_device_memory,
-    plot_lines,
-    results_header,
-    write_results,
-)
-from model import GPT, GPTConfig  # noqa: E402
-from runtime import synchronize  # noqa: E402
+import generation
+from bench.grid import BenchParser, Grid, fresh_row, number, run_grid
+from bench.report import GPT2_VOCAB, Column, model_shape, plot_lines
+from generation.loop import generation_attention
+from model import GPT, GPTConfig
+from training.runtime import synchronize
 
-GPT2_124M = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, bias=True, dropout=0.0)
-TINY = dict(n_layer=2, n_head=2, n_embd=64, vocab_size=512, bias=True, dropout=0.0)
 BACKENDS = ("auto", "sdpa", "flash_attn_2", "flash_attn_3", "flex_attention", "manual")
 CACHES = ("contiguous", "paged", "none")
 WARMUP_TOKENS = 8
@@ -93,8 +82,13 @@ def default_cases(args) -> list[Case]:
 # One row
 
 
+def model_settings(quick: bool) -> dict:
+    """GPT-2 124M's shapes (or the tiny --quick model) as bench_generate runs them: with bias, no dropout."""
+    return {**model_shape(quick), "vocab_size": 512 if quick else GPT2_VOCAB, "bias": True, "dropout": 0.0}
+
+
 def build_model(case: Case, args, device: torch.device, dtype: torch.dtype) -> GPT:
-    shapes = TINY if args.quick else GPT2_124M
+    shapes = model_settings(args.quick)
     block_size = max(64 if args.quick else 1024, case.prompt_len + case.new_tokens)  # no sliding here
     torch.manual_seed(0)
     config = GPTConfig(block_size=block_size, attention_backend=case.backend, **shapes)
@@ -112,7 +106,7 @@ def timed_stream(gpt: GPT, prompts, case: Case, device, tokens: int) -> tuple[fl
     """(seconds to the first token, seconds for the rest) of greedy generation, stopped after `tokens`."""
     synchronize(device)
     start = time.perf_counter()
-    stream = gpt.stream(prompts, case.new_tokens, temperature=0, kv_cache=case.cache, compile=case.compile)
+    stream = generation.stream(gpt, prompts, case.new_tokens, temperature=0, kv_cache=case.cache, compile=case.compile)
     next(stream)
     synchronize(device)
     first = time.perf_counter()
@@ -144,42 +138,42 @@ def empty_row(case: Case, dtype: torch.dtype) -> dict:
     }
 
 
-def measure_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> dict:
+def measure_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     row = empty_row(case, dtype)
     if case.backend == "manual" and case.prompt_len > args.manual_max_prompt:
-        return {**row, "status": f"not run: manual's (T, T) scores at prompt {case.prompt_len}"}
+        return [{**row, "status": f"not run: manual's (T, T) scores at prompt {case.prompt_len}"}]
     if case.backend == "paged_attention" and case.cache == "contiguous":
-        return {**row, "status": "not run: paged_attention is a paged cache (its paged row)"}
-    gpt = None
-    torch._dynamo.reset()  # each row compiles afresh, as a new sample.py process would
-    try:  # any failure (OOM, a kernel's refusal, a compile error) becomes this row's status
+        return [{**row, "status": "not run: paged_attention is a paged cache (its paged row)"}]
+    with fresh_row(row):  # each row compiles afresh, as a new sample.py process would
         if case.backend == "hf-transformers":
-            return {**row, **hf_peer(case, args, device, dtype)}
-        gpt = build_model(case, args, device, dtype)
-        seq_len = case.prompt_len + case.new_tokens
-        resolution = gpt.setup_attention(
-            device, dtype, training=False, seq_len=seq_len, kv_cache=case.cache, compiled=case.compile
-        )
-        row["resolved"] = resolution.used
-        if case.backend != "auto" and resolution.used != case.backend:  # never time another under this name
-            return {**row, "status": f"falls back to {resolution.used}: {resolution.reason}"}
-        prompts = prompts_for(case, gpt.config.vocab_size, device)
-        started = time.perf_counter()
-        timed_stream(gpt, prompts, case, device, min(WARMUP_TOKENS, case.new_tokens))
-        row["warmup_s"] = time.perf_counter() - started
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        prefill_s, decode_s = timed_stream(gpt, prompts, case, device, case.new_tokens)
-        row.update(rates(case, prefill_s, decode_s))
-        row["peak_mem_mib"] = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
-        row["status"] = "ok"
-    except Exception as error:  # noqa: BLE001 - recorded, never swallowed
-        row["status"] = failure_reason(error)
-    finally:
-        del gpt
-        torch._dynamo.reset()
-        free_device_memory()
-    return row
+            row.update(hf_peer(case, args, device, dtype))
+        else:
+            time_row(row, case, args, device, dtype)
+    return [row]
+
+
+def time_row(row: dict, case: Case, args, device: torch.device, dtype: torch.dtype):
+    """The row's model built and its generation timed; the model goes when this returns (or raises)."""
+    gpt = build_model(case, args, device, dtype)
+    seq_len = case.prompt_len + case.new_tokens
+    need = gpt.attention_need(
+        device, dtype, training=False, seq_len=seq_len, kv_cache=case.cache, compiled=case.compile
+    )
+    resolution = generation_attention(gpt, need)[0].resolution
+    row["resolved"] = resolution.used
+    if case.backend != "auto" and resolution.used != case.backend:  # never time another under this name
+        row["status"] = f"falls back to {resolution.used}: {resolution.reason}"
+        return
+    prompts = prompts_for(case, gpt.config.vocab_size, device)
+    started = time.perf_counter()
+    timed_stream(gpt, prompts, case, device, min(WARMUP_TOKENS, case.new_tokens))
+    row["warmup_s"] = time.perf_counter() - started
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    prefill_s, decode_s = timed_stream(gpt, prompts, case, device, case.new_tokens)
+    row.update(rates(case, prefill_s, decode_s))
+    row["peak_mem_mib"] = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    row["status"] = "ok"
 
 
 def rates(case: Case, prefill_s: float, decode_s: float) -> dict:
@@ -224,20 +218,13 @@ def hf_model(gpt: GPT):
 
 
 def hf_peer(case: Case, args, device, dtype) -> dict:
+    """The peer row: prefill = one forward pass over the prompts, decode = the whole generate minus it."""
     gpt = build_model(
         Case("sdpa", "none", False, case.batch_size, case.prompt_len, case.new_tokens), args, "cpu", dtype
     )
     hf = hf_model(gpt).to(device=device, dtype=dtype).eval()
     ids = torch.stack(prompts_for(case, gpt.config.vocab_size, device))
     mask = torch.ones_like(ids)
-
-    def timed(fn) -> float:
-        synchronize(device)
-        start = time.perf_counter()
-        with torch.no_grad():
-            fn()
-        synchronize(device)
-        return time.perf_counter() - start
 
     def generate():  # the static cache is sized by max_new_tokens: warm-up and timed run share its shapes
         hf.generate(
@@ -253,11 +240,10 @@ def hf_peer(case: Case, args, device, dtype) -> dict:
     def prefill():
         hf(ids, attention_mask=mask)
 
-    warmup_s = timed(generate) + timed(prefill)
+    warmup_s = timed(generate, device) + timed(prefill, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    first = timed(prefill)
-    whole = timed(generate)
+    first, whole = timed(prefill, device), timed(generate, device)
     import transformers
 
     return {
@@ -267,6 +253,16 @@ def hf_peer(case: Case, args, device, dtype) -> dict:
         "warmup_s": warmup_s,
         "status": "ok",
     }
+
+
+def timed(fn, device) -> float:
+    """Seconds of fn() without gradients, the device synchronised before and after."""
+    synchronize(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        fn()
+    synchronize(device)
+    return time.perf_counter() - start
 
 
 def hf_available() -> bool:
@@ -280,28 +276,14 @@ def hf_available() -> bool:
 # ----------------------------------------------------------------------------------------------
 
 
-def run_cases(cases: list[Case], args, device, dtype) -> list[dict]:
-    budget = Budget(args.budget)
-    rows = []
-    for case in cases:
-        if budget.exhausted():
-            row = {**empty_row(case, dtype), "status": budget.reason()}
-        else:
-            row = measure_case(case, args, device, dtype)
-        rows.append(row)
-        print(progress_line(row, budget.elapsed()), flush=True)
-    return rows
-
-
-def progress_line(row: dict, elapsed: float) -> str:
-    def num(key, fmt):
-        return fmt.format(row[key]) if row.get(key) is not None else "-"
-
+def progress_line(row: dict) -> str:
     label = f"{row['backend']}{'+compile' if row['compile'] else ''}"
     return (
-        f"[{elapsed:6.1f}s] B={row['batch_size']:<3} prompt={row['prompts']:<9} {label:<22} {row['cache']:<10} "
-        f"prefill {num('prefill_tok_s', '{:,.0f}'):>10} tok/s  decode {num('decode_tok_s', '{:,.0f}'):>9} tok/s "
-        f"({num('decode_ms_per_token', '{:.2f}')} ms/step)  mem {num('peak_mem_mib', '{:,.0f}'):>7} MiB  "
+        f"B={row['batch_size']:<3} prompt={row['prompts']:<9} {label:<22} {row['cache']:<10} "
+        f"prefill {number(row, 'prefill_tok_s', '{:,.0f}'):>10} tok/s  "
+        f"decode {number(row, 'decode_tok_s', '{:,.0f}'):>9} tok/s "
+        f"({number(row, 'decode_ms_per_token', '{:.2f}')} ms/step)  "
+        f"mem {number(row, 'peak_mem_mib', '{:,.0f}'):>7} MiB  "
         f"{row['status'] if row['status'] != 'ok' else ''}"
     )
 
@@ -339,24 +321,45 @@ def plot(rows: list[dict], path: Path):
     )
 
 
+QUICK = dict(
+    device="cpu",
+    dtype="float32",
+    backends=["sdpa", "manual"],
+    batch_sizes=[1, 3],
+    prompt_lens=[8],
+    new_tokens=4,
+    compile="false",
+    budget=0,
+    name="generate-quick",
+)
+FULL = dict(  # and on CUDA: device cuda, dtype bfloat16, compile true
+    device="cpu",
+    dtype="float32",
+    backends=list(BACKENDS),
+    batch_sizes=[1, 32],
+    prompt_lens=[128, 2048],
+    new_tokens=256,
+    compile="false",
+    budget=480,
+    name="generate",
+)
+
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    on_cuda = dict(device="cuda", dtype="bfloat16", compile="true") if torch.cuda.is_available() else {}
+    parser = BenchParser(
+        __doc__,
+        QUICK,
+        {**FULL, **on_cuda},
+        quick_help="tiny CPU model, prompts of 8, 4 new tokens",
+        dtypes=("bfloat16", "float16", "float32"),
     )
-    parser.add_argument("--quick", action="store_true", help="tiny CPU model, prompts of 8, 4 new tokens")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
-    parser.add_argument("--device", default=None, help="cpu | cuda (default cuda if there is one; --quick: cpu)")
-    parser.add_argument(
-        "--dtype", default=None, choices=("bfloat16", "float16", "float32"), help="default bf16 on CUDA"
-    )
-    parser.add_argument("--backends", nargs="+", default=None, help=f"default: {' '.join(BACKENDS)}")
+    parser.add_argument("--backends", nargs="+", help=f"default: {' '.join(BACKENDS)}")
     parser.add_argument("--caches", nargs="+", default=list(CACHES), choices=CACHES)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="default 1 32")
-    parser.add_argument("--prompt-lens", type=int, nargs="+", default=None, help="default 128 2048")
-    parser.add_argument("--new-tokens", type=int, default=None, help="default 256")
-    parser.add_argument(
-        "--compile", default=None, choices=("true", "false"), help="also compiled decode rows (default: on CUDA)"
-    )
+    parser.add_argument("--batch-sizes", type=int, nargs="+", help="default 1 32")
+    parser.add_argument("--prompt-lens", type=int, nargs="+", help="default 128 2048")
+    parser.add_argument("--new-tokens", type=int, help="default 256")
+    parser.add_argument("--compile", choices=("true", "false"), help="also compiled decode rows (default: on CUDA)")
     parser.add_argument("--compile-backends", nargs="+", default=["auto"], help="backends of the compiled rows")
     parser.add_argument(
         "--hf", default="auto", choices=("auto", "off"), help="the transformers peer row (auto: if importable)"
@@ -365,60 +368,22 @@ def parse_args(argv=None):
         "--mixed", action="store_true", help="prompts of mixed lengths in each batch (1/16 of a prompt length up to it)"
     )
     parser.add_argument("--manual-max-prompt", type=int, default=2048, help="manual only up to this prompt length")
-    parser.add_argument("--budget", type=float, default=None, help="seconds for all rows (default 480; 0: none)")
-    parser.add_argument("--name", default=None, help="results name (default generate / generate-quick)")
     args = parser.parse_args(argv)
-    quick = dict(
-        device="cpu",
-        dtype="float32",
-        backends=["sdpa", "manual"],
-        batch_sizes=[1, 3],
-        prompt_lens=[8],
-        new_tokens=4,
-        compile="false",
-        budget=0,
-        name="generate-quick",
-    )
-    cuda = torch.cuda.is_available()
-    full = dict(
-        device="cuda" if cuda else "cpu",
-        dtype="bfloat16" if cuda else "float32",
-        backends=list(BACKENDS),
-        batch_sizes=[1, 32],
-        prompt_lens=[128, 2048],
-        new_tokens=256,
-        compile="true" if cuda else "false",
-        budget=480,
-        name="generate",
-    )
-    for key, value in (quick if args.quick else full).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
     args.compile = args.compile == "true"
     args.hf = args.hf == "auto" and not args.quick and hf_available()
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.quick:
-        torch.set_num_threads(1)  # a tiny model gains nothing from threads, and a shared CPU makes them crawl
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    cases = default_cases(args)
-    start = time.perf_counter()
-    rows = run_cases(cases, args, device, dtype)
-    shapes = TINY if args.quick else GPT2_124M
-    header = results_header(
-        args.name,
-        device,
-        model=shapes,
-        wall_s=round(time.perf_counter() - start, 1),
-        grid={"cases": [vars(c) for c in cases], "dtype": args.dtype},
-        notes={
+def header_fields(args, cases: list[Case]) -> dict:
+    shapes = model_settings(args.quick)
+    return {
+        "model": shapes,
+        "grid": {"cases": [vars(c) for c in cases], "dtype": args.dtype},
+        "notes": {
             "model": ", ".join(f"{k}={v}" for k, v in shapes.items())
             + f", random weights; block_size = max({64 if args.quick else 1024}, prompt + new): no row slides",
-            "generation": "GPT.stream, greedy (temperature 0), random prompt ids; prefill = time to the first "
-            "token; decode = the remaining new tokens; tok/s counts the whole batch",
+            "generation": "generation.stream, greedy (temperature 0), random prompt ids; prefill = time to the "
+            "first token; decode = the remaining new tokens; tok/s counts the whole batch",
             "warm-up": f"an untimed run of the same shapes stopped after {WARMUP_TOKENS} tokens first (compiles, "
             "CUDA graph capture: warmup_s)",
             "memory": "peak_mem_mib = torch.cuda.max_memory_allocated over the timed run; none on CPU",
@@ -427,9 +392,21 @@ def main(argv=None) -> int:
             if args.hf
             else "not run (transformers not importable, or --quick / --hf off)",
         },
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    cases = default_cases(args)
+    grid = Grid(
+        measure=lambda case: measure_case(case, args, device, dtype),
+        skipped=lambda case, reason: [{**empty_row(case, dtype), "status": reason}],
+        progress=progress_line,
+        columns=COLUMNS,
+        plot=plot,
     )
-    for path in write_results(args.out, args.name, header, rows, COLUMNS, plot):
-        print(f"wrote {path}")
+    run_grid(grid, cases, args, device, header_fields(args, cases))
     return 0
 
 

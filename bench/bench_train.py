@@ -1,8 +1,8 @@
 """Time train.py's training step for GPT-2 124M per attention backend, batch size and context length.
 
-    python bench/bench_train.py                 # H100 grid (compile on, as train.py does on CUDA), --budget 200 s
-    python bench/bench_train.py --budget 0      # the whole grid, however long it takes
-    python bench/bench_train.py --quick         # tiny CPU model, 3 steps, no compile: seconds
+    python -m bench.bench_train                 # H100 grid (compile on, as train.py does on CUDA), --budget 200 s
+    python -m bench.bench_train --budget 0      # the whole grid, however long it takes
+    python -m bench.bench_train --quick         # tiny CPU model, 3 steps, no compile: seconds
 
 Each row builds a fresh training state with train.py's own functions (setup_runtime, build_model,
 build_train_state) and times train.py's train_step on synthetic random tokens (no dataset needed).
@@ -14,7 +14,6 @@ runs at T <= 1024 only: at T=8192 its (T, T) scores alone would need tens of GiB
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import statistics
@@ -24,24 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch._dynamo
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.report import (  # noqa: E402
-    DEFAULT_OUT,
-    Budget,
-    Column,
-    failure_reason,
-    free_device_memory,
-    plot_lines,
-    results_header,
-    write_results,
-)
-from runtime import model_flops_utilization, peak_flops_for, setup_runtime, synchronize  # noqa: E402
-from train import TrainConfig, TrainState, build_model, build_train_state, train_step  # noqa: E402
+from bench.grid import BenchParser, Grid, fresh_row, number, run_grid
+from bench.report import GPT2_VOCAB, Column, model_shape, plot_lines
+from train import TrainConfig, TrainState, build_model, build_train_state, train_step
+from training.runtime import model_flops_utilization, peak_flops_for, setup_runtime, synchronize
 
-GPT2_124M = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, bias=False, dropout=0.0)
-TINY = dict(n_layer=2, n_head=2, n_embd=64, vocab_size=512, bias=False, dropout=0.0)
 BACKENDS = ("auto", "sdpa", "flash_attn_2", "flash_attn_4", "flex_attention", "manual")
 MANUAL_MAX_SEQ_LEN = 1024
 
@@ -75,6 +62,21 @@ def variant_cases(variants, batch_sizes, long_seq_lens, seq_len: int = 1024) -> 
 
     cases = [Case(backend(v), seq_len, bs, v) for bs in batch_sizes for v in variants]
     return cases + [Case(backend(v), t, 1, v) for t in long_seq_lens for v in variants]
+
+
+def model_settings(quick: bool) -> dict:
+    """GPT-2 124M (or the tiny --quick model) as bench_train runs it: no bias, no dropout."""
+    return {**model_shape(quick), "vocab_size": 512 if quick else GPT2_VOCAB, "bias": False, "dropout": 0.0}
+
+
+def cases_for(args) -> list[Case]:
+    if args.quick:  # T=64; the other batch sizes of --batch-sizes, no long context
+        if args.variants:
+            return variant_cases(args.variants, args.batch_sizes, [], seq_len=64)
+        return [Case(b, 64, bs) for bs in args.batch_sizes for b in args.backends]
+    if args.variants:
+        return variant_cases(args.variants, args.batch_sizes, args.long_seq_lens)
+    return default_cases(args.backends, args.batch_sizes, args.long_seq_lens)
 
 
 def default_cases(backends, batch_sizes, long_seq_lens) -> list[Case]:
@@ -131,7 +133,7 @@ def case_config(case: Case, args) -> TrainConfig:
         compile=args.compile,
         dtype=args.dtype,
         device=args.device,
-        **(TINY if args.quick else GPT2_124M),
+        **model_settings(args.quick),
     )
     return TrainConfig(**{**settings, **VARIANTS.get(case.variant, {})})
 
@@ -168,30 +170,28 @@ def empty_row(case: Case, cfg: TrainConfig, dtype: torch.dtype) -> dict:
     }
 
 
-def measure_case(case: Case, args, dtype: torch.dtype) -> dict:
+def measure_case(case: Case, args, dtype: torch.dtype) -> list[dict]:
     cfg = case_config(case, args)
     row = empty_row(case, cfg, dtype)
     reason = skip_reason(case, cfg)
     if reason:
-        return {**row, "status": reason}
-    torch._dynamo.reset()  # each row compiles afresh, as a new train.py process would
-    state = None
-    try:  # any failure (OOM, a kernel's refusal, a compile error) becomes this row's status
-        state = build_state(cfg)
-        row["resolved"] = state.attention.used
-        row["compile"] = state.train_model is not state.model
-        fallback = fallback_reason(state)
-        if fallback:  # never time another backend under this one's name
-            return {**row, "status": f"falls back to {state.attention.used}: {fallback}"}
-        row.update(time_steps(state, args))
-        row["status"] = "ok" if math.isfinite(row["loss"]) else f"non-finite loss {row['loss']}"
-    except Exception as error:  # noqa: BLE001 - recorded, never swallowed
-        row["status"] = failure_reason(error)
-    finally:
-        del state
-        torch._dynamo.reset()
-        free_device_memory()
-    return row
+        return [{**row, "status": reason}]
+    with fresh_row(row):  # each row compiles afresh, as a new train.py process would
+        time_row(row, cfg, args)
+    return [row]
+
+
+def time_row(row: dict, cfg: TrainConfig, args):
+    """The row's state built and its steps timed; the state goes when this returns (or raises)."""
+    state = build_state(cfg)
+    row["resolved"] = state.attention.used
+    row["compile"] = state.train_model is not state.model
+    fallback = fallback_reason(state)
+    if fallback:  # never time another backend under this one's name
+        row["status"] = f"falls back to {state.attention.used}: {fallback}"
+        return
+    row.update(time_steps(state, args))
+    row["status"] = "ok" if math.isfinite(row["loss"]) else f"non-finite loss {row['loss']}"
 
 
 def time_steps(state: TrainState, args) -> dict:
@@ -228,20 +228,6 @@ def time_steps(state: TrainState, args) -> dict:
     }
 
 
-def run_cases(cases: list[Case], args, dtype: torch.dtype) -> list[dict]:
-    budget = Budget(args.budget)
-    rows = []
-    for case in cases:
-        if budget.exhausted():
-            row = {**empty_row(case, case_config(case, args), dtype), "status": budget.reason()}
-        else:
-            row = measure_case(case, args, dtype)
-        rows.append(row)
-        print(progress_line(row, budget.elapsed()), flush=True)
-    add_ratios(rows)
-    return rows
-
-
 def add_ratios(rows: list[dict]) -> None:
     """vs_plain: tokens/s over the plain variant's at the same T and batch, measured in this run."""
     plain = {(r["seq_len"], r["batch_size"]): r["tokens_per_sec"] for r in rows if r["variant"] == "plain"}
@@ -251,15 +237,12 @@ def add_ratios(rows: list[dict]) -> None:
             row["vs_plain"] = row["tokens_per_sec"] / base
 
 
-def progress_line(row: dict, elapsed: float) -> str:
-    def num(key, fmt):
-        return fmt.format(row[key]) if row.get(key) is not None else "-"
-
+def progress_line(row: dict) -> str:
     return (
-        f"[{elapsed:6.1f}s] T={row['seq_len']:<6} B={row['batch_size']:<3} {row['variant'] or row['backend']:<15} "
-        f"{num('ms_per_iter', '{:.1f}'):>7} ms  {num('tokens_per_sec', '{:,.0f}'):>10} tok/s  "
-        f"MFU {num('mfu', '{:.1%}'):>6}  mem {num('peak_mem_mib', '{:,.0f}'):>7} MiB  "
-        f"compile {num('compile_s', '{:.1f}'):>5} s  {row['status'] if row['status'] != 'ok' else ''}"
+        f"T={row['seq_len']:<6} B={row['batch_size']:<3} {row['variant'] or row['backend']:<15} "
+        f"{number(row, 'ms_per_iter', '{:.1f}'):>7} ms  {number(row, 'tokens_per_sec', '{:,.0f}'):>10} tok/s  "
+        f"MFU {number(row, 'mfu', '{:.1%}'):>6}  mem {number(row, 'peak_mem_mib', '{:,.0f}'):>7} MiB  "
+        f"compile {number(row, 'compile_s', '{:.1f}'):>5} s  {row['status'] if row['status'] != 'ok' else ''}"
     )
 
 
@@ -298,114 +281,76 @@ def plot(rows: list[dict], path: Path):
 # ----------------------------------------------------------------------------------------------
 
 
+QUICK = dict(
+    device="cpu",
+    dtype="auto",
+    batch_sizes=[4, 8],
+    long_seq_lens=[],
+    steps=2,
+    chunks=1,
+    warmup_steps=0,
+    budget=0,
+    name="train-quick",
+    compile="false",
+)
+FULL = dict(
+    device="auto",
+    dtype="auto",
+    batch_sizes=[16, 32, 8],
+    long_seq_lens=[8192, 32768],
+    steps=10,
+    chunks=3,
+    warmup_steps=2,
+    budget=200,
+    name="train",
+)
+
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="tiny CPU model, T=64, 3 steps, no compile")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
-    parser.add_argument("--device", default=None, help="auto | cpu | cuda (default auto; --quick: cpu)")
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=("auto", "bfloat16", "float16", "float32"),
-        help="as train.py's --dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+    parser = BenchParser(
+        __doc__,
+        QUICK,
+        FULL,
+        quick_help="tiny CPU model, T=64, 2 steps, no compile",
+        dtypes=("auto", "bfloat16", "float16", "float32"),  # as train.py's (auto: bfloat16 on CUDA, else float32)
     )
     parser.add_argument(
-        "--compile",
-        default=None,
-        choices=("true", "false"),
-        help="torch.compile the model (default: as train.py, on for CUDA)",
+        "--compile", choices=("true", "false"), help="torch.compile the model (default: as train.py, on for CUDA)"
     )
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     parser.add_argument(
         "--variants",
         nargs="+",
-        default=None,
         choices=VARIANTS,
         help="rows per switch set instead of per backend (e.g. plain default: their ratio is vs_plain)",
     )
     parser.add_argument(
-        "--batch-sizes",
-        type=int,
-        nargs="*",
-        default=None,
-        help="at T=1024; the first runs for every backend first (default 16 32 8)",
+        "--batch-sizes", type=int, nargs="*", help="at T=1024; the first runs for every backend first (default 16 32 8)"
     )
     parser.add_argument(
-        "--long-seq-lens", type=int, nargs="*", default=None, help="long-context rows at batch 1 (default 8192 32768)"
+        "--long-seq-lens", type=int, nargs="*", help="long-context rows at batch 1 (default 8192 32768)"
     )
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per chunk (default 10)")
-    parser.add_argument("--chunks", type=int, default=None, help="timed chunks; the median is kept (default 3)")
-    parser.add_argument("--warmup-steps", type=int, default=None, help="untimed steps after the first (default 2)")
-    parser.add_argument(
-        "--budget",
-        type=float,
-        default=None,
-        help="seconds for all rows; later rows are recorded as skipped (default 200; 0: none)",
-    )
-    parser.add_argument("--name", default=None, help="results name (default train / train-quick)")
+    parser.add_argument("--steps", type=int, help="timed steps per chunk (default 10)")
+    parser.add_argument("--chunks", type=int, help="timed chunks; the median is kept (default 3)")
+    parser.add_argument("--warmup-steps", type=int, help="untimed steps after the first (default 2)")
     args = parser.parse_args(argv)
-    if args.quick:
-        defaults = dict(
-            device="cpu",
-            batch_sizes=[4, 8],
-            long_seq_lens=[],
-            steps=2,
-            chunks=1,
-            warmup_steps=0,
-            budget=0,
-            name="train-quick",
-            compile="false",
-        )
-    else:
-        defaults = dict(
-            device="auto",
-            batch_sizes=[16, 32, 8],
-            long_seq_lens=[8192, 32768],
-            steps=10,
-            chunks=3,
-            warmup_steps=2,
-            budget=200,
-            name="train",
-        )
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
     args.compile = None if args.compile is None else args.compile == "true"
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.quick:
-        torch.set_num_threads(1)  # a tiny model gains nothing from threads, and a shared CPU makes them crawl
-        cases = [Case(b, 64, bs) for bs in args.batch_sizes for b in args.backends]
-        if args.variants:
-            cases = variant_cases(args.variants, args.batch_sizes, [], seq_len=64)
-    elif args.variants:
-        cases = variant_cases(args.variants, args.batch_sizes, args.long_seq_lens)
-    else:
-        cases = default_cases(args.backends, args.batch_sizes, args.long_seq_lens)
-    probe = setup_runtime(args.device, args.dtype)  # the device and dtype every row will use
-    start = time.perf_counter()
-    rows = run_cases(cases, args, probe.dtype)
-    model = TINY if args.quick else GPT2_124M
-    header = results_header(
-        args.name,
-        probe.device,
-        model=model,
-        wall_s=round(time.perf_counter() - start, 1),
-        grid={
+def header_fields(args, cases: list[Case], dtype: torch.dtype) -> dict:
+    model = model_settings(args.quick)
+    return {
+        "model": model,
+        "grid": {
             "backends": args.backends,
             "variants": {v: VARIANTS[v] for v in args.variants or ()},
             "cases": [vars(c) for c in cases],
-            "dtype": str(probe.dtype),
+            "dtype": str(dtype),
         },
-        flop_convention="MFU = runtime.model_flops_utilization: model.flops_per_token(T) * tokens / time / "
-        "runtime.peak_flops_for(card): "
-        "6N + 12*L*H*D*T per token (PaLM, nanoGPT), dense bf16 datasheet peak",
-        notes={
+        "flop_convention": "MFU = runtime.model_flops_utilization: model.flops_per_token(T) * tokens / time / "
+        "runtime.peak_flops_for(card): 6N + 12*L*H*D*T per token (PaLM, nanoGPT), dense bf16 datasheet peak",
+        "notes": {
             "model": ", ".join(f"{k}={v}" for k, v in model.items()),
             "step": "train.py's train_step: autocast, GradScaler, grad clip 1.0, fused AdamW on CUDA, "
             "torch.compile as train.py decides (--compile), synthetic random tokens",
@@ -416,9 +361,22 @@ def main(argv=None) -> int:
             "memory": "peak_mem_mib = torch.cuda.max_memory_allocated over the row (weights, optimizer, "
             "activations); none on CPU",
         },
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cases = cases_for(args)
+    probe = setup_runtime(args.device, args.dtype)  # the device and dtype every row will use
+    grid = Grid(
+        measure=lambda case: measure_case(case, args, probe.dtype),
+        skipped=lambda case, reason: [{**empty_row(case, case_config(case, args), probe.dtype), "status": reason}],
+        progress=progress_line,
+        columns=COLUMNS,
+        plot=plot,
+        finish=add_ratios,
     )
-    for path in write_results(args.out, args.name, header, rows, COLUMNS, plot):
-        print(f"wrote {path}")
+    run_grid(grid, cases, args, probe.device, header_fields(args, cases, probe.dtype))
     return 0
 
 

@@ -3,8 +3,8 @@ rendezvous on localhost), each with half the GPUs, against one --standalone laun
 run-to-run noise of the GPU kernels). The train.py settings are the same; the logged losses are compared
 iteration by iteration.
 
-    python bench/bench_two_nodes.py            # a 4-GPU host: 2 agents x 2 GPUs against 1 x 4, GPT-2 124M shapes
-    python bench/bench_two_nodes.py --quick    # CPU, gloo: 2 agents x 2 processes against 1 x 4, a tiny model
+    python -m bench.bench_two_nodes            # a 4-GPU host: 2 agents x 2 GPUs against 1 x 4, GPT-2 124M shapes
+    python -m bench.bench_two_nodes --quick    # CPU, gloo: 2 agents x 2 processes against 1 x 4, a tiny model
 
 Results: bench/results/<card>-two-nodes.{json,md}. NCCL_NVLS_ENABLE=0 in every launched process.
 """
@@ -16,18 +16,15 @@ import contextlib
 import random
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.bench_ddp import GPT2, TINY, corpus, failure_line, kill_tree, torchrun_env  # noqa: E402
-from bench.report import DEFAULT_OUT, Column, parse_log_line, results_header, write_results  # noqa: E402
+from bench import launch
+from bench.report import DEFAULT_OUT, GPT2_124M, GPT2_VOCAB, TINY, Column, save_results
 
-ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = [
     Column("launch", "launch"),
     Column("ranks", "ranks"),
@@ -52,9 +49,7 @@ def free_port() -> int:
 
 
 def train_settings(args, out_dir: Path) -> list[str]:
-    shape = TINY if args.quick else GPT2
-    settings = [f"--{key}={value}" for key, value in shape.items()]
-    settings += [
+    settings = launch.flags(TINY if args.quick else GPT2_124M) + [
         f"--data_dir={args.data}",
         f"--batch_size={4 if args.quick else 16}",
         f"--block_size={64 if args.quick else 1024}",
@@ -70,7 +65,7 @@ def train_settings(args, out_dir: Path) -> list[str]:
         "--overwrite_out_dir=true",
     ]
     if not args.quick:
-        settings.append("--vocab_size=50304")
+        settings.append(f"--vocab_size={GPT2_VOCAB}")
     else:
         settings += ["--device=cpu", "--dist_backend=gloo", "--compile=false"]
     return settings + args.extra
@@ -79,33 +74,15 @@ def train_settings(args, out_dir: Path) -> list[str]:
 def run(args, name: str, agents: list[tuple[list[str], dict]], out_dir: Path) -> dict:
     """Start every agent's torchrun (its arguments, its extra environment) at once, wait for all; the row of rank
     0's log lines (agent 0's output)."""
-    env, settings = torchrun_env(args.quick), train_settings(args, out_dir)
+    env, settings = launch.torchrun_env(args.quick), train_settings(args, out_dir)
     start = time.perf_counter()
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", *launcher, "train.py", *settings],
-            cwd=ROOT,
-            env={**env, **agent_env},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for launcher, agent_env in agents
-    ]
-    outputs, codes = [], []
-    for process in processes:
-        try:
-            output, _ = process.communicate(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            kill_tree(process.pid)
-            output = process.communicate()[0] + f"\ntimed out after {args.timeout} s"
-        outputs.append(output)
-        codes.append(process.returncode)
-    lines = [parsed for line in outputs[0].splitlines() if (parsed := parse_log_line(line))]
+    started = [launch.Launch(launch.train_command(settings, torchrun), {**env, **extra}) for torchrun, extra in agents]
+    runs = [agent.wait(args.timeout) for agent in started]
+    codes, lines = [r.code for r in runs], runs[0].lines
     row = {"launch": name, "ranks": args.ranks, "wall_s": time.perf_counter() - start, "codes": codes}
     if any(codes) or not lines:
-        failed = next((o for o, c in zip(outputs, codes) if c), outputs[0])
-        return {**row, "status": f"exit {codes}: {failure_line(failed)}"}
+        failed = next((r for r in runs if r.code), runs[0])
+        return {**row, "status": f"exit {codes}: {failed.failure()}"}
     steady = [line["tokens_per_sec"] for line in lines if line["iter"] > min(5, args.iters - 1)]
     return {
         **row,
@@ -151,7 +128,7 @@ def parse_args(argv=None):
         parser.error(f"--ranks must be even and at least 2, got {args.ranks}")
     args.iters = args.iters or (6 if args.quick else 30)
     args.name = args.name or ("two-nodes-quick" if args.quick else "two-nodes")
-    args.data = corpus(args.work / "data")
+    args.data = launch.corpus(args.work / "data")
     return args
 
 
@@ -179,19 +156,13 @@ def main(argv=None) -> int:
     for row in rows:
         print(f"{row['launch']}: {row['status']}, max |loss diff| {row.get('max_abs_diff')}", flush=True)
     device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
-    header = results_header(
-        args.name,
-        device,
-        wall_s=round(time.perf_counter() - start, 1),
-        notes={
-            "launches": "train.py under torchrun, the same settings, one micro-step per rank a step; the first "
-            "launch's losses are the reference, its repeat shows the run-to-run noise",
-            "losses": "rank 0's log lines (4 decimals), every iteration",
-            "environment": "NCCL_NVLS_ENABLE=0",
-        },
-    )
-    for path in write_results(args.out, args.name, header, rows, COLUMNS):
-        print(f"wrote {path}")
+    notes = {
+        "launches": "train.py under torchrun, the same settings, one micro-step per rank a step; the first "
+        "launch's losses are the reference, its repeat shows the run-to-run noise",
+        "losses": "rank 0's log lines (4 decimals), every iteration",
+        "environment": "NCCL_NVLS_ENABLE=0",
+    }
+    save_results(args.out, args.name, device, rows, COLUMNS, wall_s=round(time.perf_counter() - start, 1), notes=notes)
     return 0 if all(row["status"] == "ok" for row in rows) else 1
 
 

@@ -1,7 +1,7 @@
 """From an attention results file: the sequence lengths from which `auto` puts flash-attn-4 first on that card.
 
-    python bench/fit_auto.py bench/results/h100-attention.json            # print the card's fitted entry
-    python bench/fit_auto.py bench/results/h100-attention.json --write    # and store it in config/attention_auto.json
+    python -m bench.fit_auto bench/results/h100-attention.json            # print the card's fitted entry
+    python -m bench.fit_auto bench/results/h100-attention.json --write    # and store it in config/attention_auto.json
 
 For each (masking, head dim) in the file: the shortest measured T from which flash_attn_4's fwd+bwd time
 beats what auto runs without it (sdpa:auto for causal cells, flex_attention for document cells) at that T
@@ -17,9 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from attention import AUTO_TABLE  # noqa: E402
-from data.atomic import atomic_path  # noqa: E402
+from kernels.auto import AUTO_TABLE
+from storage.atomic import atomic_path
 
 WITHOUT_FLASH_ATTN_4 = {"causal": "sdpa:auto", "documents": "flex_attention"}
 
@@ -63,7 +62,7 @@ def updated_table(table: dict, card: str, fitted: dict, source: str) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", type=Path, help="an attention results JSON (bench/bench_attention.py)")
+    parser.add_argument("results", type=Path, help="an attention results JSON (python -m bench.bench_attention)")
     parser.add_argument("--write", action="store_true", help="store the entry in the table file")
     parser.add_argument("--table", type=Path, default=AUTO_TABLE, help="the table file (default: %(default)s)")
     args = parser.parse_args(argv)

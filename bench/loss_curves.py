@@ -1,7 +1,7 @@
 """Train the same model from the same seed with different switches and compare the loss curves.
 
-    python bench/loss_curves.py                       # GPT-2 124M on Shakespeare (GPT-2 BPE), 300 iterations
-    python bench/loss_curves.py --quick               # tiny char model on CPU: seconds
+    python -m bench.loss_curves                       # GPT-2 124M on Shakespeare (GPT-2 BPE), 300 iterations
+    python -m bench.loss_curves --quick               # tiny char model on CPU: seconds
 
 Each run is train.py itself (a subprocess, --log_interval=1), so the curves are what a user would see. The runs:
 the plain path (nanoGPT's step: SDPA, full logits), the default (every speed switch on), and the plain path
@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.report import DEFAULT_OUT, Column, parse_log_line, results_header, write_results  # noqa: E402
+from bench import launch
+from bench.report import DEFAULT_OUT, TINY, Column, pyplot, save_results
 
-ROOT = Path(__file__).resolve().parents[1]
 PLAIN = ["--attention_backend=sdpa", "--cross_entropy=plain"]
 RUNS = {"plain": (1337, PLAIN), "default": (1337, []), "plain, seed 2": (2, PLAIN)}  # name: (seed, switches)
 GPT2_SHAKESPEARE = [
@@ -37,14 +35,7 @@ GPT2_SHAKESPEARE = [
     "--warmup_iters=30",
     "--beta2=0.95",
 ]
-TINY_CHAR = [
-    "--dataset=shakespeare_char",
-    "--n_layer=2",
-    "--n_embd=64",
-    "--block_size=32",
-    "--batch_size=8",
-    "--warmup_iters=3",
-]
+TINY_CHAR = ["--dataset=shakespeare_char", *launch.flags(TINY), "--block_size=32", "--batch_size=8", "--warmup_iters=3"]
 COLUMNS = [
     Column("run", "run"),
     Column("seed", "seed"),
@@ -58,10 +49,8 @@ COLUMNS = [
 
 
 def train_log(settings: list[str], seed: int, iters: int, out_dir: Path) -> list[dict]:
-    """train.py's iter lines, parsed (bench.report.parse_log_line), one per iteration."""
-    command = [
-        sys.executable,
-        "train.py",
+    """train.py's iter lines, parsed (bench.launch.parse_log_line), one per iteration."""
+    settings = [
         *settings,
         f"--seed={seed}",
         f"--max_iters={iters}",
@@ -73,12 +62,12 @@ def train_log(settings: list[str], seed: int, iters: int, out_dir: Path) -> list
         f"--out_dir={out_dir}",
         "--overwrite_out_dir=true",
     ]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    lines = [parsed for line in result.stdout.splitlines() if (parsed := parse_log_line(line))]
-    if result.returncode != 0 or len(lines) != iters:
+    command = launch.train_command(settings)
+    result = launch.run(command)
+    lines = result.lines
+    if result.code != 0 or len(lines) != iters:
         raise SystemExit(
-            f"{' '.join(command)}: exit {result.returncode}, {len(lines)} of {iters} iter lines\n"
-            f"{result.stdout[-2000:]}{result.stderr[-2000:]}"
+            f"{' '.join(command)}: exit {result.code}, {len(lines)} of {iters} iter lines\n{result.output[-4000:]}"
         )
     return lines
 
@@ -88,17 +77,29 @@ def smoothed(values: list[float], width: int = 20) -> list[float]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     figure, axis = plt.subplots(figsize=(8, 5))
     for row in rows:
         axis.plot(range(1, len(row["losses"]) + 1), smoothed(row["losses"]), label=row["run"], linewidth=1.2)
     axis.set(xlabel="iteration", ylabel="train loss (mean of the last 20)", title="same model, same data")
     axis.legend()
     figure.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def curve_row(run: str, seed: int, switches: list[str], log: list[dict], tail: int) -> dict:
+    losses = [line["loss"] for line in log]
+    steady = log[min(10, len(log) - 1) :]  # the log's own figures, past the first iterations
+    mfus = [line["mfu"] for line in steady if line["mfu"] is not None]
+    return {
+        "run": run,
+        "seed": seed,
+        "switches": " ".join(switches) or "(defaults)",
+        "first_loss": losses[0],
+        "tail_loss": statistics.fmean(losses[-tail:]),
+        "log_tokens_per_sec": statistics.median(line["tokens_per_sec"] for line in steady),
+        "log_mfu": statistics.median(mfus) if mfus else None,
+        "losses": losses,
+    }
 
 
 def main(argv=None) -> int:
@@ -114,38 +115,21 @@ def main(argv=None) -> int:
     tail = max(1, iters // 3)  # the last third, where the curves have settled
     for index, (run, (seed, switches)) in enumerate(RUNS.items()):
         log = train_log(settings + switches, seed, iters, args.work / f"run{index}")
-        losses = [line["loss"] for line in log]
-        steady = log[min(10, iters - 1) :]  # the log's own figures, past the first iterations
-        mfus = [line["mfu"] for line in steady if line["mfu"] is not None]
-        rows.append(
-            {
-                "run": run,
-                "seed": seed,
-                "switches": " ".join(switches) or "(defaults)",
-                "first_loss": losses[0],
-                "tail_loss": statistics.fmean(losses[-tail:]),
-                "log_tokens_per_sec": statistics.median(line["tokens_per_sec"] for line in steady),
-                "log_mfu": statistics.median(mfus) if mfus else None,
-                "losses": losses,
-            }
-        )
-        print(f"{run}: first {losses[0]:.4f}, mean of the last {tail} {rows[-1]['tail_loss']:.4f}", flush=True)
+        rows.append(curve_row(run, seed, switches, log, tail))
+        row = rows[-1]
+        print(f"{run}: first {row['first_loss']:.4f}, mean of the last {tail} {row['tail_loss']:.4f}", flush=True)
     plain = rows[0]["losses"]
     for row in rows:
         row["gap_vs_plain"] = statistics.fmean(abs(a - b) for a, b in zip(row["losses"][-tail:], plain[-tail:]))
     device = torch.device("cpu" if args.quick else "cuda")
-    header = results_header(
-        "loss-curves-quick" if args.quick else "loss-curves",
-        device,
-        wall_s=round(time.perf_counter() - start, 1),
-        notes={
-            "settings": " ".join(settings) + f" --max_iters={iters}",
-            "gap": f"mean |loss - plain's loss| per iteration over the last {tail} iterations; "
-            "'plain, seed 2' against 'plain' is the run-to-run noise",
-        },
-    )
-    for path in write_results(args.out, header["bench"], header, rows, COLUMNS, plot):
-        print(f"wrote {path}")
+    name = "loss-curves-quick" if args.quick else "loss-curves"
+    notes = {
+        "settings": " ".join(settings) + f" --max_iters={iters}",
+        "gap": f"mean |loss - plain's loss| per iteration over the last {tail} iterations; "
+        "'plain, seed 2' against 'plain' is the run-to-run noise",
+    }
+    wall_s = round(time.perf_counter() - start, 1)
+    save_results(args.out, name, device, rows, COLUMNS, plot, wall_s=wall_s, notes=notes)
     return 0
 
 

@@ -1,10 +1,10 @@
 """bench/README.md's tables, made from results files, and the checks of the attention targets.
 
-    python bench/readme_table.py                             # table of h100-attention.json -> bench/README.md
-    python bench/readme_table.py RESULTS.json --docs         # the document-masked table
-    python bench/readme_table.py --train A.json B.json       # the train-step table of bench_train.py files
-    python bench/readme_table.py RESULTS.json --readme X.md  # write into another file's markers
-    python bench/readme_table.py --check                     # PASS/FAIL per target; exit 1 on any FAIL
+    python -m bench.readme_table                             # table of h100-attention.json -> bench/README.md
+    python -m bench.readme_table RESULTS.json --docs         # the document-masked table
+    python -m bench.readme_table --train A.json B.json       # the train-step table of bench_train.py files
+    python -m bench.readme_table RESULTS.json --readme X.md  # write into another file's markers
+    python -m bench.readme_table --check                     # PASS/FAIL per target; exit 1 on any FAIL
 
 bench/README.md keeps each table between markers such as `<!-- bench:attention:start -->` and
 `<!-- bench:attention:end -->` (also `attention-docs` and `train`); only that part is replaced, and without
@@ -296,7 +296,7 @@ def repo_relative(path: Path) -> str:
         return str(path)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "results",
@@ -328,7 +328,11 @@ def main(argv=None) -> int:
         default=1e-2,
         help="largest forward error ||out - ref|| / ||ref|| (1e-2: a few times bf16's rounding error)",
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     missing = [str(path) for path in args.results if not path.is_file()]
     if missing:
         print(f"error: no results file {', '.join(missing)}; run the bench first", file=sys.stderr)

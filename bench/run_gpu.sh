@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Everything this repo measures on a GPU, stage by stage. Results go to $OUT (default bench/results).
-#   bash bench/run_gpu.sh tests attention     # python model.py + GPU tests; attention benches (bf16)
+# Everything this repo measures on a GPU, stage by stage. Results go to $OUT (default bench/results). Every bench
+# runs as a module from the repo root (python3 -m bench.X).
+#   bash bench/run_gpu.sh tests attention     # what this machine runs + GPU tests; attention benches (bf16)
 #   bash bench/run_gpu.sh float16 train       # attention bench in fp16; train-step bench
 #   bash bench/run_gpu.sh smoke compare       # a short train.py run per backend; bench/compare_backends.sh
 #   bash bench/run_gpu.sh scan attention      # fit auto's flash-attn-4 lengths (sm90) first, then measure them
@@ -52,7 +53,7 @@ for stage in "$@"; do
     case $stage in
     tests)
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-        python3 model.py
+        python3 -c 'import kernels, model; model.main()'  # python model.py, with kernels/ registered
         python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests/ 2>&1 | tail -12
         ;;
     smoke)  # every backend name trains a few steps on this GPU (SMOKE_ARGS: extra settings, e.g. the modern block)
@@ -65,23 +66,23 @@ for stage in "$@"; do
         done
         ;;
     scan)  # sdpa against flash-attn-4, causal: fit_auto.py writes the lengths auto uses to config/attention_auto.json
-        python3 bench/bench_attention.py --backends sdpa:auto flash_attn_4 --seq-lens 512 1024 2048 4096 8192 --rounds 1 \
+        python3 -m bench.bench_attention --backends sdpa:auto flash_attn_4 --seq-lens 512 1024 2048 4096 8192 --rounds 1 \
             --rep-ms 30 --name attention-scan --out "$OUT" --budget 60 | tail -3
-        python3 bench/fit_auto.py "$OUT"/*-attention-scan.json --write
+        python3 -m bench.fit_auto "$OUT"/*-attention-scan.json --write
         ;;
     attention)
-        python3 bench/bench_attention.py --out "$OUT" --budget "${ATTN_BUDGET:-300}" --rep-ms "${REP_MS:-100}" | tail -3
-        python3 bench/bench_attention.py --docs-only --out "$OUT" --budget "${DOCS_BUDGET:-150}" --rep-ms "${REP_MS:-100}" \
+        python3 -m bench.bench_attention --out "$OUT" --budget "${ATTN_BUDGET:-300}" --rep-ms "${REP_MS:-100}" | tail -3
+        python3 -m bench.bench_attention --docs-only --out "$OUT" --budget "${DOCS_BUDGET:-150}" --rep-ms "${REP_MS:-100}" \
             --seq-lens ${DOCS_SEQ_LENS:-1024 4096 16384 8192} | tail -3
-        python3 bench/readme_table.py "$OUT"/*-attention.json "$OUT"/*-attention-docs.json --check --readme /dev/null
+        python3 -m bench.readme_table "$OUT"/*-attention.json "$OUT"/*-attention-docs.json --check --readme /dev/null
         ;;
     float16)
-        python3 bench/bench_attention.py --dtype float16 --out "$OUT" --budget "${FP16_BUDGET:-200}" --rep-ms "${REP_MS:-100}" \
+        python3 -m bench.bench_attention --dtype float16 --out "$OUT" --budget "${FP16_BUDGET:-200}" --rep-ms "${REP_MS:-100}" \
             --seq-lens ${FP16_SEQ_LENS:-1024 4096 16384 512 2048 8192 32768} | tail -3
-        python3 bench/readme_table.py "$OUT"/*-attention-float16.json --check --readme /dev/null
+        python3 -m bench.readme_table "$OUT"/*-attention-float16.json --check --readme /dev/null
         ;;
     train)  # GPT-2 124M: every backend at T=1024 batch 16 and T=32768 batch 1, then batch 32 and 8
-        python3 bench/bench_train.py --out "$OUT" --name "${TRAIN_NAME:-train}" \
+        python3 -m bench.bench_train --out "$OUT" --name "${TRAIN_NAME:-train}" \
             --backends ${TRAIN_BACKENDS:-auto sdpa flash_attn_2 flash_attn_4 flex_attention manual} \
             --batch-sizes ${TRAIN_BATCH_SIZES:-16 32 8} --long-seq-lens 32768 --budget "${TRAIN_BUDGET:-300}" | tail -22
         ;;
@@ -92,33 +93,33 @@ for stage in "$@"; do
             --gradient_accumulation_steps=1 --batch_size=16 --vocab_size=50304
         ;;
     generate)  # GPT-2 124M shapes: batch 1 and 32, prompt 128 and 2048, 256 new tokens, per backend and KV cache
-        python3 bench/bench_generate.py --out "$OUT" --name "${GEN_NAME:-generate}" --budget "${GEN_BUDGET:-480}" \
+        python3 -m bench.bench_generate --out "$OUT" --name "${GEN_NAME:-generate}" --budget "${GEN_BUDGET:-480}" \
             ${GEN_BACKENDS:+--backends $GEN_BACKENDS} | tail -40
         ;;
     speed)  # the plain path (nanoGPT's step) against the default and single switches, one call, ratios in vs_plain
-        python3 bench/bench_train.py --out "$OUT" --name "${SPEED_NAME:-train-speed}" --budget 0 --long-seq-lens \
+        python3 -m bench.bench_train --out "$OUT" --name "${SPEED_NAME:-train-speed}" --budget 0 --long-seq-lens \
             --variants ${SPEED_VARIANTS:-plain default plain-ce} --batch-sizes ${SPEED_BATCH_SIZES:-16 32} | tail -14
         ;;
     profile)  # where the step's time goes, plain and default
-        python3 bench/profile_train.py --out "$OUT" --variants ${PROFILE_VARIANTS:-plain default} | grep -E "^(##|wall|\| [a-z])"
+        python3 -m bench.profile --what train --out "$OUT" --variants ${PROFILE_VARIANTS:-plain default} | grep -E "^(##|wall|\| [a-z])"
         ;;
     long)  # the longest context GPT-2 124M trains at batch 1
-        python3 bench/bench_train.py --out "$OUT" --name "${LONG_NAME:-train-long}" --budget 0 --batch-sizes \
+        python3 -m bench.bench_train --out "$OUT" --name "${LONG_NAME:-train-long}" --budget 0 --batch-sizes \
             --variants ${LONG_VARIANTS:-default ckpt-mlp} --long-seq-lens ${LONG_SEQ_LENS:-32768 65536 131072} \
             --steps 3 --chunks 2 --warmup-steps 1 | tail -10
         ;;
     curves)  # 300 iterations of plain and default on Shakespeare (GPT-2 BPE; data/shakespeare prepared beforehand)
-        python3 bench/loss_curves.py --out "$OUT" ${CURVE_ITERS:+--iters $CURVE_ITERS} | tail -12
+        python3 -m bench.loss_curves --out "$OUT" ${CURVE_ITERS:+--iters $CURVE_ITERS} | tail -12
         ;;
     ddp)  # the same global batch on 1 2 4 GPUs (GPT-2 124M, DDP), GPT-2 XL under FSDP, the largest GPT that trains
-        NCCL_NVLS_ENABLE=0 python3 bench/bench_ddp.py --out "$OUT" --gpus ${DDP_GPUS:-1 2 4} ${DDP_FLAGS:---fsdp --largest} | tail -24
+        NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --gpus ${DDP_GPUS:-1 2 4} ${DDP_FLAGS:---fsdp --largest} | tail -24
         ;;
     twonodes)  # the README's two-node launch on one host: 2 torchrun agents x 2 GPUs against one 4-GPU launch
-        NCCL_NVLS_ENABLE=0 python3 bench/bench_two_nodes.py --out "$OUT" | tail -6
+        NCCL_NVLS_ENABLE=0 python3 -m bench.bench_two_nodes --out "$OUT" | tail -6
         ;;
     phases)  # one optimizer step phase by phase (host and GPU time), DDP and FSDP, GPT-2 124M
         NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc_per_node="${PHASE_GPUS:-4}" \
-            bench/step_phases.py --out "$OUT" ddp fsdp | grep -E "^(ddp|fsdp|wrote)"
+            -m bench.step_phases --out "$OUT" ddp fsdp | grep -E "^(ddp|fsdp|wrote)"
         ;;
     *) echo "unknown stage $stage; stages: tests smoke scan attention float16 train compare generate speed profile long curves ddp twonodes phases"; exit 2 ;;
     esac

@@ -5,9 +5,9 @@ rank 0's, and the slowest rank's step by step: the one a gradient reduction wait
 twice, with the gradient reduction and without it (no_sync), to tell the reduction from the compute.
 The last row is train.py's own train_step, the whole step without syncs between its phases.
 
-    torchrun --standalone --nproc_per_node=4 bench/step_phases.py ddp fsdp
-    python bench/step_phases.py --name step-phases-1gpu ddp                  # one GPU, no DDP: the reference
-    torchrun --standalone --nproc_per_node=2 bench/step_phases.py --quick ddp fsdp    # CPU, gloo, a tiny model
+    torchrun --standalone --nproc_per_node=4 -m bench.step_phases ddp fsdp
+    python -m bench.step_phases --name step-phases-1gpu ddp                  # one GPU, no DDP: the reference
+    torchrun --standalone --nproc_per_node=2 -m bench.step_phases --quick ddp fsdp    # CPU, gloo, a tiny model
 
 Results: bench/results/<card>-step-phases.{json,md,png}. Run with NCCL_NVLS_ENABLE=0 on multi-GPU hosts.
 """
@@ -24,8 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.report import DEFAULT_OUT, Column, results_header, write_results  # noqa: E402
+from bench.report import DEFAULT_OUT, GPT2_VOCAB, Column, model_shape, pyplot, save_results
 
 COLUMNS = [
     Column("parallelism", "parallelism"),
@@ -36,8 +35,6 @@ COLUMNS = [
     Column("slowest_ms", "slowest rank's wall ms", "{:.2f}"),
     Column("rank_wall_ms", "wall ms by rank"),
 ]
-GPT2 = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024)  # with vocab_size 50304: GPT-2 124M
-QUICK = dict(n_layer=2, n_head=2, n_embd=64, block_size=64)
 PHASES = (
     "forward+backward (with its gradient reduction)",
     "forward+backward without reduction (no_sync)",
@@ -47,14 +44,18 @@ PHASES = (
 )
 
 
+def model_settings(quick: bool) -> dict:
+    """GPT-2 124M at T=1024 (with vocab_size 50304), or the tiny --quick model at T=64."""
+    return {**model_shape(quick), "block_size": 64 if quick else 1024}
+
+
 def build(parallelism: str, runtime, quick: bool):
     import train
     from model import GPT
 
-    shape = QUICK if quick else GPT2
     cfg = train.TrainConfig(
-        **shape,
-        vocab_size=256 if quick else 50304,
+        **model_settings(quick),
+        vocab_size=256 if quick else GPT2_VOCAB,
         batch_size=16,
         parallelism=parallelism,
         dropout=0.0,
@@ -71,15 +72,12 @@ def build(parallelism: str, runtime, quick: bool):
     return train.build_train_state(cfg, runtime, model, next_batch), next_batch
 
 
-def measure(parallelism: str, runtime, steps: int, quick: bool) -> list[dict]:
+def phase_works(state, runtime, batch) -> tuple:
+    """What each of PHASES runs, in order, on one batch throughout (the timings do not depend on its tokens)."""
     import train
-    from parallel import gradient_sync
+    from training.parallel import gradient_sync
 
-    state, next_batch = build(parallelism, runtime, quick)
-    sync = torch.cuda.synchronize if runtime.device.type == "cuda" else lambda: None
-    barrier = dist.barrier if runtime.ddp else lambda: None  # one rank: the reference without DDP
-
-    def forward_backward(batch, reduce: bool):
+    def forward_backward(reduce: bool):
         with gradient_sync(state.model, state.train_model, enabled=reduce):
             with runtime.autocast():
                 _, loss = state.train_model(*batch)
@@ -88,28 +86,35 @@ def measure(parallelism: str, runtime, steps: int, quick: bool) -> list[dict]:
     def clip_and_step():
         train.clip_and_step(state.optimizer, state.scaler, state.model, 1.0, runtime.dtype)
 
-    times: dict[str, list[tuple[float, float]]] = {}
-
-    def timed(name, work):
-        sync()
-        barrier()
-        start = time.perf_counter()
-        work()
-        launched = time.perf_counter()
-        sync()
-        times.setdefault(name, []).append(((launched - start) * 1e3, (time.perf_counter() - start) * 1e3))
-
-    batch = next_batch()  # one batch throughout: the timings do not depend on its tokens
-    works = (
-        lambda: forward_backward(batch, reduce=True),
-        lambda: forward_backward(batch, reduce=False),
+    return (
+        lambda: forward_backward(reduce=True),
+        lambda: forward_backward(reduce=False),
         clip_and_step,
         lambda: state.optimizer.zero_grad(set_to_none=True),
         lambda: train.train_step(state),
     )
+
+
+def time_phases(works, runtime, steps: int) -> dict[str, list[tuple[float, float]]]:
+    """{phase: [(host ms, wall ms) per step]}: each phase between a barrier and a sync, on every rank."""
+    sync = torch.cuda.synchronize if runtime.device.type == "cuda" else lambda: None
+    barrier = dist.barrier if runtime.ddp else lambda: None  # one rank: the reference without DDP
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in PHASES}
     for _ in range(steps):
         for name, work in zip(PHASES, works):
-            timed(name, work)
+            sync()
+            barrier()
+            start = time.perf_counter()
+            work()
+            launched = time.perf_counter()
+            sync()
+            times[name].append(((launched - start) * 1e3, (time.perf_counter() - start) * 1e3))
+    return times
+
+
+def measure(parallelism: str, runtime, steps: int, quick: bool) -> list[dict]:
+    state, next_batch = build(parallelism, runtime, quick)
+    times = time_phases(phase_works(state, runtime, next_batch()), runtime, steps)
     kept = {name: pairs[steps // 4 :] for name, pairs in times.items()}
     walls = {name: [wall for _, wall in pairs] for name, pairs in kept.items()}
     every_rank = [walls]
@@ -131,11 +136,7 @@ def measure(parallelism: str, runtime, steps: int, quick: bool) -> list[dict]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     parallelisms = list(dict.fromkeys(row["parallelism"] for row in rows))
     figure, axis = plt.subplots(figsize=(9, 4))
     for index, parallelism in enumerate(parallelisms):
@@ -152,6 +153,23 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
+def write(args, runtime, rows: list[dict]) -> None:
+    name = args.name or ("step-phases-quick" if args.quick else "step-phases")
+    notes = {
+        "model": ", ".join(f"{key} {value}" for key, value in model_settings(args.quick).items())
+        + ", micro-batch 16, one micro-step per rank",
+        "phases": "each rank, a barrier before and a sync after each; medians over steps (host, wall: rank 0's; "
+        "slowest: of the slowest rank's wall time, step by step)",
+        "environment": "NCCL_NVLS_ENABLE=0",
+    }
+    for row in rows:
+        print(
+            f"{row['parallelism']:5} {row['phase']:52} host {row['host_ms']:8.2f}  wall {row['wall_ms']:8.2f}  "
+            f"slowest rank {row['slowest_ms']:8.2f}  by rank {row['rank_wall_ms']}"
+        )
+    save_results(args.out, name, runtime.device, rows, COLUMNS, plot, notes=notes)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("parallelism", nargs="+", choices=("ddp", "fsdp"))
@@ -160,7 +178,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
     parser.add_argument("--name", default=None, help="results name (default step-phases; --quick step-phases-quick)")
     args = parser.parse_args(argv)
-    from runtime import setup_runtime
+    from training.runtime import setup_runtime
 
     quick = args.quick
     ranks = int(os.environ.get("WORLD_SIZE", "1"))  # one micro-step per rank
@@ -169,22 +187,7 @@ def main(argv=None) -> int:
     )
     rows = [row for parallelism in args.parallelism for row in measure(parallelism, runtime, args.steps, quick)]
     if runtime.master:
-        name = args.name or ("step-phases-quick" if args.quick else "step-phases")
-        notes = {
-            "model": ", ".join(f"{key} {value}" for key, value in (QUICK if quick else GPT2).items())
-            + ", micro-batch 16, one micro-step per rank",
-            "phases": "each rank, a barrier before and a sync after each; medians over steps (host, wall: rank 0's; "
-            "slowest: of the slowest rank's wall time, step by step)",
-            "environment": "NCCL_NVLS_ENABLE=0",
-        }
-        header = results_header(name, runtime.device, notes=notes)
-        for row in rows:
-            print(
-                f"{row['parallelism']:5} {row['phase']:52} host {row['host_ms']:8.2f}  wall {row['wall_ms']:8.2f}  "
-                f"slowest rank {row['slowest_ms']:8.2f}  by rank {row['rank_wall_ms']}"
-            )
-        for path in write_results(args.out, name, header, rows, COLUMNS, plot):
-            print(f"wrote {path}")
+        write(args, runtime, rows)
     if runtime.ddp:
         dist.destroy_process_group()
     return 0

@@ -160,7 +160,7 @@ def next_token(logits, temperature: float, top_k: int | None, vocab_size: int | 
     logits = logits / temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-        logits[logits < kth] = -float("inf")
+        logits = logits.masked_fill(logits < kth, -float("inf"))  # not logits[mask] = ...: that syncs the host
     return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)[:, 0]
 
 

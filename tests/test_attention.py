@@ -1,4 +1,5 @@
-"""Attention backends, masks, the resolver and its logging (model.py).
+"""Attention backends, masks, the resolver and its logging (model.py; kernels/ registers flash-attn 3 and 4,
+flex_attention and auto's per-card table; generation/ resolves its own attention for decoding).
 
 Numerics follow the project METHOD: every backend is compared with `manual` on fresh random inputs,
 float64 to ~1e-10 and float32 to ~1e-5 relative (‖out − ref‖ / ‖ref‖), forward and q/k/v gradients;
@@ -10,9 +11,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import json
 import logging
 import math
+import subprocess
+import sys
 import warnings
 import zlib
 from types import ModuleType, SimpleNamespace
@@ -20,11 +24,12 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 
-import attention
+import kernels
 import model
-from attention import AttentionMask, Need, Package
-from helpers import tiny_config
-from model import GPT, Resolution
+from generation import kv_cache
+from generation.loop import generate, generation_attention
+from helpers import REPO, subprocess_env, tiny_config
+from model import GPT, AttentionMask, Need, Package, Resolution
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # an object only: the resolver tests never touch a real GPU
@@ -119,15 +124,22 @@ def assert_docs_masked(out_docs, out_causal, doc_ids, same=1e-4):
             assert diff > 0.1, f"row {b} has {n_docs} documents yet equals causal ({diff:.3g}): mask not applied"
 
 
-def kernel_with(module):
-    """A flash kernel whose package is `module` (a stand-in), as if it had been imported."""
-    kernel = attention.FlashAttention("stand-in", (), (0, 0), "")
-    kernel._package = Package(module, "0.0-fake", "")
-    return kernel
+class StandInFlash(model.FlashAttention):
+    """A flash kernel whose package is a stand-in module, loaded as a real one is (through `load`)."""
+
+    def __init__(self, module):
+        super().__init__("stand-in", (("stand_in_flash", "stand-in flash", "stand-in-flash"),), (0, 0), "")
+        self.module = module
+
+    def load(self, name, pretty, distribution):
+        return Package(self.module, "0.0-fake", "")
+
+
+FLASH_KERNELS = (model.FLASH_ATTN_2, kernels.flash.FLASH_ATTN_3, kernels.flash.FLASH_ATTN_4)
 
 
 def forget_flash_packages():
-    for kernel in attention.FLASH_KERNELS:
+    for kernel in FLASH_KERNELS:
         kernel.forget()
 
 
@@ -178,7 +190,7 @@ SHAPES = [(3, 2, 77, 64), (3, 4, 130, 128)]  # (B, H, T, D): T not a multiple of
 def test_manual_matches_independent_reference(shape, docs, dtype):
     q, k, v, dy = random_qkv(shape, dtype, generator_for("manual", shape, docs, dtype))
     doc_ids = doc_ids_for(shape[0], shape[2]) if docs else None
-    out, grads = forward_backward(attention.manual_attention, q, k, v, dy, AttentionMask(shape[2], CPU, doc_ids))
+    out, grads = forward_backward(model.manual_attention, q, k, v, dy, AttentionMask(shape[2], CPU, doc_ids))
     assert out.dtype == dtype
     ref_out, ref_grads = forward_backward(reference_attention, q.double(), k.double(), v.double(), dy.double(), doc_ids)
     assert_matches(out, grads, ref_out, ref_grads, RTOL[dtype], f"manual {dtype}")
@@ -197,7 +209,7 @@ def test_reference_is_not_trivially_causal():
 
 
 def sdpa_with(kernel):
-    return functools.partial(attention.sdpa_attention, kernel=kernel)
+    return functools.partial(model.sdpa_attention, kernel=kernel)
 
 
 CPU_BACKENDS = {"sdpa-auto": sdpa_with("auto"), "sdpa-math": sdpa_with("math"), "sdpa-flash": sdpa_with("flash")}
@@ -233,7 +245,7 @@ def test_cpu_backend_matches_manual(backend, dtype, docs, shape):
     out, grads = forward_backward(CPU_BACKENDS[backend], q, k, v, dy, mask)
     assert out.dtype == dtype and out.shape == q.shape
     ref_out, ref_grads = forward_backward(
-        attention.manual_attention, q.double(), k.double(), v.double(), dy.double(), AttentionMask(T, CPU, doc_ids)
+        model.manual_attention, q.double(), k.double(), v.double(), dy.double(), AttentionMask(T, CPU, doc_ids)
     )
     assert_matches(out, grads, ref_out, ref_grads, RTOL[dtype], f"{backend} {dtype}")
     if docs:
@@ -255,20 +267,20 @@ def no_eager_flex():
 )
 def test_flex_attention_cpu_forward_matches_manual(docs, shape):
     """flex_attention on CPU: compiled, forward only, float32. One shape each (a compile is ~10 s)."""
-    problem = attention.flex_problem(Need(CPU, torch.float32, shape[-1], docs, training=False))
+    problem = kernels.flex.flex_problem(Need(CPU, torch.float32, shape[-1], docs, training=False))
     if problem:
         pytest.skip(problem)
     q, k, v, _ = random_qkv(shape, torch.float32, generator_for("flex", shape, docs))
     B, _, T, _ = shape
     doc_ids = doc_ids_for(B, T) if docs else None
     with torch.no_grad(), no_eager_flex():
-        out = attention.flex_attention(q, k, v, AttentionMask(T, CPU, doc_ids))
-        ref = attention.manual_attention(q.double(), k.double(), v.double(), AttentionMask(T, CPU, doc_ids))
+        out = kernels.flex.flex_attention(q, k, v, AttentionMask(T, CPU, doc_ids))
+        ref = model.manual_attention(q.double(), k.double(), v.double(), AttentionMask(T, CPU, doc_ids))
     assert out.shape == q.shape and out.dtype == torch.float32
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < RTOL[torch.float32]
     if docs:
-        assert_docs_masked(out, attention.manual_attention(q, k, v, AttentionMask(T, CPU)), doc_ids)
+        assert_docs_masked(out, model.manual_attention(q, k, v, AttentionMask(T, CPU)), doc_ids)
 
 
 # ---- the flash-attn call path (layout, varlen, tuple outputs), with stand-in kernels on CPU -------
@@ -308,13 +320,13 @@ def fake_flash_module(returns_tuple: bool, calls: list):
 def test_flash_call_path_with_stand_in_kernels(monkeypatch, name, docs):
     calls = []
     fake = fake_flash_module(returns_tuple=name == "flash_attn_3", calls=calls)
-    monkeypatch.setattr(attention, "import_package", lambda *module: Package(fake, "0.0-fake", ""))
+    monkeypatch.setattr(model, "import_package", lambda *module: Package(fake, "0.0-fake", ""))
     q, k, v, _ = random_qkv((3, 2, 30, 16), torch.float64, generator_for("fakeflash", name, docs))
     doc_ids = doc_ids_for(3, 30) if docs else None
     out = model.BACKENDS[name].kernel(q, k, v, AttentionMask(30, CPU, doc_ids), 0.0)
     assert [c[0] for c in calls] == ["varlen" if docs else "dense"]
     assert out.shape == q.shape
-    assert rel_err(out, attention.manual_attention(q, k, v, AttentionMask(30, CPU, doc_ids))) < 1e-12
+    assert rel_err(out, model.manual_attention(q, k, v, AttentionMask(30, CPU, doc_ids))) < 1e-12
 
 
 def fake_flash_attn_4_interface(calls: list):
@@ -368,11 +380,11 @@ def test_flash_attn_4_custom_ops_give_manual_gradients_and_compile_in_one_graph(
     """The custom-op wrapper of flash-attn-4: the autograd formula matches manual attention in float64, and
     torch.compile traces it whole (fullgraph, fake tensors of the right shapes through aot_eager)."""
     calls = []
-    ops = attention.flash_attn_4_ops(fake_flash_attn_4_interface(calls), f"test_fa4_{'docs' if docs else 'causal'}")
-    attend = kernel_with(ops)
+    ops = kernels.flash.flash_attn_4_ops(fake_flash_attn_4_interface(calls), f"test_fa4_{'docs' if docs else 'causal'}")
+    attend = StandInFlash(ops)
     q, k, v, dy = random_qkv((2, 3, 24, 16), torch.float64, generator_for("fa4ops", docs))
     mask = AttentionMask(24, CPU, doc_ids_for(2, 24) if docs else None)
-    ref_out, ref_grads = forward_backward(attention.manual_attention, q, k, v, dy, mask)
+    ref_out, ref_grads = forward_backward(model.manual_attention, q, k, v, dy, mask)
     out, grads = forward_backward(attend, q, k, v, dy, mask)
     assert_matches(out, grads, ref_out, ref_grads, 1e-12, "flash_attn_4 ops")
     assert calls == ["fwd", "bwd"]
@@ -397,9 +409,9 @@ def test_flash_attn_4_custom_ops_give_manual_gradients_and_compile_in_one_graph(
 
 def test_flash_attn_4_without_the_private_functions_is_unavailable(monkeypatch):
     module = SimpleNamespace(interface=None, flash_attn_func=None)
-    monkeypatch.setattr(attention, "import_package", lambda *names: Package(module, "4.9", ""))
-    monkeypatch.setattr(attention, "dist_version", lambda distribution: "4.9")
-    package = attention.FLASH_ATTN_4.package()
+    monkeypatch.setattr(kernels.flash, "import_package", lambda *names: Package(module, "4.9", ""))
+    monkeypatch.setattr(kernels.flash, "dist_version", lambda distribution: "4.9")
+    package = kernels.flash.FLASH_ATTN_4.package()
     assert package.module is None and "has no interface._flash_attn_fwd" in package.problem
 
 
@@ -413,7 +425,7 @@ def test_flash_kernel_imports_its_package_once(monkeypatch):
         lookups.append(name)
         return Package(fake, "0.0-fake", "")
 
-    monkeypatch.setattr(attention, "import_package", load)
+    monkeypatch.setattr(model, "import_package", load)
     kernel = model.BACKENDS["flash_attn_2"].kernel
     assert kernel.problem(Need(CPU, torch.bfloat16)) == "flash-attn runs on CUDA GPUs only (device is cpu)"
     kernel.problem(Need(CPU, torch.bfloat16))
@@ -424,8 +436,8 @@ def test_flash_kernel_imports_its_package_once(monkeypatch):
 
 def test_flash_attn_4_alone_is_not_taken_for_flash_attn_2(monkeypatch):
     """flash-attn-4 installs flash_attn.cute; without flash-attn 2, `flash_attn` is a bare namespace."""
-    monkeypatch.setattr(attention.importlib, "import_module", lambda name: SimpleNamespace(__name__="flash_attn"))
-    package = attention.FLASH_ATTN_2.package()
+    monkeypatch.setattr(importlib, "import_module", lambda name: SimpleNamespace(__name__="flash_attn"))
+    package = model.FLASH_ATTN_2.package()
     assert package.module is None and "flash-attn is not installed" in package.problem
 
 
@@ -433,14 +445,16 @@ def test_flash_attn_2_draft_of_flash_attn_cute_is_not_flash_attn_4(monkeypatch):
     """flash-attn 2.8 ships an early flash_attn.cute; only the flash-attn-4 distribution counts as FA4."""
     interface = SimpleNamespace(_flash_attn_fwd=None, _flash_attn_bwd=None)
     monkeypatch.setattr(
-        attention.importlib, "import_module", lambda name: SimpleNamespace(flash_attn_func=None, interface=interface)
+        importlib, "import_module", lambda name: SimpleNamespace(flash_attn_func=None, interface=interface)
     )
-    monkeypatch.setattr(attention, "flash_attn_4_ops", lambda interface: "ops")  # no op registered for a fake
-    monkeypatch.setattr(attention, "dist_version", lambda distribution: "")
-    assert attention.FLASH_ATTN_4.package().problem == "flash-attn-4 (flash_attn.cute) is not installed"
-    attention.FLASH_ATTN_4.forget()
-    monkeypatch.setattr(attention, "dist_version", lambda distribution: "4.0.0b36")
-    assert attention.FLASH_ATTN_4.package() == Package("ops", "4.0.0b36", "")
+    monkeypatch.setattr(kernels.flash, "flash_attn_4_ops", lambda interface: "ops")  # no op registered for a fake
+    for module in (model, kernels.flash):  # the distribution's version: asked by both, the gate and the package
+        monkeypatch.setattr(module, "dist_version", lambda distribution: "")
+    assert kernels.flash.FLASH_ATTN_4.package().problem == "flash-attn-4 (flash_attn.cute) is not installed"
+    kernels.flash.FLASH_ATTN_4.forget()
+    for module in (model, kernels.flash):
+        monkeypatch.setattr(module, "dist_version", lambda distribution: "4.0.0b36")
+    assert kernels.flash.FLASH_ATTN_4.package() == Package("ops", "4.0.0b36", "")
 
 
 # ---- resolution: the fallback chain, with availability simulated ----------------------------------
@@ -453,7 +467,6 @@ def fake_env(monkeypatch):
     def guard(*args, **kwargs):
         raise AssertionError("a resolver test touched real CUDA")
 
-    monkeypatch.setattr(torch.cuda, "get_device_capability", guard)
     monkeypatch.setattr(torch.cuda, "get_device_name", guard)
 
     def configure(installed=(), capability=(9, 0), torch_version=(2, 11)):
@@ -469,11 +482,13 @@ def fake_env(monkeypatch):
             return Package(None, "", f"{pretty} is not installed")
 
         forget_flash_packages()
-        monkeypatch.setattr(attention, "import_package", load)
-        monkeypatch.setattr(attention, "dist_version", lambda d: "9.9" if "flash_attn.cute" in installed else "")
-        monkeypatch.setattr(attention, "flash_attn_4_ops", lambda interface: interface)  # no op registered
-        monkeypatch.setattr(attention, "cuda_capability", lambda device: capability)
-        monkeypatch.setattr(attention, "torch_version", lambda: torch_version)
+        for module in (model, kernels.flash):  # flash-attn 2 and 3 load through model's, 4 through its own
+            monkeypatch.setattr(module, "import_package", load)
+        monkeypatch.setattr(kernels.flash, "dist_version", lambda d: "9.9" if "flash_attn.cute" in installed else "")
+        monkeypatch.setattr(kernels.flash, "flash_attn_4_ops", lambda interface: interface)  # no op registered
+        # every module asks torch for the capability of the (never touched) GPU
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(kernels.flex, "torch_version", lambda: torch_version)
 
     return configure
 
@@ -630,10 +645,10 @@ def test_model_resolves_auto_for_the_length_it_is_set_up_for(fake_env):
     fake_env(installed=("flash_attn.cute",), capability=(9, 0))
     gpt = GPT(tiny_config(block_size=4096, n_embd=128, n_head=2))
     assert gpt.setup_attention(CUDA, torch.bfloat16).used == "flash_attn_4"
-    start = dict(attention.read_auto_table()["sm90"]["causal"])[64]  # head dim 128 / 2 = 64
+    start = dict(kernels.auto.read_auto_table()["sm90"]["causal"])[64]  # head dim 128 / 2 = 64
     assert gpt.setup_attention(CUDA, torch.bfloat16, seq_len=start - 1).used == "sdpa"
     assert gpt.setup_attention(CUDA, torch.bfloat16, seq_len=start).used == "flash_attn_4"
-    assert gpt.attention[False].kernel is attention.FLASH_ATTN_4
+    assert gpt.attention.kernel is kernels.flash.FLASH_ATTN_4
 
 
 def test_auto_on_sm90_without_flash_attn_picks_sdpa(fake_env):
@@ -643,11 +658,11 @@ def test_auto_on_sm90_without_flash_attn_picks_sdpa(fake_env):
     assert used == "flex_attention" and "skipped" not in reason
 
 
-def test_auto_with_documents_on_sm90_prefers_flex_then_flash_attn_2(fake_env, monkeypatch):
+def test_auto_with_documents_on_sm90_prefers_flex_then_flash_attn_2(fake_env):
     fake_env(installed=("flash_attn",), capability=(9, 0))
     assert resolve("auto", CUDA, torch.bfloat16, doc_mask=True, backward=True).used == "flex_attention"
     assert resolve("auto", CUDA, torch.bfloat16, doc_mask=False, backward=True).used == "sdpa"
-    monkeypatch.setattr(attention, "torch_version", lambda: (2, 4))  # no flex: the varlen flash kernel is next
+    fake_env(installed=("flash_attn",), capability=(9, 0), torch_version=(2, 4))  # no flex: varlen flash is next
     used, reason = resolve("auto", CUDA, torch.bfloat16, doc_mask=True, backward=True)
     assert used == "flash_attn_2"
     assert "flex_attention: flex_attention needs torch >= 2.5" in reason and "flash_attn_3" in reason
@@ -666,15 +681,20 @@ def test_every_fallback_chain_ends_in_manual_and_every_auto_order_names_backends
             chain.append(model.BACKENDS[chain[-1]].fallback)
             assert len(chain) <= len(model.BACKENDS), f"{name}: the fallback chain loops: {chain}"
         assert chain[-1] == "manual"
-    for order in attention.AUTO_ORDER.values():
+    default = [model.default_auto_order(Need(CPU, torch.float32, documents=docs))[0] for docs in (False, True)]
+    for order in [*kernels.auto.AUTO_ORDER.values(), *default]:
         assert order[-1] == "manual" and set(order) <= set(model.BACKENDS)
+    # generation decodes with every backend that has a kernel (paged_attention names a cache layout)
+    assert set(kv_cache.DECODE_KERNELS) == {name for name, b in model.BACKENDS.items() if b.kernel is not None}
+    for order in kv_cache.DECODE_ORDER.values():
+        assert "manual" in order and set(order) <= set(kv_cache.DECODE_KERNELS)
 
 
 def test_sdpa_kernel_problems():
-    assert attention.sdpa_kernel_problem("math", Need(CPU, torch.float32)) == ""
-    assert attention.sdpa_kernel_problem("flash", Need(CPU, torch.float32)) == ""
-    assert "CUDA only" in attention.sdpa_kernel_problem("cudnn", Need(CPU, torch.bfloat16))
-    assert "document mask" in attention.sdpa_kernel_problem("flash", Need(CPU, torch.float32, documents=True))
+    assert model.sdpa_kernel_problem("math", Need(CPU, torch.float32)) == ""
+    assert model.sdpa_kernel_problem("flash", Need(CPU, torch.float32)) == ""
+    assert "CUDA only" in model.sdpa_kernel_problem("cudnn", Need(CPU, torch.bfloat16))
+    assert "document mask" in model.sdpa_kernel_problem("flash", Need(CPU, torch.float32, documents=True))
 
 
 # ---- the model logs its choice once, and resolves for the device/dtype it runs with ---------------
@@ -698,7 +718,7 @@ def train_and_eval(gpt, steps=3, T=16):
 
 
 def test_fallback_is_logged_once_per_model(monkeypatch, caplog):
-    monkeypatch.setattr(attention, "import_package", lambda *names: Package(None, "", "flash-attn is not installed"))
+    monkeypatch.setattr(model, "import_package", lambda *names: Package(None, "", "flash-attn is not installed"))
     caplog.set_level(logging.DEBUG, logger="model")
     torch.manual_seed(0)
     train_and_eval(GPT(tiny_config(n_layer=3, attention_backend="flash_attn_2")))
@@ -738,9 +758,10 @@ def test_a_model_not_set_up_resolves_at_its_first_forward_for_the_autocast_dtype
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _, loss = gpt(idx, idx)
     assert torch.isfinite(loss)
-    assert "cpu/bfloat16" in gpt.attention[False].resolution.reason
+    assert "cpu/bfloat16" in gpt.attention.resolution.reason
+    assert gpt.attention.need.dtype == torch.bfloat16 and not gpt.attention.need.documents
     gpt(idx, idx)  # set up already: forward only reads the attribute
-    assert "cpu/bfloat16" in gpt.attention[False].resolution.reason
+    assert "cpu/bfloat16" in gpt.attention.resolution.reason
     assert "cpu/float32" in gpt.setup_attention(CPU, torch.float32).reason
     assert "cpu/float64" in gpt.double().setup_attention(CPU, torch.float64).reason
 
@@ -752,16 +773,19 @@ def test_training_and_inference_resolve_apart_for_flex_on_cpu():
     assert gpt.setup_attention(CPU, torch.float32, training=False).used == "flex_attention"
 
 
-def test_generate_resolves_for_inference_once_and_restores_the_training_choice(monkeypatch):
+def test_generation_resolves_for_inference_once_and_keeps_the_training_choice(monkeypatch):
     gpt = GPT(tiny_config()).eval()
     gpt.setup_attention(CPU, torch.float32)
     training_choice = gpt.attention
     resolved = []
     original = model.resolve
     monkeypatch.setattr(model, "resolve", lambda *args: resolved.append(args[1]) or original(*args))
-    gpt.generate(torch.zeros(1, 1, dtype=torch.long), 5, top_k=1)
-    assert [need.training for need in resolved] == [False, False], "once per masking kind, not per token"
+    generate(gpt, torch.zeros(1, 1, dtype=torch.long), 5, top_k=1)
+    assert [(need.training, need.kv_cache) for need in resolved] == [(False, "contiguous")], "once, not per token"
     assert gpt.attention is training_choice
+    resolved.clear()
+    gpt.generate(torch.zeros(1, 1, dtype=torch.long), 5, top_k=1)  # the plain loop runs the model's own choice
+    assert resolved == [] and gpt.attention is training_choice
 
 
 # ---- adding a backend: one record + its kernel -------------------------------------------------
@@ -773,12 +797,10 @@ def test_a_registered_toy_backend_runs_and_falls_back(monkeypatch, caplog):
 
     def toy_attention(q, k, v, mask, dropout_p=0.0):
         calls.append(q.shape)
-        return attention.manual_attention(q, k, v, mask, dropout_p)
+        return model.manual_attention(q, k, v, mask, dropout_p)
 
     def toy_problem(need):
-        return (
-            "" if need.dtype == torch.float32 else f"toy needs float32 (this run is {attention.dtype_name(need.dtype)})"
-        )
+        return "" if need.dtype == torch.float32 else f"toy needs float32 (this run is {model.dtype_name(need.dtype)})"
 
     model.register(model.AttentionBackend("toy", toy_attention, toy_problem, fallback="manual", aliases=("plaything",)))
     assert model.canonical_backend("plaything") == "toy"
@@ -792,6 +814,28 @@ def test_a_registered_toy_backend_runs_and_falls_back(monkeypatch, caplog):
     assert "toy requested but toy needs float32 (this run is float64); falling back to manual" in caplog.text
 
 
+def test_model_alone_registers_its_own_three_kernels_and_kernels_adds_the_rest():
+    """A script that imports model.py alone gets manual, sdpa and flash_attn_2 and the default auto order;
+    `import kernels` registers flash-attn 3 and 4, flex_attention and auto's per-card order into the same
+    registry."""
+    script = (
+        "import json, sys, torch, model\n"
+        "need = model.Need('cpu', torch.float32)\n"
+        "alone = (sorted(model.BACKENDS), model.resolve('auto', need).reason, 'kernels' in sys.modules)\n"
+        "import kernels\n"
+        "print(json.dumps([alone, sorted(model.BACKENDS), model.resolve('auto', need).reason]))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    (names, reason, imported), with_kernels, reason_with_kernels = json.loads(result.stdout)
+    assert names == ["flash_attn_2", "manual", "sdpa"] and not imported
+    assert reason.startswith("auto: first that runs on cpu/float32 of sdpa > flash_attn_2 > manual")
+    assert set(with_kernels) == {"flash_attn_2", "flash_attn_3", "flash_attn_4", "flex_attention", "manual", "sdpa"}
+    assert reason_with_kernels.startswith("auto: first that runs on cpu/float32 of sdpa > manual")
+
+
 # ---- auto: the per-card table, and timing on a card the table does not know -------------------
 
 
@@ -799,59 +843,74 @@ def test_decode_order_depends_on_whether_the_step_is_compiled(fake_env):
     """Eager decoding pays per launch (flash-attn's one kernel first); under CUDA graphs the kernel's own time
     counts (flex first). Off CUDA the compiled step runs eagerly, so its order is the eager one."""
     fake_env(installed=(), capability=(9, 0))  # no flash-attn: eager decoding takes SDPA
-    need = Need(CUDA, torch.bfloat16, 64, training=False, seq_len=384, kv_cache="contiguous")
-    assert attention.auto_order(need) == (attention.DECODE_ORDER[("cuda", "contiguous", False)], "decode order")
-    assert model.resolve("auto", need).used == "sdpa"
+    gpt = GPT(tiny_config(n_embd=128, n_head=2))  # head dim 64
+    need = gpt.attention_need(CUDA, torch.bfloat16, training=False, seq_len=384, kv_cache="contiguous")
+    assert kv_cache.decode_order(need) == (kv_cache.DECODE_ORDER[("cuda", "contiguous", False)], "decode order")
+    attention, decode = generation_attention(gpt, need)
+    assert attention.resolution.used == "sdpa" and decode == kv_cache.DECODE_KERNELS["sdpa"]
+    assert "decode order" in attention.resolution.reason and attention.need == need
     compiled = dataclasses.replace(need, compiled=True)
-    assert attention.auto_order(compiled)[1] == "compiled decode order"
-    assert model.resolve("auto", compiled).used == "flex_attention"
+    assert kv_cache.decode_order(compiled)[1] == "compiled decode order"
+    attention, decode = generation_attention(gpt, compiled)
+    assert attention.resolution.used == "flex_attention" and decode == kv_cache.DECODE_KERNELS["flex_attention"]
     paged = dataclasses.replace(compiled, kv_cache="paged")
-    assert model.resolve("auto", paged).used == "flex_attention"
+    assert generation_attention(gpt, paged)[0].resolution.used == "flex_attention"
     on_cpu = dataclasses.replace(compiled, device=CPU, dtype=torch.float32)
-    assert attention.auto_order(on_cpu) == (("sdpa", "manual"), "decode order")
+    assert kv_cache.decode_order(on_cpu) == (("sdpa", "manual"), "decode order")
+    assert gpt.attention is None, "generation's choice is its own: the model is not set up by it"
 
 
 def test_auto_table_file_is_data_the_resolver_reads(fake_env, tmp_path):
     fake_env(installed=("flash_attn.cute",), capability=(9, 0))
     table = {"sm90": {"first": "flash_attn_4", "causal": [[64, 100], [256, 200]]}}
     long_need = Need(CUDA, torch.bfloat16, 64, seq_len=100)
-    assert attention.auto_order(long_need, table)[0][0] == "flash_attn_4"
-    assert attention.auto_order(Need(CUDA, torch.bfloat16, 128, seq_len=100), table)[0][0] == "sdpa"
-    assert attention.auto_order(Need(CUDA, torch.bfloat16, 64, documents=True, seq_len=10**6), table)[0][0] != (
+    assert kernels.auto.auto_order(long_need, table)[0][0] == "flash_attn_4"
+    assert kernels.auto.auto_order(Need(CUDA, torch.bfloat16, 128, seq_len=100), table)[0][0] == "sdpa"
+    assert kernels.auto.auto_order(Need(CUDA, torch.bfloat16, 64, documents=True, seq_len=10**6), table)[0][0] != (
         "flash_attn_4"
     )  # no documents entry: the default order
     path = tmp_path / "auto.json"
     path.write_text(json.dumps({"cards": table}))
-    assert attention.read_auto_table(path) == table
+    assert kernels.auto.read_auto_table(path) == table
     path.write_text("not json")
-    assert attention.read_auto_table(path) == {}
+    assert kernels.auto.read_auto_table(path) == {}
 
 
 def test_auto_times_the_candidates_once_and_caches_the_choice(monkeypatch, tmp_path):
     cache = tmp_path / "auto.json"
     need = Need(CPU, torch.float32, 16, seq_len=32)
-    slow = functools.partial(attention.manual_attention)
-    order, how = attention.measured_order({"sdpa": attention.sdpa_attention, "slow": slow}, need, 2, cache, 64)
+    slow = functools.partial(model.manual_attention)
+    order, how = kernels.auto.measured_order({"sdpa": model.sdpa_attention, "slow": slow}, need, 2, cache, 64)
     assert set(order) == {"sdpa", "slow"} and how.startswith("measured on this card: ")
     cached = json.loads(cache.read_text())
-    assert list(cached) == [attention.measure_key(need, 2)] and set(cached[attention.measure_key(need, 2)]) == set(
-        order
-    )
-    monkeypatch.setattr(attention, "time_kernel", lambda *a, **k: pytest.fail("timed again"))
-    again, how = attention.measured_order({"sdpa": attention.sdpa_attention, "slow": slow}, need, 2, cache, 64)
+    key = kernels.auto.measure_key(need, 2)
+    assert list(cached) == [key] and set(cached[key]) == set(order)
+    monkeypatch.setattr(kernels.auto, "time_kernel", lambda *a, **k: pytest.fail("timed again"))
+    again, how = kernels.auto.measured_order({"sdpa": model.sdpa_attention, "slow": slow}, need, 2, cache, 64)
     assert again == order and how.startswith("measured on this card earlier: ")
 
 
-def test_model_on_an_unknown_card_measures_and_says_so(fake_env, monkeypatch, caplog):
+def test_model_on_an_unknown_card_measures_only_when_set_up_to_and_says_so(fake_env, monkeypatch, caplog):
     fake_env(installed=("flash_attn",), capability=(8, 9))  # an L4/4090: not in the table
-    monkeypatch.setattr(
-        model, "measured_order", lambda runs, need, n_head: (("sdpa", "flash_attn_2"), "measured on this card: x")
-    )
+    timed = []
+
+    def measured(runs, need, n_head):
+        timed.append(sorted(runs))
+        return ("sdpa", "flash_attn_2"), "measured on this card: x"
+
+    monkeypatch.setattr(kernels.auto, "measured_order", measured)
     caplog.set_level(logging.INFO, logger="model")
     gpt = GPT(tiny_config())
-    used, reason = gpt.setup_attention(CUDA, torch.bfloat16)
+    assert gpt.setup_attention(CUDA, torch.bfloat16).used == "flash_attn_2" and not timed  # default: the order
+    used, reason = gpt.setup_attention(CUDA, torch.bfloat16, measure=True)
     assert used == "sdpa" and "measured on this card" in reason and "measured on this card" in caplog.text
-    assert GPT(tiny_config(auto_measure=False)).setup_attention(CUDA, torch.bfloat16).used == "flash_attn_2"
+    assert timed == [["flash_attn_2", "sdpa"]]  # the candidates that run here; manual is never timed
+    assert GPT(tiny_config(auto_measure=False)).setup_attention(CUDA, torch.bfloat16, measure=True).used == (
+        "flash_attn_2"
+    )
+    fake_env(installed=("flash_attn",), capability=(9, 0))  # a card the table knows: its table, no timing
+    assert GPT(tiny_config()).setup_attention(CUDA, torch.bfloat16, measure=True).used == "sdpa"
+    assert len(timed) == 1
 
 
 # ---- GPU: every backend there vs a float32 manual reference (run on the device) -------------------
@@ -876,7 +935,7 @@ def gpu_attention(backend, dtype, docs, head_dim):
     device = torch.device("cuda", torch.cuda.current_device())
     if backend.startswith("sdpa-"):
         kernel = backend.split("-")[1]
-        problem = attention.sdpa_kernel_problem(kernel, Need(device, dtype, head_dim, docs))
+        problem = model.sdpa_kernel_problem(kernel, Need(device, dtype, head_dim, docs))
         if problem:
             pytest.skip(problem)
         return sdpa_with(kernel)
@@ -900,9 +959,9 @@ def test_gpu_backend_matches_float32_manual(monkeypatch, backend, dtype, docs, T
         out, grads = forward_backward(attend, q, k, v, dy, AttentionMask(T, q.device, doc_ids))
     assert out.dtype == dtype and out.shape == q.shape
     ref_out, ref_grads = forward_backward(
-        attention.manual_attention, q.float(), k.float(), v.float(), dy.float(), AttentionMask(T, q.device, doc_ids)
+        model.manual_attention, q.float(), k.float(), v.float(), dy.float(), AttentionMask(T, q.device, doc_ids)
     )
     assert_matches(out, grads, ref_out, ref_grads, 2e-2, f"{backend} {dtype} T={T} D={D}")
     if docs:
-        causal = attention.manual_attention(q.float(), k.float(), v.float(), AttentionMask(T, q.device))
+        causal = model.manual_attention(q.float(), k.float(), v.float(), AttentionMask(T, q.device))
         assert_docs_masked(out.cpu(), causal.cpu(), doc_ids.cpu(), same=2e-2)

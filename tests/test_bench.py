@@ -16,10 +16,11 @@ import time
 import pytest
 import torch
 
-from bench import bench_two_nodes, readme_table, report, step_phases
-from bench.report import card_slug, parse_log_line
+from bench import bench_two_nodes, compare_backends, grid, launch, readme_table, report, step_phases
+from bench.launch import parse_log_line
+from bench.report import card_slug
 from helpers import REPO as ROOT
-from helpers import WarmProcess
+from helpers import subprocess_env
 from train import format_log_line
 
 HEADER_FIELDS = (
@@ -78,35 +79,32 @@ COMPARE_ARGUMENTS = (
 
 
 @pytest.fixture(scope="module")
-def runs(char_data, tmp_path_factory, warm_interpreter):
-    """{name: (exit code, stdout, stderr, out folder)} of bench_attention.py --quick, bench_train.py --quick,
-    step_phases.py --quick (one process) and compare_backends.sh (sdpa, manual). Started together, each on one
-    CPU thread; the Python benches are forked from the warm interpreter, which has torch imported already."""
-    commands = {  # the fresh interpreters first: a fork waits until the warm interpreter is ready
-        # the shortest timings that still time: these tests check rows and statuses, not speed
+def runs(char_data, tmp_path_factory):
+    """{name: (exit code, stdout, stderr, out folder)} of `python -m bench.bench_attention --quick`,
+    `bench.bench_train --quick`, `bench.step_phases --quick` (one process) and compare_backends.sh (sdpa,
+    manual), as the benches run: modules from the repo root. Started together, each on one CPU thread."""
+    commands = {  # the shortest timings that still time: these tests check rows and statuses, not speed
         "compare": ["bash", "bench/compare_backends.sh", f"--data_dir={char_data}", *COMPARE_ARGUMENTS],
-        "attention-quick": ["bench/bench_attention.py", "--quick", "--warmup-ms", "1", "--rep-ms", "5"],
-        "train-quick": ["bench/bench_train.py", "--quick"],
-        "step-phases-quick": ["bench/step_phases.py", "--quick", "--steps", "4", "ddp"],
+        "attention-quick": ["bench.bench_attention", "--quick", "--warmup-ms", "1", "--rep-ms", "5"],
+        "train-quick": ["bench.bench_train", "--quick"],
+        "step-phases-quick": ["bench.step_phases", "--quick", "--steps", "4", "ddp"],
     }
     started = {}
     for name, command in commands.items():
         out = tmp_path_factory.mktemp(name)
+        env = subprocess_env()
+        if name == "compare":  # TMPDIR: the script's log folder lands in out, not in /tmp
+            env.update(BACKENDS="sdpa manual", OUT_DIR=str(out), PYTHON=sys.executable, TMPDIR=str(out))
+        else:
+            command = [sys.executable, "-m", *command, "--out", str(out)]
         with open(out / "stdout.txt", "w") as stdout, open(out / "stderr.txt", "w") as stderr:
-            if name == "compare":
-                # TMPDIR: the script's log folder lands in out, not in /tmp
-                env = {**os.environ, "OMP_NUM_THREADS": "1", "BACKENDS": "sdpa manual", "OUT_DIR": str(out)}
-                env.update(PYTHON=sys.executable, TMPDIR=str(out))
-                process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=stdout, stderr=stderr)
-            else:
-                process = WarmProcess(command[0], [*command[1:], "--out", str(out)], stdout.fileno(), stderr.fileno())
-            started[name] = (process, out)
+            started[name] = (subprocess.Popen(command, cwd=ROOT, env=env, stdout=stdout, stderr=stderr), out)
     finished = {}
     try:
         for name, (process, out) in started.items():
             code = process.wait(timeout=240)
             finished[name] = (code, (out / "stdout.txt").read_text(), (out / "stderr.txt").read_text(), out)
-    finally:  # past a timeout: a warm child left running would keep pytest from exiting
+    finally:  # past a timeout: a child left running would keep pytest from exiting
         for process, _ in started.values():
             if process.poll() is None:
                 process.kill()
@@ -184,6 +182,87 @@ def test_step_phases_time_train_pys_own_step_phase_by_phase(runs):
     for row in rows:  # one process: it is its own slowest rank
         assert 0 < row["host_ms"] <= row["wall_ms"] * 1.01 and row["slowest_ms"] == row["wall_ms"], row
         assert row["rank_wall_ms"] == f"{row['wall_ms']:.2f}" and row["ranks"] == 1
+
+
+def test_benches_run_as_modules_of_the_repo_root_without_editing_sys_path():
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        assert "sys.path" not in path.read_text(), f"{path.name} edits sys.path; run it as python -m bench.X"
+
+
+def test_every_bench_takes_its_models_from_one_place():
+    assert report.model_shape(quick=True) == report.TINY == {"n_layer": 2, "n_head": 2, "n_embd": 64}
+    assert report.model_shape(quick=False) == report.GPT2_124M
+    report.model_shape(quick=True)["n_layer"] = 99  # a copy: a bench cannot change the shared shape
+    assert report.TINY["n_layer"] == 2
+    assert launch.flags(report.TINY) == ["--n_layer=2", "--n_head=2", "--n_embd=64"]
+
+
+def test_bench_parser_fills_what_is_left_unset_from_the_quick_or_the_full_defaults():
+    quick = dict(device="cpu", dtype="float32", budget=0, name="demo-quick", sizes=[1])
+    full = dict(device="cuda", dtype="bfloat16", budget=60, name="demo", sizes=[8, 16])
+
+    def parse(*argv):
+        parser = grid.BenchParser("Demo bench.", quick, full, quick_help="tiny", dtypes=("bfloat16", "float32"))
+        parser.add_argument("--sizes", type=int, nargs="*")
+        return parser.parse_args(list(argv))
+
+    args = parse()
+    assert (args.device, args.dtype, args.budget, args.name, args.sizes, args.out) == (
+        "cuda",
+        "bfloat16",
+        60,
+        "demo",
+        [8, 16],
+        report.DEFAULT_OUT,
+    )
+    args = parse("--quick", "--budget", "5", "--sizes")
+    assert (args.device, args.dtype, args.budget, args.name, args.sizes) == ("cpu", "float32", 5, "demo-quick", [])
+
+
+def test_the_grid_runner_records_cases_past_the_budget_as_skipped_and_writes_the_results(tmp_path, capsys):
+    """One runner for the attention, train and generate benches: rows in case order, one progress line each,
+    the budget's reason in every row it left out, finish() over all rows, then <card>-<name>.json and .md."""
+    from types import SimpleNamespace
+
+    def measure(case):
+        time.sleep(0.05)  # longer than the whole budget: every later case is skipped
+        return [{"case": case, "part": part, "status": "ok"} for part in ("a", "b")]
+
+    demo = grid.Grid(
+        measure=measure,
+        skipped=lambda case, reason: [{"case": case, "part": "a", "status": reason}],
+        progress=lambda row: f"case {row['case']}{row['part']}: {row['status']}",
+        columns=[report.Column("case", "case"), report.Column("status", "status")],
+        finish=lambda rows: rows.append({"case": "all", "part": "", "status": f"{len(rows)} rows"}),
+    )
+    args = SimpleNamespace(quick=False, budget=0.01, name="grid-demo", out=tmp_path)
+    header, rows = grid.run_grid(demo, [1, 2, 3], args, torch.device("cpu"), {"grid": {"cases": [1, 2, 3]}})
+    assert [(r["case"], r["part"]) for r in rows] == [(1, "a"), (1, "b"), (2, "a"), (3, "a"), ("all", "")]
+    assert rows[2]["status"] == rows[3]["status"] == "skipped: --budget 0.01 s used up"
+    assert rows[-1]["status"] == "4 rows"
+    saved = json.loads((tmp_path / "cpu-grid-demo.json").read_text())
+    assert saved == json.loads(json.dumps({"header": header, "rows": rows}))
+    assert header["bench"] == "grid-demo" and header["grid"] == {"cases": [1, 2, 3]} and header["wall_s"] >= 0.05
+    assert "| 3 | skipped: --budget 0.01 s used up |" in (tmp_path / "cpu-grid-demo.md").read_text()
+    out = capsys.readouterr().out
+    assert "case 1b: ok" in out and "case 3a: skipped" in out and "wrote " in out
+
+
+def test_train_py_is_launched_one_way():
+    assert launch.train_command(["--a=1"]) == [sys.executable, "train.py", "--a=1"]
+    torchrun = launch.train_command(["--a=1"], ["--standalone", "--nproc_per_node=2"])
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert torchrun == [*launcher, "train.py", "--a=1"]
+
+
+def test_one_profile_script_for_the_train_step_and_for_decoding():
+    from bench import profile
+
+    train = profile.parse_args(["--quick"])
+    assert (train.what, train.batch_size, train.seq_len, train.top) == ("train", 4, 64, 25)
+    assert train.name == "profile-train-quick"
+    decode = profile.parse_args(["--what", "generate"])
+    assert (decode.batch_size, decode.top, decode.name, decode.cache) == (1, 15, "profile-generate", "contiguous")
 
 
 @pytest.mark.parametrize(
@@ -330,17 +409,17 @@ def test_compare_backends_tabulates_each_backends_last_log_line(runs, tmp_path):
 
     # KEEP_ROWS=1: re-running one backend keeps the other's row from the earlier file
     (tmp_path / "cpu-compare_backends.json").write_text(json.dumps(saved))
-    report.tabulate_compare_logs(logs, tmp_path, ["manual"], "re-run of manual", keep_rows=True)
+    compare_backends.tabulate_compare_logs(logs, tmp_path, ["manual"], "re-run of manual", keep_rows=True)
     merged = json.loads((tmp_path / "cpu-compare_backends.json").read_text())
     assert [r["backend"] for r in merged["rows"]] == ["sdpa", "manual"]
     assert merged["rows"][0] == saved["rows"][0] and "kept_rows_from" in merged["header"]
-    report.tabulate_compare_logs(logs, tmp_path, ["manual"], "re-run of manual", keep_rows=False)
+    compare_backends.tabulate_compare_logs(logs, tmp_path, ["manual"], "re-run of manual", keep_rows=False)
     alone = json.loads((tmp_path / "cpu-compare_backends.json").read_text())
     assert [r["backend"] for r in alone["rows"]] == ["manual"]
 
 
 def test_compare_row_records_a_failed_run_with_its_last_line():
-    row = report.compare_row("flash_attn_2", "INFO: attention backend: sdpa\nerror: no such thing\n", 2)
+    row = compare_backends.compare_row("flash_attn_2", "INFO: attention backend: sdpa\nerror: no such thing\n", 2)
     assert row == {"backend": "flash_attn_2", "runs": "sdpa", "status": "exit 2: error: no such thing"}
 
 
@@ -442,16 +521,12 @@ def test_each_node_of_the_one_host_launch_gets_its_own_gpus():
     ],
 )
 def test_a_failed_run_is_summed_up_by_its_error_not_torchruns_rules(output, line):
-    from bench.bench_ddp import failure_line
-
-    assert failure_line(output) == line
+    assert launch.failure_line(output) == line
 
 
 def test_a_probe_stops_at_its_last_step_and_a_timeout_leaves_nothing_running(tmp_path):
-    """run_until kills the whole process tree, also a grandchild in a session of its own (as torchrun's
+    """launch.run kills the whole process tree, also a grandchild in a session of its own (as torchrun's
     workers are), once the run logs the iteration it waits for, or at its timeout."""
-    from bench.bench_ddp import run_until
-
     pid_file = tmp_path / "grandchild.pid"
     grandchild = "import time; time.sleep(60)"
     script = (
@@ -477,10 +552,11 @@ def test_a_probe_stops_at_its_last_step_and_a_timeout_leaves_nothing_running(tmp
             time.sleep(0.1)
         return False
 
-    code, output, seconds = run_until(command, dict(os.environ), timeout=30, stop_at_iter=2)
-    assert code == 0 and "iter 2" in output and seconds < 20
+    run = launch.run(command, dict(os.environ), timeout=30, stop_at_iter=2)
+    assert run.code == 0 and "iter 2" in run.output and run.seconds < 20
+    assert [line["iter"] for line in run.lines][:2] == [1, 2]
     assert gone(int(pid_file.read_text()))
 
-    code, output, seconds = run_until(command, dict(os.environ), timeout=1.5)
-    assert code == 124 and "timed out after 1.5 s" in output and seconds < 20
+    run = launch.run(command, dict(os.environ), timeout=1.5)
+    assert run.code == 124 and "timed out after 1.5 s" in run.output and run.seconds < 20
     assert gone(int(pid_file.read_text()))

@@ -1,6 +1,7 @@
-"""checkpoint.py: atomic saves (a failed write or a kill -9 at any moment leaves the previous checkpoint whole),
-rotation of the run's own files only, one run per out_dir, weights_only loading and the checkpoint schema, RNG
-capture, safetensors export, one-line errors."""
+"""storage/checkpoint.py: atomic saves (a failed write or a kill -9 at any moment leaves the previous checkpoint
+whole), rotation of the run's own files only, one run per out_dir, weights_only loading and the checkpoint schema
+(weights/load.py's load_checkpoint), RNG capture; safetensors export (`python -m weights safetensors`), one-line
+errors."""
 
 from __future__ import annotations
 
@@ -24,16 +25,11 @@ import pytest
 import torch
 
 from errors import CheckpointError
-from helpers import REPO, file_size_limit, run_script, subprocess_env, tiny_config, tree_digest
+from helpers import REPO, file_size_limit, run_module, subprocess_env, tiny_config, tree_digest
 from storage import checkpoint
-from storage.checkpoint import (
-    capture_rng,
-    claim_out_dir,
-    export_safetensors,
-    load_checkpoint,
-    restore_rng,
-    save_checkpoint,
-)
+from storage.checkpoint import capture_rng, claim_out_dir, restore_rng, save_checkpoint
+from weights.__main__ import main as weights_main
+from weights.load import export_safetensors, load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -376,7 +372,9 @@ SCHEMA = [  # (change to a good checkpoint, load for resume?, words in the messa
     pytest.param(
         put_in("model_config", "future_setting", 1), False, ("future_setting", "newer version"), id="newer-config"
     ),
-    pytest.param(put_in("model_config", "n_head", 3), False, ("invalid model_config", "n_head"), id="bad-config"),
+    pytest.param(
+        put_in("model_config", "n_head", 3), False, ("n_embd (32) must be divisible by n_head (3)",), id="bad-config"
+    ),
     pytest.param(put_in("model", "lm_head.weight", [0.0]), False, ("not named tensors", "lm_head"), id="weight-list"),
     pytest.param(drop("model"), False, ("not a checkpoint of this repo",), id="no-model"),
     pytest.param(put_in("meta", "tokenizer", None), False, ("tokenizer is unknown",), id="meta-no-tokenizer"),
@@ -429,27 +427,43 @@ def test_export_safetensors_weights_and_metadata(trained_out, tmp_path):
     assert json.loads(metadata["model_config"]) == state["model_config"]
 
 
-def test_export_cli(trained_out, tmp_path, warm_interpreter):
+def weights_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """`python -m weights ARGV` in-process (weights/__main__.py's main): (exit code, stdout, stderr). A bad
+    command line exits through argparse (SystemExit), which counts as the code it exits with."""
+    try:
+        code = weights_main(list(argv))
+    except SystemExit as exit:
+        code = exit.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_export_cli(trained_out, tmp_path):
+    """`python -m weights safetensors OUT_DIR FILE`, a real interpreter: an out_dir means its ckpt.pt."""
     from safetensors.torch import load_file
 
     out = tmp_path / "model.safetensors"
-    result = run_script("checkpoint.py", ["export", str(trained_out / "ckpt.pt"), str(out)], timeout=60, warm=True)
+    result = run_module("weights", ["safetensors", str(trained_out), str(out)], timeout=60)
     assert result.returncode == 0, result.stderr
-    assert f"wrote {out}" in result.stdout
-    assert "transformer.wte.weight" in load_file(out)
+    assert result.stdout == f"wrote {out}\n" and "Traceback" not in result.stderr, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]  # no temporary file left
+    weights, state = load_file(out), load_checkpoint(trained_out / "ckpt.pt")
+    assert set(weights) == set(state["model"]) - {"lm_head.weight"}
+    assert all(torch.equal(tensor, state["model"][name]) for name, tensor in weights.items())
 
 
 @pytest.mark.parametrize(
-    "argv",
+    "argv, message",
     [
-        [],
-        ["export"],
-        ["import", "a.pt", "b.safetensors"],
-        ["export", "NO.pt", "x"],
-        ["export", "{ckpt}", "{ckpt}"],
-        ["export", "{ckpt}", "{folder}/../out/ckpt.pt"],
-        ["export", "{ckpt}", "{folder}/best.pt"],
-        ["export", "{ckpt}", "{folder}/no/such/folder/model.safetensors"],
+        ([], "the following arguments are required: command"),
+        (["safetensors"], "the following arguments are required: checkpoint, out"),
+        (["import", "a.pt", "b.safetensors"], "invalid choice: 'import'"),
+        (["safetensors", "NO.pt", "x"], "no checkpoint at {tmp}/NO.pt"),
+        (["safetensors", "{ckpt}", "{ckpt}"], "refusing to write the export over the checkpoint {ckpt}"),
+        (["safetensors", "{ckpt}", "{folder}/../out/ckpt.pt"], "refusing to write the export over the checkpoint"),
+        (["safetensors", "{ckpt}", "{folder}/best.pt"], "refusing to write the export over the checkpoint"),
+        (["safetensors", "{ckpt}", "{folder}/no/such/folder/model.safetensors"], "folder {folder}/no/such/folder"),
+        (["merge", "{ckpt}", "{folder}/merged.pt"], "{ckpt} holds no LoRA adapters; it is a plain checkpoint"),
     ],
     ids=[
         "no-args",
@@ -460,15 +474,16 @@ def test_export_cli(trained_out, tmp_path, warm_interpreter):
         "onto-its-input-by-another-path",
         "onto-a-checkpoint",
         "missing-folder",
+        "merge-a-plain-checkpoint",
     ],
 )
-def test_export_cli_bad_input(trained_out, tmp_path, capsys, argv):
+def test_export_cli_bad_input(trained_out, tmp_path, capsys, argv, message):
     out = tmp_path / "out"
     shutil.copytree(trained_out, out)
-    values = {"ckpt": out / "ckpt.pt", "folder": out}
+    values = {"ckpt": out / "ckpt.pt", "folder": out, "tmp": tmp_path}
     argv = [a.format(**values) if "{" in a else str(tmp_path / a) if a.endswith(("pt", "x")) else a for a in argv]
     before = tree_digest(tmp_path)
-    assert checkpoint.main(argv) == 2
-    err = capsys.readouterr().err
-    assert len(err.splitlines()) == 1 and err.startswith(("usage: ", "error: ")), err
+    code, stdout, err = weights_cli(capsys, *argv)
+    assert code == 2 and stdout == "", err
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and message.format(**values) in err, err
     assert tree_digest(tmp_path) == before  # the checkpoint is intact, and nothing was written

@@ -1,17 +1,34 @@
-"""bench/fit_auto.py: fitting auto's flash-attn-4 lengths from a results file into the table the model reads."""
+"""bench/fit_auto.py: fitting auto's flash-attn-4 lengths from a results file into the table that auto's order
+(kernels/auto.py) reads."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
-import attention
+import kernels
 from bench import fit_auto
+from model import Need
+
+CUDA = torch.device("cuda")  # an object only: auto_order is asked about a card that is never touched
 
 
 def row(backend, d, t, ms, docs=False):
     return {"backend": backend, "head_dim": d, "seq_len": t, "docs": docs, "fwd_bwd_ms": ms}
+
+
+def on_card(monkeypatch, card: str):
+    """auto_order sees a GPU of compute capability `card` ('sm80' -> (8, 0))."""
+    capability = (int(card[2:-1]), int(card[-1]))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+
+def first(cards: dict, seq_len: int, head_dim: int = 64, documents: bool = False) -> str:
+    """What auto tries first on the card on_card set, by the table `cards`."""
+    need = Need(CUDA, torch.bfloat16, head_dim, documents, seq_len=seq_len)
+    return kernels.auto.auto_order(need, cards)[0][0]
 
 
 def test_fit_takes_flash_attn_4_from_where_it_wins_at_every_longer_length():
@@ -27,29 +44,47 @@ def test_fit_takes_flash_attn_4_from_where_it_wins_at_every_longer_length():
         fit_auto.fit({"rows": rows})
 
 
-def test_write_stores_the_card_entry_the_resolver_reads(tmp_path, capsys):
+def test_the_written_table_is_what_auto_orders_by(tmp_path, capsys, monkeypatch):
+    """--write stores the card's entry in the given table file (other cards and keys kept, the committed table
+    untouched); kernels.auto reads it back, and on that card auto puts flash_attn_4 first from the fitted
+    length on, for the head dims and masking fitted, and keeps the default order elsewhere."""
     rows = [row("sdpa:auto", 64, t, 1.0) for t in (512, 1024)] + [row("flash_attn_4", 64, t, 0.5) for t in (512, 1024)]
     results = tmp_path / "a100-attention.json"
     results.write_text(json.dumps({"header": {"capability": "sm80", "device_name": "A100"}, "rows": rows}))
     table = tmp_path / "attention_auto.json"
-    table.write_text(json.dumps({"about": "kept", "cards": {"sm90": {"first": "flash_attn_4", "causal": [[64, 1]]}}}))
-    source_files = {p: p.read_text() for p in (attention.AUTO_TABLE.parent.parent / "attention.py",)}
+    sm90 = {"first": "flash_attn_4", "causal": [[64, 1]]}
+    table.write_text(json.dumps({"about": "kept", "cards": {"sm90": sm90}}))
+    committed = kernels.auto.AUTO_TABLE.read_bytes()
     assert fit_auto.main([str(results), "--write", "--table", str(table)]) == 0
-    written = json.loads(table.read_text())
-    assert written["about"] == "kept" and written["cards"]["sm90"]["causal"] == [[64, 1]]
-    assert attention.read_auto_table(table)["sm80"]["causal"] == [[64, 512]]
-    assert all(p.read_text() == text for p, text in source_files.items()), "no source file is rewritten"
     assert '"sm80"' in capsys.readouterr().out
+    assert kernels.auto.AUTO_TABLE.read_bytes() == committed, "--table names the only file written"
+    assert json.loads(table.read_text())["about"] == "kept"
+    cards = kernels.auto.read_auto_table(table)
+    assert cards["sm90"] == sm90
+    assert cards["sm80"]["first"] == "flash_attn_4" and cards["sm80"]["causal"] == [[64, 512]]
+    on_card(monkeypatch, "sm80")
+    default = kernels.auto.AUTO_ORDER[("cuda", "older", False)][0]
+    assert default != "flash_attn_4"
+    assert first(cards, 512) == first(cards, 8192) == "flash_attn_4"
+    assert first(cards, 511) == default  # shorter than fitted
+    assert first(cards, 8192, head_dim=128) == default  # wider heads than fitted
+    assert first(cards, 8192, documents=True) == kernels.auto.AUTO_ORDER[("cuda", "older", True)][0]  # not fitted
+    assert first({}, 8192) == default  # a card the table does not hold
 
 
-def test_the_committed_table_has_an_entry_for_every_masking_it_fitted():
-    cards = attention.read_auto_table()
+def test_the_committed_table_has_an_entry_auto_reads_for_every_masking_it_fitted(monkeypatch):
+    cards = kernels.auto.read_auto_table()
     assert cards, "config/attention_auto.json is missing or unreadable"
     for card, entry in cards.items():
         assert card.startswith("sm") and entry["first"] in ("flash_attn_4", "flash_attn_3", "flash_attn_2")
+        on_card(monkeypatch, card)
         for masking in ("causal", "documents"):
             dims = [d for d, _ in entry.get(masking, [])]
             assert dims == sorted(dims), f"{card} {masking}: head dims must rise"
+            for head_dim, start in entry.get(masking, []):
+                documents = masking == "documents"
+                assert first(cards, start, head_dim, documents) == entry["first"], (card, masking, head_dim)
+                assert first(cards, start - 1, head_dim, documents) != entry["first"], (card, masking, head_dim)
 
 
 @pytest.mark.parametrize("content", ["{}", json.dumps({"header": {"capability": None}, "rows": []}), "not json"])

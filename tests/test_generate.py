@@ -1,7 +1,7 @@
-"""Generation with a KV cache (kv_cache.py, GPT.generate/stream): cached and uncached decoding agree token for
-token and in their logits, per backend that runs on CPU (flex eagerly, flash-attn through a stand-in module);
-batches of prompts of different lengths; the paged cache's pages; the fallbacks; bench_generate.py --quick and
-sample.py's generation options."""
+"""Generation with a KV cache (generation/: kv_cache.py, loop.py; generation.generate): cached and uncached
+decoding (kv_cache="none", and GPT.generate, nanoGPT's plain loop) agree token for token and in their logits, per
+backend that runs on CPU (flex eagerly, flash-attn through a stand-in module); batches of prompts of different
+lengths; the paged cache's pages; the fallbacks; bench_generate.py --quick and sample.py's generation options."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ import warnings
 import pytest
 import torch
 
-import attention
 import model
-from attention import Package
-from generation import kv_cache
+from generation import generate, kv_cache, loop
 from generation.kv_cache import ContiguousKVCache, PagedKVCache, Step
+from generation.loop import forward_cached, generation_attention
 from helpers import REPO, stand_in_flash, stand_in_flash_module, tiny_config
-from model import GPT
+from kernels import flash, flex
+from model import GPT, Need, Package
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster, and the CPU is shared
 
@@ -66,7 +66,7 @@ def eager_flex(monkeypatch):
     its eager reference. Eager flex ignores a BlockMask's block lists, which test_flex_block_masks checks."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    monkeypatch.setattr(attention, "compiled_flex_attention", lambda: flex_attention)
+    monkeypatch.setattr(flex, "compiled_flex_attention", lambda: flex_attention)
     monkeypatch.setattr(kv_cache, "compiled_flex_attention", lambda: flex_attention)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
@@ -81,9 +81,10 @@ def test_greedy_tokens_are_the_same_for_every_cache_and_past_block_size(backend)
     gpt = tiny_model(block_size=8, attention_backend=backend)
     prompt = tokens(2, 5)
     expected = torch.stack(reference_tokens(gpt, list(prompt), 8))  # 13 tokens: slides past block_size 8
+    assert torch.equal(gpt.generate(prompt, 8, top_k=1), expected)  # nanoGPT's loop, no cache
     for cache in CACHES:
         for compile in (False, True) if cache != "none" else (False,):
-            out = gpt.generate(prompt, 8, top_k=1, kv_cache=cache, compile=compile, page_size=4)
+            out = generate(gpt, prompt, 8, top_k=1, kv_cache=cache, compile=compile, page_size=4)
             assert torch.equal(out, expected), (cache, compile)
 
 
@@ -97,17 +98,18 @@ def test_cached_logits_match_the_full_forward(backend, cache, static):
     idx = tokens(3, 14)
     with torch.no_grad():
         full, _ = gpt(idx, idx)  # (B, T, V)
-    gpt.setup_attention("cpu", torch.float32, training=False, kv_cache=cache)
-    attention_ = gpt.attention[False]
+    need = gpt.attention_need("cpu", torch.float32, training=False, kv_cache=cache)
+    attention, decode = generation_attention(gpt, need)
+    assert attention.resolution.used == backend and decode is kv_cache.DECODE_KERNELS[backend]
     shape = (2, 3, 16, 2, 16, torch.float32, "cpu")
     if cache == "contiguous":
         store = ContiguousKVCache(*shape, static=static)
     else:
         store = PagedKVCache(*shape, page_size=4, num_pages=12, static=static)
-    attends = store.attends(attention_.kernel, attention_.decode.run)
+    attends = store.attends(attention.kernel, decode.run)
     with torch.no_grad():
-        checks = [(gpt.forward_cached(idx[:, :6], store.prefill([6, 6, 6], 6), attends), 5)]
-        checks.append((gpt.forward_cached(idx[:, 6:9], store.extend(3), attends), 8))
+        checks = [(forward_cached(gpt, idx[:, :6], store.prefill([6, 6, 6], 6), attends), 5)]
+        checks.append((forward_cached(gpt, idx[:, 6:9], store.extend(3), attends), 8))
         for t in range(9, 14):
             if static:
                 step = Step.decoding(store.lengths.clone(), store.capacity)
@@ -115,7 +117,7 @@ def test_cached_logits_match_the_full_forward(backend, cache, static):
                 store.advance(1)
             else:
                 step = store.extend(1)
-            checks.append((gpt.forward_cached(idx[:, t : t + 1], step, attends), t))
+            checks.append((forward_cached(gpt, idx[:, t : t + 1], step, attends), t))
     for logits, t in checks:
         assert rel_err(logits, full[:, t]) <= 1e-5, t
     assert store.host_lengths == [14, 14, 14] and store.lengths.tolist() == [14, 14, 14]
@@ -127,7 +129,7 @@ def test_prompts_of_different_lengths_give_each_prompt_its_own_tokens(cache):
     prompts = [tokens(n, seed=n) for n in (3, 11, 1)]
     expected = reference_tokens(gpt, prompts, 9)  # the 11-token prompt slides past block_size
     for compile in (False, True) if cache != "none" else (False,):
-        out = gpt.generate(prompts, 9, temperature=0, kv_cache=cache, compile=compile, page_size=4)
+        out = generate(gpt, prompts, 9, temperature=0, kv_cache=cache, compile=compile, page_size=4)
         assert all(torch.equal(a, b) for a, b in zip(out, expected)), compile
 
 
@@ -135,12 +137,16 @@ def test_sampling_follows_the_seed_and_keeps_the_prompt():
     gpt = tiny_model(block_size=8)
     prompt = tokens(2, 5)
     torch.manual_seed(3)
-    first = gpt.generate(prompt, 6, temperature=0.9, top_k=5)
+    first = generate(gpt, prompt, 6, temperature=0.9, top_k=5)  # a contiguous cache
     torch.manual_seed(3)
-    again = gpt.generate(prompt, 6, temperature=0.9, top_k=5, kv_cache="paged")
+    again = generate(gpt, prompt, 6, temperature=0.9, top_k=5, kv_cache="paged")
     assert torch.equal(first, again) and torch.equal(first[:, :5], prompt)
     torch.manual_seed(3)
-    assert torch.equal(first, gpt.generate(prompt, 6, temperature=0.9, top_k=5, kv_cache="none"))
+    assert torch.equal(first, generate(gpt, prompt, 6, temperature=0.9, top_k=5, kv_cache="none"))
+    torch.manual_seed(3)
+    assert torch.equal(first, gpt.generate(prompt, 6, temperature=0.9, top_k=5))  # nanoGPT's loop draws alike
+    torch.manual_seed(4)
+    assert not torch.equal(first, generate(gpt, prompt, 6, temperature=0.9, top_k=5))  # the seed matters
 
 
 def test_decoding_without_a_cache_keeps_sdpa_off_cudnn(monkeypatch):
@@ -154,7 +160,7 @@ def test_decoding_without_a_cache_keeps_sdpa_off_cudnn(monkeypatch):
         return sdpa(*args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", watched)
-    gpt.generate(tokens(1, 5), 4, temperature=0, kv_cache="none")
+    generate(gpt, tokens(1, 5), 4, temperature=0, kv_cache="none")
     assert cudnn_allowed and not any(cudnn_allowed)
     assert torch.backends.cuda.cudnn_sdp_enabled()  # and only there
 
@@ -164,7 +170,10 @@ def test_vocab_size_is_never_exceeded():
     with torch.no_grad():
         gpt.lm_head.weight[40:] *= 0  # ids 40+ would otherwise be as likely as any
         gpt.lm_head.weight[50] = gpt.lm_head.weight[:40].abs().sum(0) * 10  # and id 50 the likeliest
-    out = gpt.generate(tokens(4, 3), 12, temperature=2.0, vocab_size=40)
+    torch.manual_seed(0)
+    assert generate(gpt, tokens(4, 3), 12, temperature=2.0)[:, 3:].max() >= 40  # drawn when allowed
+    torch.manual_seed(0)
+    out = generate(gpt, tokens(4, 3), 12, temperature=2.0, vocab_size=40)
     assert out[:, 3:].max() < 40
 
 
@@ -172,13 +181,15 @@ def test_vocab_size_is_never_exceeded():
 
 
 @pytest.mark.usefixtures("eager_flex")
-def test_flex_decoding_gives_the_reference_tokens():
+def test_flex_decoding_gives_the_reference_tokens(caplog):
+    caplog.set_level(logging.INFO, logger="model")
     gpt = tiny_model(attention_backend="flex")
     prompts = [tokens(n, seed=n) for n in (2, 5)]
     expected = reference_tokens(with_backend(gpt, "sdpa"), prompts, 3)
     for cache in ("contiguous", "paged"):
-        out = gpt.generate(prompts, 3, temperature=0, kv_cache=cache, compile=cache == "paged", page_size=2)
+        out = generate(gpt, prompts, 3, temperature=0, kv_cache=cache, compile=cache == "paged", page_size=2)
         assert all(torch.equal(a, b) for a, b in zip(out, expected)), cache
+        assert f"attention backend: flex_attention, {cache}" in caplog.text  # flex ran, no fallback
 
 
 def test_flex_block_masks_list_each_rows_own_blocks_up_to_its_length():
@@ -205,7 +216,7 @@ def test_flash_decoding_through_a_stand_in_module(monkeypatch):
     expected = reference_tokens(with_backend(gpt, "sdpa"), prompts, 4)  # the 6-token prompt slides
     for cache in ("contiguous", "paged"):
         calls.clear()
-        out = gpt.generate(prompts, 4, temperature=0, kv_cache=cache, compile=cache == "paged", page_size=2)
+        out = generate(gpt, prompts, 4, temperature=0, kv_cache=cache, compile=cache == "paged", page_size=2)
         assert all(torch.equal(a, b) for a, b in zip(out, expected)), cache
         assert set(calls) == {"prefill", cache}
 
@@ -235,23 +246,24 @@ def test_the_static_decode_step_compiles_as_one_graph(monkeypatch):
         compiled.append(torch.compile(step, backend="eager", fullgraph=True, dynamic=False))
         return compiled[-1]
 
-    monkeypatch.setattr(kv_cache, "compile_step", compile_step)
+    monkeypatch.setattr(loop, "compile_step", compile_step)
     gpt = tiny_model(block_size=16, attention_backend="flash_attn_2")
     prompts = [tokens(n, seed=n) for n in (2, 5)]
     expected = reference_tokens(with_backend(gpt, "sdpa"), prompts, 4)
     for cache in ("contiguous", "paged"):
-        out = gpt.generate(prompts, 4, temperature=0, kv_cache=cache, compile=True, page_size=4)
+        out = generate(gpt, prompts, 4, temperature=0, kv_cache=cache, compile=True, page_size=4)
         assert all(torch.equal(a, b) for a, b in zip(out, expected)), cache
     assert len(compiled) == 2
 
 
 def test_a_flash_package_without_flash_attn_with_kvcache_falls_back_for_decoding(monkeypatch):
     module = type("NoKVCache", (), {"flash_attn_func": None})
-    monkeypatch.setattr(attention.FLASH_ATTN_4, "_package", Package(module, "9", ""))
-    monkeypatch.setattr(attention, "cuda_capability", lambda device: (9, 0))
-    need = attention.Need(torch.device("cuda"), torch.bfloat16, 64, training=False, kv_cache="paged")
-    assert "has no flash_attn_with_kvcache" in attention.FLASH_ATTN_4.problem(need)
-    assert attention.FLASH_ATTN_4.problem(dataclasses.replace(need, kv_cache="none")) == ""
+    monkeypatch.setattr(flash.FLASH_ATTN_4, "_package", Package(module, "9", ""))
+    for where in (model, flash):  # FlashAttention's checks, and flash-attn-4's own
+        monkeypatch.setattr(where, "cuda_capability", lambda device: (9, 0))
+    need = Need(torch.device("cuda"), torch.bfloat16, 64, training=False, kv_cache="paged")
+    assert "flash_attn_4 has no flash_attn_with_kvcache" in flash.FLASH_ATTN_4.problem(need)
+    assert flash.FLASH_ATTN_4.problem(dataclasses.replace(need, kv_cache="none")) == ""
 
 
 # ---- the paged cache ------------------------------------------------------------------------------
@@ -277,10 +289,10 @@ def test_pages_are_allocated_on_demand_and_freed_by_a_new_prefill():
 
 def test_a_paged_batch_holds_only_the_pages_its_rows_need(monkeypatch):
     made = []
-    original = kv_cache.make_cache
-    monkeypatch.setattr(kv_cache, "make_cache", lambda *a, **k: made.append(original(*a, **k)) or made[-1])
+    original = loop.make_cache
+    monkeypatch.setattr(loop, "make_cache", lambda *a, **k: made.append(original(*a, **k)) or made[-1])
     gpt = tiny_model(block_size=32)
-    gpt.generate([tokens(2), tokens(20)], 3, kv_cache="paged", page_size=4)
+    generate(gpt, [tokens(2), tokens(20)], 3, kv_cache="paged", page_size=4)
     assert made[0].num_pages == 2 + 6  # ceil(5 / 4) + ceil(23 / 4) for 2 + 3 and 20 + 3 tokens, not 2 x 6
     assert made[0].in_use() == 1 + 6  # on demand: the last token drawn is never fed, so row 0 holds 4
 
@@ -304,7 +316,7 @@ def test_paged_attention_generates_from_a_paged_cache_and_says_how(caplog):
     gpt = tiny_model(block_size=16, attention_backend="paged_attention")
     prompts = [tokens(3), tokens(7)]
     expected = reference_tokens(with_backend(gpt, "sdpa"), prompts, 5)
-    out = gpt.generate(prompts, 5, temperature=0)  # the backend means a paged cache
+    out = generate(gpt, prompts, 5, temperature=0)  # the backend means a paged cache
     assert all(torch.equal(a, b) for a, b in zip(out, expected))
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert infos[-1].startswith(
@@ -316,7 +328,7 @@ def test_paged_attention_generates_from_a_paged_cache_and_says_how(caplog):
 
 def test_contiguous_cache_is_named_in_the_info_line(caplog):
     caplog.set_level(logging.INFO, logger="model")
-    tiny_model(attention_backend="manual").generate(tokens(1, 3), 2)
+    generate(tiny_model(attention_backend="manual"), tokens(1, 3), 2)
     assert "attention backend: manual, contiguous KV cache" in caplog.text
 
 
@@ -335,9 +347,9 @@ def test_bad_settings_are_value_errors(kwargs, message):
     gpt = tiny_model()
     kwargs = {"max_new_tokens": 3, **kwargs}
     with pytest.raises(ValueError, match=message):
-        gpt.generate(tokens(1, 3), **kwargs)
+        generate(gpt, tokens(1, 3), **kwargs)
     with pytest.raises(ValueError, match="every prompt must be a non-empty 1-D tensor"):
-        gpt.generate([tokens(3), tokens(0)], 2)
+        generate(gpt, [tokens(3), tokens(0)], 2)
 
 
 # ---- bench_generate.py --quick --------------------------------------------------------------------
@@ -415,7 +427,7 @@ def test_sample_bad_generation_settings_are_one_error_line(trained_out, tmp_path
 
 def gpu_or_skip(backend: str, cache: str, dtype=torch.bfloat16) -> torch.device:
     device = torch.device("cuda", torch.cuda.current_device())
-    problem = model.BACKENDS[backend].problem(attention.Need(device, dtype, 64, training=False, kv_cache=cache))
+    problem = model.BACKENDS[backend].problem(Need(device, dtype, 64, training=False, kv_cache=cache))
     if problem:
         pytest.skip(problem)
     return device
@@ -433,17 +445,18 @@ def test_gpu_cached_logits_match_a_float32_full_forward(backend, cache):
     idx = tokens(3, 40).to(device)
     with torch.no_grad():
         full, _ = reference(idx, idx)
-    gpt.setup_attention(device, torch.bfloat16, training=False, kv_cache=cache)
-    attention_ = gpt.attention[False]
+    need = gpt.attention_need(device, torch.bfloat16, training=False, kv_cache=cache)
+    attention, decode = generation_attention(gpt, need)
+    assert attention.resolution.used == backend
     shape = (2, 3, 64, 2, 64, torch.bfloat16, device)
-    pages = dict(page_size=attention_.decode.page_size, num_pages=3 * -(-64 // attention_.decode.page_size))
+    pages = dict(page_size=decode.page_size, num_pages=3 * -(-64 // decode.page_size))
     store = ContiguousKVCache(*shape) if cache == "contiguous" else PagedKVCache(*shape, **pages)
-    attends = store.attends(attention_.kernel, attention_.decode.run)
+    attends = store.attends(attention.kernel, decode.run)
     with torch.no_grad():
-        checks = [(gpt.forward_cached(idx[:, :24], store.prefill([24] * 3, 24), attends), 23)]
-        checks.append((gpt.forward_cached(idx[:, 24:30], store.extend(6), attends), 29))
+        checks = [(forward_cached(gpt, idx[:, :24], store.prefill([24] * 3, 24), attends), 23)]
+        checks.append((forward_cached(gpt, idx[:, 24:30], store.extend(6), attends), 29))
         for t in range(30, 40):
-            checks.append((gpt.forward_cached(idx[:, t : t + 1], store.extend(1), attends), t))
+            checks.append((forward_cached(gpt, idx[:, t : t + 1], store.extend(1), attends), t))
     for logits, t in checks:
         assert rel_err(logits.float(), full[:, t]) < 2e-2, t
 
@@ -456,7 +469,7 @@ def test_gpu_compiled_decode_gives_the_eager_tokens(cache):
     device = gpu_or_skip("sdpa", cache, torch.float32)
     gpt = tiny_model(block_size=64, n_embd=128).to(device)
     prompts = [tokens(n, seed=n).to(device) for n in (5, 17, 9)]
-    eager = gpt.generate(prompts, 20, temperature=0, kv_cache=cache, compile=False)
+    eager = generate(gpt, prompts, 20, temperature=0, kv_cache=cache, compile=False)
     for _ in range(2):
-        compiled = gpt.generate(prompts, 20, temperature=0, kv_cache=cache, compile=True)
+        compiled = generate(gpt, prompts, 20, temperature=0, kv_cache=cache, compile=True)
         assert all(torch.equal(a, b) for a, b in zip(compiled, eager))

@@ -1,5 +1,6 @@
-"""interop.py: Hugging Face GPT-2 and nanoGPT weights in, HF GPT-2 folders out, with transformers as the oracle.
-Nothing here downloads: hub names resolve from a temporary Hugging Face cache, offline."""
+"""weights/hf.py and weights/load.py: Hugging Face GPT-2 and nanoGPT weights in, HF GPT-2 folders out
+(`python -m weights hf`), with transformers as the oracle. Nothing here downloads: hub names resolve from a
+temporary Hugging Face cache, offline."""
 
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ import sample
 import train
 from data.common import read_meta
 from errors import CheckpointError, DataError
-from helpers import one_torch_thread, tiny_args
+from helpers import one_torch_thread, tiny_args, tree_digest
 from model import GPT, GPTConfig
-from storage.checkpoint import load_checkpoint
 from weights import hf as interop
+from weights.__main__ import main as weights_main
+from weights.hf import from_pretrained
+from weights.load import load_checkpoint
 
 transformers = pytest.importorskip("transformers")  # slow to import: once, here
 
@@ -68,7 +71,7 @@ def all_logits(model: GPT, idx: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("form, backend", [("safetensors", "manual"), ("safetensors", "sdpa"), ("bin", "sdpa")])
 def test_hf_weights_give_hf_logits_and_gradients(hf_model, hf_dirs, form, backend):
-    model = GPT.from_pretrained(hf_dirs[form], attention_backend=backend)
+    model = from_pretrained(hf_dirs[form], attention_backend=backend)
     assert model.config.vocab_size == 97 and model.config.bias and model.config.block_size == 40
     model.setup_attention("cpu", torch.float32, training=True)
     x = tokens()
@@ -93,7 +96,7 @@ def test_hf_weights_load_without_the_tokenizer_files(hf_model, hf_dirs, monkeypa
 
     monkeypatch.setattr(data.tokenizer, "gpt2_files_dir", no_files)
     monkeypatch.setattr(data.tokenizer, "gpt2_encoding", no_files)
-    model = GPT.from_pretrained(hf_dirs["safetensors"])
+    model = from_pretrained(hf_dirs["safetensors"])
     assert model.config.vocab_size == HF_SIZES["vocab_size"]
 
 
@@ -101,18 +104,17 @@ def test_hf_weights_load_without_the_tokenizer_files(hf_model, hf_dirs, monkeypa
 @pytest.mark.usefixtures("allow_flex_recompiles")  # earlier tests may have used up dynamo's recompiles
 def test_hf_logits_under_flex_attention(hf_model, hf_dirs):
     """flex_attention runs forward-only on CPU too, but a CPU compile costs tens of seconds: tested on CUDA."""
-    model = GPT.from_pretrained(hf_dirs["safetensors"], attention_backend="flex_attention").cuda().eval()
+    model = from_pretrained(hf_dirs["safetensors"], attention_backend="flex_attention").cuda().eval()
     x = tokens()
     with torch.no_grad():
         expected = hf_model.cuda()(x.cuda()).logits
-        model.setup_attention("cuda", torch.float32, training=False)
-        assert model.attention[False].resolution.used == "flex_attention"
+        assert model.setup_attention("cuda", torch.float32, training=False).used == "flex_attention"
         torch.testing.assert_close(all_logits(model, x.cuda()), expected, atol=1e-5, rtol=0)
     hf_model.cpu()
 
 
 def test_export_round_trip_gives_hf_logits(hf_model, hf_dirs, tmp_path):
-    model = GPT.from_pretrained(hf_dirs["safetensors"])
+    model = from_pretrained(hf_dirs["safetensors"])
     interop.export_hf(model, tmp_path / "out")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
     again = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
@@ -133,8 +135,10 @@ def char_checkpoint(tmp_path, **config) -> tuple[GPT, dict]:
 
 def test_export_cli_writes_bias_free_models_exactly(tmp_path, capsys):
     model, meta = char_checkpoint(tmp_path, bias=False)
-    assert interop.main(["export", str(tmp_path / "ckpt.pt"), str(tmp_path / "hf")]) == 0
-    assert "wrote" in capsys.readouterr().out
+    assert weights_main(["hf", str(tmp_path), str(tmp_path / "hf")]) == 0  # an out_dir: its ckpt.pt
+    hf_dir = tmp_path / "hf"
+    assert capsys.readouterr().out == f"wrote {hf_dir / 'config.json'} and {hf_dir / 'model.safetensors'}\n"
+    assert sorted(p.name for p in hf_dir.iterdir()) == ["config.json", "model.safetensors"]
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["vocab_size"], config["n_positions"], config["bos_token_id"]) == (29, 16, None)
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
@@ -151,8 +155,10 @@ def test_export_cli_writes_bias_free_models_exactly(tmp_path, capsys):
 
 def test_export_refuses_what_gpt2_cannot_express(tmp_path, monkeypatch, capsys):
     char_checkpoint(tmp_path)
-    assert interop.main(["export", str(tmp_path), str(tmp_path / "ckpt.pt")]) == 2  # a file, not a folder
+    before = tree_digest(tmp_path)
+    assert weights_main(["hf", str(tmp_path), str(tmp_path / "ckpt.pt")]) == 2  # a file, not a folder
     assert capsys.readouterr().err == f"error: --out_dir {tmp_path / 'ckpt.pt'} is a file, not a folder\n"
+    assert tree_digest(tmp_path) == before
     # a field outside what config.json expresses that differs from GPT-2's default (stands in for any switch)
     monkeypatch.setattr(interop, "EXPRESSIBLE", tuple(f for f in interop.EXPRESSIBLE if f != "n_layer"))
     with pytest.raises(CheckpointError, match=r"^this model cannot be exported .* no n_layer=1;"):
@@ -196,7 +202,7 @@ def test_hub_name_resolves_from_the_cache(hf_cache, hf_model, hf_dirs):
     (hf_cache / "models--gpt2" / "refs").mkdir(parents=True)
     (hf_cache / "models--gpt2" / "refs" / "main").write_text(commit)
     shutil.copytree(hf_dirs["safetensors"], hf_cache / "models--gpt2" / "snapshots" / commit)
-    model = GPT.from_pretrained("gpt2")
+    model = from_pretrained("gpt2")
     x = tokens(5)
     with torch.no_grad():
         torch.testing.assert_close(all_logits(model.eval(), x), hf_model(x).logits, atol=1e-5, rtol=0)

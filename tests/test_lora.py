@@ -1,5 +1,5 @@
-"""lora.py: adapters that start as a no-op, train alone, merge into the weights, and save as a small file naming
-their base; train.py's lora_* settings, resume, sample.py and `python checkpoint.py merge` on an adapter
+"""weights/lora.py: adapters that start as a no-op, train alone, merge into the weights, and save as a small file
+naming their base; train.py's lora_* settings, resume, sample.py and `python -m weights merge` on an adapter
 checkpoint."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from torch.nn import functional as F
 
 import sample
 import train
-from helpers import tiny_args, tiny_config
+from helpers import tiny_args, tiny_config, tree_digest
 from model import GPT
-from storage import checkpoint
-from storage.checkpoint import load_checkpoint
 from weights import lora
+from weights.__main__ import main as weights_main
+from weights.load import load_checkpoint, saved_model_config
 from weights.lora import LoRALinear, apply_lora, lora_state_dict, merge_lora
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -165,7 +165,7 @@ def test_resume_continues_the_adapters(lora_out, char_data, tmp_path):
 
 def test_sample_and_merge_use_the_base_with_the_adapters_merged(lora_out, tmp_path):
     state = load_checkpoint(lora_out / "ckpt.pt")
-    adapted = GPT(checkpoint.saved_model_config(state, lora_out / "ckpt.pt"))
+    adapted = GPT(saved_model_config(state, lora_out / "ckpt.pt"))
     lora.load_model_weights(adapted, state, lora_out / "ckpt.pt", keep_adapters=True)
     assert any(isinstance(m, LoRALinear) for m in adapted.modules())
     idx = torch.randint(adapted.config.vocab_size, (2, 16))
@@ -179,13 +179,18 @@ def test_sample_and_merge_use_the_base_with_the_adapters_merged(lora_out, tmp_pa
         assert sample.sample(cfg) == 0
 
     merged_path = tmp_path / "merged.pt"
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert checkpoint.main(["merge", str(lora_out / "ckpt.pt"), str(merged_path)]) == 0
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert weights_main(["merge", str(lora_out / "ckpt.pt"), str(merged_path)]) == 0
+    assert out.getvalue() == f"wrote {merged_path}\n"
     merged = load_checkpoint(merged_path)
-    assert "lora" not in merged
+    assert "lora" not in merged and set(merged) == {"model", "model_config", "meta"}
+    before = tree_digest(tmp_path, lora_out)
     with contextlib.redirect_stderr(io.StringIO()) as err:  # export wants the merged model, not the adapters
-        assert checkpoint.main(["export", str(lora_out / "ckpt.pt"), str(tmp_path / "x.safetensors")]) == 2
-    assert "holds LoRA adapters; first run: python checkpoint.py merge" in err.getvalue()
+        assert weights_main(["safetensors", str(lora_out / "ckpt.pt"), str(tmp_path / "x.safetensors")]) == 2
+    assert err.getvalue() == (
+        f"error: {lora_out / 'ckpt.pt'} holds LoRA adapters; first run: python -m weights merge CKPT OUT\n"
+    )
+    assert tree_digest(tmp_path, lora_out) == before  # nothing written
     plain = GPT(adapted.config)
     plain.load_state_dict(merged["model"])
     with torch.no_grad():

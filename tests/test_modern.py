@@ -1,4 +1,4 @@
-"""The modern block (GPTConfig's rope, norm, mlp, n_kv_head, qk_norm; layers.py): each switch alone and all
+"""The modern block (GPTConfig's rope, norm, mlp, n_kv_head, qk_norm; model.py): each switch alone and all
 together against the manual reference on every CPU backend (forward and backward in float64), RoPE against a
 complex-number reference, generation from every cache, parameter names and counts, bad values as one error
 line, and checkpoints that keep the switches (old ones load as GPT-2)."""
@@ -14,18 +14,18 @@ import warnings
 import pytest
 import torch
 
-import attention
+import kernels
 import model
 import sample
 import train
 from data.common import read_meta
 from errors import UsageError
-from generation import kv_cache
+from generation import generate, kv_cache
+from generation.loop import forward_cached, generation_attention, make_cache
 from helpers import stand_in_flash, stand_in_flash_module, tiny_args, tiny_config
-from layers import Rotary, apply_rotary, mlp_hidden_size
-from model import GPT, GPTConfig
-from storage.checkpoint import load_checkpoint
+from model import GPT, GPTConfig, Need, Rotary, apply_rotary, mlp_hidden_size
 from training import preflight
+from weights.load import load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -103,7 +103,7 @@ def test_sdpa_matches_manual_forward_and_backward_in_float64(switches, backend, 
     gpt = with_backend(reference, "sdpa", **pinned)
     idx, doc_ids = tokens(2, 16), documents(2, 16) if docs else None
     assert_same(*forward_backward(gpt, idx, doc_ids), *forward_backward(reference, idx, doc_ids))
-    assert gpt.attention[docs].resolution.used == "sdpa"
+    assert gpt.attention.resolution.used == "sdpa" and gpt.attention.need.documents == docs
 
 
 @pytest.fixture
@@ -112,8 +112,8 @@ def eager_flex(monkeypatch):
     reference."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    monkeypatch.setattr(attention, "compiled_flex_attention", lambda: flex_attention)
-    monkeypatch.setattr(kv_cache, "compiled_flex_attention", lambda: flex_attention)
+    monkeypatch.setattr(kernels.flex, "compiled_flex_attention", lambda: flex_attention)  # training and prefill
+    monkeypatch.setattr(kv_cache, "compiled_flex_attention", lambda: flex_attention)  # decode steps
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         yield
@@ -137,15 +137,18 @@ def test_flash_attn_takes_grouped_heads_natively_in_training_and_decoding(monkey
     stand_in_flash(monkeypatch, module)
     reference = modern_model(attention_backend="manual", **ALL).double()
     gpt = with_backend(reference, "flash_attn_2")
+    for m in (gpt, reference):
+        m.setup_attention("cpu", torch.float64, documents=True)  # a model set up for documents runs without too
+    assert gpt.attention.resolution.used == "flash_attn_2"  # the stand-in
     idx = tokens(2, 16)
     for doc_ids in (None, documents(2, 16)):
         assert_same(*forward_backward(gpt, idx, doc_ids), *forward_backward(reference, idx, doc_ids))
     assert calls == ["prefill", "varlen"]
     gpt, reference = gpt.float().eval(), reference.float().eval()
     prompts = [tokens(n, seed=n) for n in (3, 9)]
-    expected = reference.generate(prompts, 10, temperature=0, kv_cache="none")  # 9 + 10 > 16: slides
+    expected = generate(reference, prompts, 10, temperature=0, kv_cache="none")  # 9 + 10 > 16: slides
     for cache in ("contiguous", "paged"):
-        out = gpt.generate(prompts, 10, temperature=0, kv_cache=cache, page_size=4)
+        out = generate(gpt, prompts, 10, temperature=0, kv_cache=cache, page_size=4)
         assert all(torch.equal(a, b) for a, b in zip(out, expected)), cache
         assert cache in calls
     assert heads == {(4, 2, 2)}  # 4 query heads, 2 key/value heads: never repeated before the kernel
@@ -177,10 +180,10 @@ def test_rope_attention_depends_only_on_relative_positions():
     idx = tokens(1, 6).expand(2, 6)
     q_pos = torch.arange(6) + torch.tensor([[0], [7]])  # (B, T): row 1 seven positions further on
     shifted = kv_cache.Step(q_pos, q_pos[:, -1] + 1, 13, fresh=True)
-    kernel = gpt.attention[False].kernel
+    kernel = gpt.attention.kernel
     attends = [lambda q, k, v, s, p: kernel(q, k, v, s.chunk_mask, p)] * gpt.config.n_layer
     with torch.no_grad():
-        logits = gpt.forward_cached(idx, shifted, attends)
+        logits = forward_cached(gpt, idx, shifted, attends)
     assert rel_err(logits[1], logits[0]) < 1e-5
     assert not torch.equal(gpt.rotary(shifted.q_pos)[0][0], gpt.rotary(shifted.q_pos)[0][1])
 
@@ -195,14 +198,14 @@ def test_greedy_generation_from_every_cache_equals_no_cache_with_all_switches(ba
     inference only on a CPU: its prefill and its decode kernels over grouped heads are checked here."""
     gpt = with_backend(modern_model(**ALL), backend).eval()
     prompts = [tokens(n, seed=n) for n in (2, 7, 12)]
-    expected = gpt.generate(prompts, 8, temperature=0, kv_cache="none")
+    expected = generate(gpt, prompts, 8, temperature=0, kv_cache="none")
     for cache in ("contiguous", "paged"):
         for static in (False, True) if backend != "flex_attention" else (False,):  # eager flex is slow: once
-            out = gpt.generate(prompts, 8, temperature=0, kv_cache=cache, compile=static, page_size=4)
+            out = generate(gpt, prompts, 8, temperature=0, kv_cache=cache, compile=static, page_size=4)
             assert all(torch.equal(a, b) for a, b in zip(out, expected)), (cache, static)
-    decode = model.BACKENDS[backend].decode
+    decode = kv_cache.DECODE_KERNELS[backend]
     for cache in ("contiguous", "paged"):
-        store = kv_cache.make_cache(gpt.config, prompts, 8, cache, decode, "cpu", torch.float32)
+        store = make_cache(gpt.config, prompts, 8, cache, decode, "cpu", torch.float32)
         assert store.k[0].shape[1 if cache == "contiguous" else 2] == 2  # n_kv_head, not n_head (4)
 
 
@@ -329,7 +332,7 @@ GPU_BACKENDS = ["sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex_atte
 GPU_BACKENDS += ["flash_attn_2", "flash_attn_3", "flash_attn_4", "manual"]
 
 
-def gpu_model(backend: str, reference: GPT, need: attention.Need) -> GPT:
+def gpu_model(backend: str, reference: GPT, need: Need) -> GPT:
     """reference's weights under `backend` (sdpa_KERNEL pins one SDPA kernel); skip where it cannot run."""
     name, _, kernel = backend.partition("_") if backend.startswith("sdpa_") else (backend, "", "")
     problem = model.BACKENDS[name].problem(need)
@@ -349,8 +352,10 @@ def test_gpu_training_with_grouped_heads_matches_float32_manual(backend):
     switches = {**ALL, "n_kv_head": 2}
     reference = GPT(tiny_config(n_head=8, n_embd=512, block_size=128, attention_backend="manual", **switches))
     reference = reference.to(device)
-    need = attention.Need(device, torch.bfloat16, 64, documents=True, training=True, seq_len=128)
+    need = Need(device, torch.bfloat16, 64, documents=True, training=True, seq_len=128)
     gpt = gpu_model(backend, reference, need).to(device)
+    reference.setup_attention(device, torch.float32, documents=True)  # each runs with and without doc_ids
+    gpt.setup_attention(device, torch.bfloat16, documents=True)  # autocast's dtype
     idx = tokens(2, 128).to(device)
     for doc_ids in (None, documents(2, 128).to(device)):
         ref_logits, ref_grads = forward_backward(reference, idx, doc_ids)
@@ -372,24 +377,25 @@ def test_gpu_decoding_with_grouped_heads_matches_a_float32_full_forward(backend,
         switches = {**ALL, "n_kv_head": n_kv_head}
         reference = GPT(tiny_config(n_head=4, n_embd=256, block_size=64, attention_backend="manual", **switches))
         reference = reference.to(device).eval()
-        need = attention.Need(device, torch.bfloat16, 64, training=False, kv_cache=cache)
+        need = Need(device, torch.bfloat16, 64, training=False, kv_cache=cache)
         gpt = gpu_model(backend, reference, need).to(device, torch.bfloat16).eval()
         prompts = [tokens(n, seed=n).to(device) for n in (5, 30, 17)]
-        gpt.setup_attention(device, torch.bfloat16, training=False, kv_cache=cache)
-        decode = gpt.attention[False].decode
-        store = kv_cache.make_cache(gpt.config, prompts, 40, cache, decode, device, torch.bfloat16)
+        need = gpt.attention_need(device, torch.bfloat16, training=False, kv_cache=cache)
+        attention, decode = generation_attention(gpt, need)
+        assert attention.resolution.used == backend
+        store = make_cache(gpt.config, prompts, 40, cache, decode, device, torch.bfloat16)
         assert store.k[0].shape[1 if cache == "contiguous" else 2] == n_kv_head
-        attends = store.attends(gpt.attention[False].kernel, decode.run)
+        attends = store.attends(attention.kernel, decode.run)
         idx = torch.stack([torch.cat((p, tokens(64 - len(p), seed=9).to(device))) for p in prompts])  # (3, 64)
         with torch.no_grad():
             full = torch.stack([reference(idx[b : b + 1], idx[b : b + 1])[0][0] for b in range(3)])  # (3, 64, V)
             lengths = [len(p) for p in prompts]
-            logits = gpt.forward_cached(idx[:, :30], store.prefill(lengths, 30), attends)
+            logits = forward_cached(gpt, idx[:, :30], store.prefill(lengths, 30), attends)
             rows = torch.arange(3)
             assert rel_err(logits.float(), full[rows, torch.tensor(lengths) - 1]) < 2e-2
             for t in range(20):  # each row continues from its own length
                 step = store.extend(1)
-                logits = gpt.forward_cached(idx[rows, step.q_pos[:, 0].cpu()][:, None], step, attends)
+                logits = forward_cached(gpt, idx[rows, step.q_pos[:, 0].cpu()][:, None], step, attends)
                 assert rel_err(logits.float(), full[rows, step.q_pos[:, 0].cpu()]) < 2e-2, (n_kv_head, t)
 
 

@@ -1,5 +1,5 @@
 """Packed documents: document ids from the separator token (data/loader.py), positions that restart at each
-document (layers.document_positions), a packed row that scores each document as if it ran alone, and train.py's
+document (model.document_positions), a packed row that scores each document as if it ran alone, and train.py's
 packed_documents switch."""
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import train
 from data.common import write_dataset
 from data.loader import document_ids
 from helpers import tiny_args, tiny_config
-from layers import document_positions
-from model import GPT
+from model import GPT, document_positions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -70,6 +69,27 @@ def test_a_packed_row_scores_each_document_as_if_it_ran_alone(backend):
     # without doc_ids the later documents see the earlier ones: the check above can tell the difference
     logits, _ = model(x, targets[None])
     assert not torch.allclose(F.cross_entropy(logits[0], targets, reduction="none"), alone)
+
+
+def test_doc_ids_need_a_model_set_up_for_documents():
+    """The documents mask is resolved with the backend: a model set up without documents refuses doc_ids rather
+    than run a kernel chosen for plain causal attention; one never set up resolves at its first forward for
+    what that forward is given."""
+    x = torch.randint(SEP, (1, 8), generator=torch.Generator().manual_seed(0))
+    doc_ids = torch.tensor([[0] * 3 + [1] * 5])
+    gpt = GPT(tiny_config())
+    gpt.setup_attention("cpu", torch.float32)
+    with pytest.raises(ValueError, match=r"setup_attention\(\.\.\., documents=True\)"):
+        gpt(x, x, doc_ids)
+    gpt.setup_attention("cpu", torch.float32, documents=True)
+    _, loss = gpt(x, x, doc_ids)
+    assert torch.isfinite(loss)
+    fresh = GPT(tiny_config())
+    fresh(x, x, doc_ids)
+    assert fresh.attention.need.documents
+    unpacked = GPT(tiny_config())
+    unpacked(x, x)
+    assert not unpacked.attention.need.documents
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import cross_entropy
-from cross_entropy import chunked_cross_entropy
-from model import GPT, GPTConfig
+import model
+from model import GPT, GPTConfig, chunked_cross_entropy
 
 TOLERANCES = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-6)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_chunked_cross_entropy_is_linear_then_cross_entropy(dtype, monkeypatch):
-    monkeypatch.setattr(cross_entropy, "CHUNK_ELEMENTS", 29 * 5)  # 5 rows a chunk: 8 chunks, the last short
+    monkeypatch.setattr(model, "CHUNK_ELEMENTS", 29 * 5)  # 5 rows a chunk: 8 chunks, the last short
+    assert model.chunk_rows(29, 37) == 5
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(37, 16, dtype=dtype, generator=generator, requires_grad=True)
     weight = torch.randn(29, 16, dtype=dtype, generator=generator, requires_grad=True)
@@ -80,8 +80,6 @@ def test_an_unknown_switch_value_is_one_line_listing_the_allowed(field, value, c
 
 
 def test_auto_chunks_the_loss_only_past_its_logits_limit(monkeypatch):
-    import model
-
     config = GPTConfig(block_size=24, vocab_size=71, n_layer=1, n_head=2, n_embd=32)
     assert config.cross_entropy == "auto" and not config.chunks_loss(1024)
     assert config.chunks_loss(model.AUTO_CHUNKED_LOGITS // 71 + 1)

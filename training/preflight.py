@@ -143,7 +143,12 @@ def check_before_training(cfg, runtime: Runtime) -> tuple[dict | None, Path, dic
 
 
 def checkpoint_path(cfg) -> Path:
-    return Path(cfg.out_dir) / LATEST if cfg.init_from == "resume" else Path(cfg.init_from)
+    """The file the run's weights come from: out_dir's ckpt.pt to resume; init_from, an out_dir's ckpt.pt for an
+    out_dir (a Hugging Face folder or hub name stays as it is)."""
+    if cfg.init_from == "resume":
+        return Path(cfg.out_dir) / LATEST
+    path = Path(cfg.init_from)
+    return path / LATEST if path.is_dir() and (path / LATEST).is_file() else path
 
 
 def resolve_init_from(cfg):

@@ -258,7 +258,8 @@ def setup_lora(model: GPT, cfg, checkpoint: dict | None, path) -> GPT:
             f"{path} is a full model's checkpoint; LoRA fine-tunes from --init_from=PATH into a new out_dir"
         )
     else:
-        plain_file = checkpoint is not None and "lora" not in checkpoint
+        # a base file is named only where it is one of ours; a Hugging Face folder's weights go with the adapters
+        plain_file = checkpoint is not None and "lora" not in checkpoint and Path(path).is_file()
         base = str(Path(path).resolve()) if plain_file else ""
         digest = weights_digest(checkpoint["model"]) if plain_file else ""
         apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout)

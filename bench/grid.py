@@ -1,0 +1,203 @@
+"""The grid runner of the attention, train and generate benches: the command line they share, their cases run
+in order under a wall-clock budget with one progress line a row, and the results written (bench.report).
+Each bench keeps its own cases and measurement; what they share to measure is here too: timing, a failure
+recorded as the row's status, the GPU freed between rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bench.report import DEFAULT_OUT, Column, save_results
+
+# ----------------------------------------------------------------------------------------------
+# The command line
+
+
+class BenchParser(argparse.ArgumentParser):
+    """A grid bench's command line: the options every one has (--quick, --out, --device, --dtype, --budget,
+    --name), then the bench's own. An option left unset (None) takes its --quick or full-run default."""
+
+    def __init__(self, doc: str, quick: dict, full: dict, *, quick_help: str, dtypes: Sequence[str]):
+        super().__init__(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+        self.defaults = {True: quick, False: full}
+        self.add_argument("--quick", action="store_true", help=quick_help)
+        self.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
+        self.add_argument("--device", help=f"where it runs (default {full['device']}; --quick: {quick['device']})")
+        self.add_argument(
+            "--dtype", choices=dtypes, help=f"compute dtype (default {full['dtype']}; --quick: {quick['dtype']})"
+        )
+        self.add_argument(
+            "--budget",
+            type=float,
+            help=f"seconds for all cases; later ones are recorded as skipped (default {full['budget']:g}; 0: none)",
+        )
+        self.add_argument(
+            "--name", help=f"results name (default {full['name'] or 'from the grid'}; --quick: {quick['name']})"
+        )
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        for key, value in self.defaults[parsed.quick].items():
+            if getattr(parsed, key) is None:
+                setattr(parsed, key, value)
+        return parsed
+
+
+# ----------------------------------------------------------------------------------------------
+# The runner and the writer
+
+
+@dataclass
+class Grid:
+    """What a bench hands the runner: a case's rows measured, the rows of a case the budget leaves out (given
+    the reason), a row's progress line, the results' columns and plot, and what runs over all rows before
+    they are written (ratios between rows)."""
+
+    measure: Callable[[object], list[dict]]
+    skipped: Callable[[object, str], list[dict]]
+    progress: Callable[[dict], str]
+    columns: Sequence[Column]
+    plot: Callable[[list[dict], Path], None] | None = None
+    finish: Callable[[list[dict]], None] | None = None
+
+
+def run_grid(grid: Grid, cases: Iterable, args, device: torch.device, header: dict) -> tuple[dict, list[dict]]:
+    """Measure the cases in order, those after --budget recorded as skipped, a progress line a row; then write
+    <card>-<args.name>.{json,md,png} under args.out: the header (results_header's fields, wall_s and those of
+    `header`) and the rows. Returns (header, rows)."""
+    if args.quick:
+        torch.set_num_threads(1)  # a tiny model gains nothing from threads, and a shared CPU makes them crawl
+    budget, rows = Budget(args.budget), []
+    for case in cases:
+        for row in grid.skipped(case, budget.reason()) if budget.exhausted() else grid.measure(case):
+            rows.append(row)
+            print(f"[{budget.elapsed():6.1f}s] {grid.progress(row)}", flush=True)
+    if grid.finish is not None:
+        grid.finish(rows)
+    wall_s = round(budget.elapsed(), 1)
+    header = save_results(args.out, args.name, device, rows, grid.columns, grid.plot, wall_s=wall_s, **header)
+    return header, rows
+
+
+class Budget:
+    """Wall-clock allowance for a whole bench; cells after it runs out are recorded as skipped."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.start = seconds, time.perf_counter()
+
+    def exhausted(self) -> bool:
+        return self.seconds > 0 and time.perf_counter() - self.start > self.seconds
+
+    def reason(self) -> str:
+        return f"skipped: --budget {self.seconds:g} s used up"
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def number(row: dict, key: str, fmt: str) -> str:
+    """row[key] formatted for a progress line, '-' when there is none."""
+    return fmt.format(row[key]) if row.get(key) is not None else "-"
+
+
+# ----------------------------------------------------------------------------------------------
+# Failures: one line per cell, never a silent gap
+
+
+def is_oom(error: BaseException) -> bool:
+    # Compiled code and some kernels raise a plain RuntimeError for an allocation failure.
+    return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def failure_reason(error: BaseException) -> str:
+    """'OOM', or the exception's type and first line, short enough for a table cell."""
+    if is_oom(error):
+        return "OOM"
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = f"{type(error).__name__}: {lines[0] if lines else ''}"
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def free_device_memory():
+    """Drop what the last cell left behind on the GPU, so one cell's OOM does not poison the next. Only on
+    CUDA: a CPU's tensors go by reference counting, and a full gc pass costs ~0.2 s once dynamo is loaded."""
+    if torch.cuda.is_available():
+        gc.collect()  # tensors held in reference cycles (a failed call's traceback) until collected
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def fresh_row(row: dict):
+    """A row that compiles afresh, as a new process would: dynamo reset before and after, any failure (OOM, a
+    kernel's refusal, a compile error) recorded as row['status'] instead of raised, the GPU freed after. Keep
+    what the row builds (model, state) inside a function called in the block, so it is gone when freed."""
+    import torch._dynamo  # here: importing this module stays cheap
+
+    torch._dynamo.reset()
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - recorded, never swallowed
+        row["status"] = failure_reason(error)
+    finally:
+        torch._dynamo.reset()
+        free_device_memory()
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+
+
+def median_ms(
+    fn: Callable[[], object],
+    device: torch.device,
+    grad_to_none: Sequence[torch.Tensor] = (),
+    warmup_ms: float = 25,
+    rep_ms: float = 100,
+) -> float:
+    """Median time of fn() in ms. On CUDA: triton.testing.do_bench (CUDA events per run, and the L2 cache
+    flushed before each run, so a small input cannot be served from cache). Elsewhere: host clock."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=list(grad_to_none), return_mode="median"))
+    times = []
+    deadline = time.perf_counter() + (warmup_ms + rep_ms) / 1000
+    for i in range(1000):
+        for t in grad_to_none:
+            t.grad = None
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+        if i >= 2 and time.perf_counter() > deadline:
+            break
+    times = times[1:] if len(times) > 2 else times  # the first run is the warm-up
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+def cuda_graph(fn: Callable[[], object], grads: Sequence[torch.Tensor], device: torch.device) -> torch.cuda.CUDAGraph:
+    """fn captured in a CUDA graph, after warm-up runs on a side stream (as torch.cuda.graph asks). grads:
+    leaves whose .grad fn accumulates into; cleared first, so the captured backward writes them afresh."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            for t in grads:
+                t.grad = None
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    for t in grads:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph

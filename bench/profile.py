@@ -1,0 +1,223 @@
+"""Where the time goes: torch.profiler over train.py's train_step (--what train) or over generation's steady
+decoding (--what generate), GPU kernels grouped by kind.
+
+    python -m bench.profile --variants plain default          # GPT-2 124M, T=1024, batch 16, on the GPU
+    python -m bench.profile --what generate                   # GPT-2 124M shapes, bf16, batch 1, prompt 128
+    python -m bench.profile --quick [--what generate]         # tiny model on CPU
+
+train: per variant (bench_train.py's VARIANTS), after a compile step and warm-up, a few steps are recorded;
+<card>-profile-train.md has the step's wall time and its GPU time per kernel kind (matmul, attention, the fused
+pointwise/reduction kernels torch.compile generates, the optimizer, communication, copies), then the top
+kernels. GPU busy time well under the wall time means the step waits on the host.
+
+generate: after a warm-up stream (compiles, records CUDA graphs) and the first tokens of the profiled one,
+`--tokens` decode steps are recorded, eager and (on CUDA) compiled; <card>-profile-generate.md has wall time
+per token, GPU busy time per token by kernel kind, the top kernels, and the host ops that take the most CPU
+time. GPU busy time well under the wall time means decoding waits on the host (Python, launches), which CUDA
+graphs are meant to remove.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch._dynamo
+from torch.profiler import ProfilerActivity, profile
+
+import generation
+from bench.bench_generate import model_settings
+from bench.bench_train import VARIANTS, Case, build_state, case_config
+from bench.grid import free_device_memory
+from bench.report import DEFAULT_OUT, card_slug
+from model import GPT, GPTConfig
+from train import train_step
+from training.runtime import synchronize
+
+KINDS = [  # (kind, pattern on the kernel name), first match wins
+    ("attention", r"flash|fmha|attention|sdpa|cudnn.*(fprop|bprop)|FlashAttn"),
+    ("matmul", r"gemm|matmul|cutlass|xmma|nvjet|cublas|aten::(addmm|mm|bmm)$"),
+    ("optimizer", r"adam|multi_tensor|foreach|norm_kernel|lerp"),
+    ("communication", r"nccl|allreduce|all_reduce"),
+    ("compiled pointwise/reduction", r"triton"),
+    ("copy/fill", r"copy|memcpy|memset|fill|cat|elementwise_kernel"),
+]
+
+
+def kind_of(name: str) -> str:
+    for kind, pattern in KINDS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return kind
+    return "other"
+
+
+def summarize(prof, steps: int, wall_ms: float, on_gpu: bool, top: int, unit: str) -> list[str]:
+    """Markdown lines: wall and busy time per `unit`, time per kernel kind, the top kernels."""
+    kernels = [e for e in prof.key_averages() if (e.device_type.name == "CUDA") == on_gpu]
+    time_of = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
+    by_kind = defaultdict(float)
+    for event in kernels:
+        by_kind[kind_of(event.key)] += time_of(event) / 1000 / steps
+    busy = sum(by_kind.values())
+    lines = [
+        f"wall {wall_ms:.3f} ms/{unit}; {'GPU' if on_gpu else 'CPU op'} time {busy:.3f} ms/{unit} "
+        f"({busy / wall_ms:.0%} of wall)",
+        "",
+        f"| kind | ms/{unit} | share |",
+        "|---|---:|---:|",
+    ]
+    for kind, ms in sorted(by_kind.items(), key=lambda item: -item[1]):
+        lines.append(f"| {kind} | {ms:.3f} | {ms / busy:.1%} |")
+    return lines + [""] + top_table("top kernels", kernels, time_of, steps, top, unit, with_kind=True)
+
+
+def top_table(title: str, events, time_of, steps: int, top: int, unit: str, with_kind: bool = False) -> list[str]:
+    """Markdown rows of the `top` events by time_of (microseconds over `steps`): ms and calls per `unit`."""
+    kind_column = " kind |" if with_kind else ""
+    lines = [
+        f"| {title} |{kind_column} ms/{unit} | calls/{unit} |",
+        "|---|" + ("---|" if with_kind else "") + "---:|---:|",
+    ]
+    for event in sorted(events, key=time_of, reverse=True)[:top]:
+        name = event.key if len(event.key) <= 90 else event.key[:87] + "..."
+        kind = f" {kind_of(event.key)} |" if with_kind else ""
+        lines.append(
+            f"| `{name.replace('|', '/')}` |{kind} {time_of(event) / 1000 / steps:.3f} | {event.count / steps:.1f} |"
+        )
+    return lines
+
+
+def profiled(device: torch.device, steps: int, step) -> tuple[object, float]:
+    """The profiler over `steps` calls of step() (CPU ops, and CUDA kernels on a GPU), and their wall ms each."""
+    synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        synchronize(device)
+        wall_ms = (time.perf_counter() - start) * 1000 / steps
+    return prof, wall_ms
+
+
+# ----------------------------------------------------------------------------------------------
+# --what train: train.py's step per variant
+
+
+def profile_variant(variant: str, args) -> str:
+    torch._dynamo.reset()
+    case = Case(VARIANTS[variant].get("attention_backend", "auto"), args.seq_len, args.batch_size, variant)
+    state = build_state(case_config(case, args))
+    device = state.runtime.device
+    for _ in range(3):  # compile and warm up
+        train_step(state)
+    prof, wall_ms = profiled(device, args.steps, functools.partial(train_step, state))
+    lines = [f"## {variant}: {state.attention.used}, T={args.seq_len}, batch {args.batch_size}", ""]
+    lines += summarize(prof, args.steps, wall_ms, device.type == "cuda", args.top, "step")
+    del state
+    free_device_memory()
+    return "\n".join(lines) + "\n"
+
+
+def profile_train(args) -> tuple[str, str]:
+    """(card, the markdown file's text)."""
+    args.device, args.compile, args.dtype = ("cpu", False, "auto") if args.quick else ("auto", None, "auto")
+    sections = [profile_variant(variant, args) for variant in args.variants]
+    card = card_slug()
+    return card, f"# {args.name} on {card} (torch {torch.__version__})\n\n" + "\n".join(sections)
+
+
+# ----------------------------------------------------------------------------------------------
+# --what generate: steady decoding, eager and compiled
+
+
+def profile_decoding(gpt: GPT, args, device: torch.device, compile: bool) -> list[str]:
+    generator = torch.Generator().manual_seed(0)
+    prompts = list(torch.randint(gpt.config.vocab_size, (args.batch_size, args.prompt_len), generator=generator))
+    prompts = [p.to(device) for p in prompts]
+
+    def stream():
+        new_tokens = args.skip + args.tokens
+        return generation.stream(gpt, prompts, new_tokens, temperature=0, kv_cache=args.cache, compile=compile)
+
+    for _ in stream():  # compile, record graphs
+        pass
+    tokens = stream()
+    for _ in range(args.skip):  # prefill and the first decode steps stay out of the profile
+        next(tokens)
+    prof, wall_ms = profiled(device, args.tokens, lambda: next(tokens))
+    tokens.close()
+    lines = [f"## {'compiled' if compile else 'eager'}, {args.cache} cache", ""]
+    lines += summarize(prof, args.tokens, wall_ms, device.type == "cuda", args.top, "token")
+    host = [e for e in prof.key_averages() if e.device_type.name == "CPU"]
+    top = top_table("host ops (self CPU)", host, lambda e: e.self_cpu_time_total, args.tokens, args.top, "token")
+    return lines + [""] + top
+
+
+def profile_generate(args) -> tuple[str, str]:
+    """(card, the markdown file's text)."""
+    device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=1024, attention_backend=args.backend, **model_settings(args.quick))
+    gpt = GPT(config).to(device, dtype).eval()
+    compiles = (False, True) if device.type == "cuda" else (False,)
+    sections = ["\n".join(profile_decoding(gpt, args, device, compile)) + "\n" for compile in compiles]
+    card = card_slug() if device.type == "cuda" else "cpu"
+    title = (
+        f"# {args.name} on {card} (torch {torch.__version__}): batch {args.batch_size}, prompt {args.prompt_len}, "
+        f"greedy, {args.tokens} tokens profiled after {args.skip}\n\n"
+    )
+    return card, title + "\n".join(sections)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--what", choices=("train", "generate"), default="train", help="what to profile (train)")
+    parser.add_argument("--quick", action="store_true", help="tiny model on CPU (train: no compile)")
+    parser.add_argument("--batch-size", type=int, help="train: 16 (--quick 4); generate: 1")
+    parser.add_argument("--top", type=int, help="rows of each top table (train 25; generate 15)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
+    train = parser.add_argument_group("--what train")
+    train.add_argument("--variants", nargs="+", default=["plain", "default"], choices=VARIANTS)
+    train.add_argument("--seq-len", type=int, help="default 1024 (--quick 64)")
+    train.add_argument("--steps", type=int, default=5, help="steps profiled (5)")
+    decode = parser.add_argument_group("--what generate")
+    decode.add_argument("--prompt-len", type=int, default=128)
+    decode.add_argument("--cache", default="contiguous", choices=("contiguous", "paged"))
+    decode.add_argument("--backend", default="auto")
+    decode.add_argument("--skip", type=int, default=16, help="decode steps before the profile starts")
+    decode.add_argument("--tokens", type=int, default=64, help="decode steps profiled")
+    args = parser.parse_args(argv)
+    train_run = args.what == "train"
+    args.batch_size = args.batch_size or ((4 if args.quick else 16) if train_run else 1)
+    args.top = args.top or (25 if train_run else 15)
+    args.seq_len = args.seq_len or (64 if args.quick else 1024)
+    args.name = f"profile-{args.what}" + ("-quick" if args.quick else "")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    card, text = (profile_train if args.what == "train" else profile_generate)(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{card}-{args.name}.md"
+    path.write_text(text)
+    print(text)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
