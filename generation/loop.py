@@ -55,6 +55,9 @@ def generation_attention(model: GPT, need) -> tuple[Attention, DecodeKernel | No
         attention = attention._replace(kernel=BACKENDS[used].kernel)
         detail = f" over {used} (auto's pick for a paged cache)"
     decode = DECODE_KERNELS.get(used)
+    if decode is None and need.kv_cache != "none":  # a backend registered without a decode kernel of its own
+        decode = DECODE_KERNELS["sdpa"]
+        detail += ", decoding from the cache with sdpa's kernel (it has none of its own)"
     if need.kv_cache == "paged":
         detail += f", paged KV cache: {decode.pages}"
     elif need.kv_cache == "contiguous":

@@ -198,13 +198,15 @@ def test_flex_block_masks_list_each_rows_own_blocks_up_to_its_length():
     paged.prefill([3, 9], 9)  # row 0 takes a page, row 1 three, from the free list
     paged.reserve([5, 9])  # row 0 grows into a second page
     step = Step(torch.tensor([[4], [9]]), torch.tensor([5, 10]), 12)
-    blocks = paged.flex_block_mask(step).to_dense()[:, 0, 0]  # (B, pages)
+    mask = paged.flex_block_mask(step, heads=3).to_dense()  # (B, heads, q blocks, pages)
+    assert mask.shape[1] == 3 and torch.equal(mask, mask[:, :1].expand_as(mask))  # every head the same
+    blocks = mask[:, 0, 0]
     assert blocks[0].nonzero().flatten().tolist() == sorted(paged.pages[0])
     assert blocks[1].nonzero().flatten().tolist() == sorted(paged.pages[1])
     assert not set(paged.pages[0]) & set(paged.pages[1])
     contiguous = ContiguousKVCache(1, 2, 300, 1, 16, torch.float32, "cpu")
     step = Step(torch.tensor([[99], [200]]), torch.tensor([100, 201]), 300)
-    blocks = contiguous.flex_block_mask(step).to_dense()[:, 0, 0]
+    blocks = contiguous.flex_block_mask(step, heads=2).to_dense()[:, 1, 0]
     assert blocks.tolist() == [[1, 0, 0], [1, 1, 0]]  # 128-token blocks up to each length
 
 
@@ -396,7 +398,8 @@ def test_sample_cli_batches_a_file_of_prompts_through_a_kv_cache(trained_out, tm
     note = "note: 1 of the 3 prompts are longer than block_size 16; the model sees only the last 16 tokens of each"
     assert note in lines
     assert re.search(r"^prefill: \d+ tokens in \d+\.\d\d s \([\d,-]+ tokens/s\)$", err, re.M), err
-    assert re.search(r"^decode: 15 tokens in \d+\.\d\d s \([\d,-]+ tokens/s\)$", err, re.M), err  # 3 x (6 - 1)
+    assert re.search(r"^warm-up: the first decode step took \d+\.\d\d s$", err, re.M), err
+    assert re.search(r"^decode: 12 tokens in \d+\.\d\d s \([\d,-]+ tokens/s\)$", err, re.M), err  # 3 x (6 - 2)
     assert re.search(r"^18 tokens in \d+\.\d s", err, re.M), err
     code, uncached, err = sample_main(capsys, *common, "--kv_cache=none")  # greedy: the same text
     assert code == 0 and uncached == out, err
@@ -473,3 +476,22 @@ def test_gpu_compiled_decode_gives_the_eager_tokens(cache):
     for _ in range(2):
         compiled = generate(gpt, prompts, 20, temperature=0, kv_cache=cache, compile=True)
         assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
+
+
+def test_a_backend_registered_without_a_decode_kernel_decodes_with_sdpas(caplog):
+    """register() is all a new backend needs: generation from a KV cache then reads the cache with sdpa's decode
+    kernel and says so, and gives the tokens manual's kernel gives."""
+    import model
+
+    model.register(model.AttentionBackend("toy_decode", model.manual_attention, model.manual_problem, "sdpa"))
+    try:
+        gpt = tiny_model(attention_backend="toy_decode")
+        prompt = tokens(1, 5)
+        with caplog.at_level(logging.INFO, logger="model"):
+            out = generate(gpt, prompt, 6, temperature=0, kv_cache="contiguous")
+        assert "decoding from the cache with sdpa's kernel" in caplog.text
+        reference = tiny_model(attention_backend="manual")
+        reference.load_state_dict(gpt.state_dict())
+        assert torch.equal(out, reference.generate(prompt, 6, temperature=0))
+    finally:
+        model.BACKENDS.pop("toy_decode")

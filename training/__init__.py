@@ -1,0 +1,3 @@
+"""What train.py wires together: the runtime (runtime.py: device, dtype, ranks under torchrun, stop signals,
+MFU), the model's placement over GPUs (parallel.py: DDP, FSDP), what a run's checkpoint holds and how a run
+continues from one (state.py), and the checks before any step (preflight.py: settings, data, memory, out_dir)."""

@@ -42,6 +42,15 @@ CUDA_GRAPH_MODES = ("max-autotune", "reduce-overhead")  # the compile modes that
 
 def check_config(cfg) -> None:
     """Each setting alone and the settings together (ValueError); then the model's own checks."""
+    check_numbers(cfg)
+    check_optimizer(cfg)
+    check_choices(cfg)
+    check_parallelism(cfg)
+    check_packing_and_lora(cfg)
+    cfg.model_config()  # the model's own checks (head dim, backend names, ...)
+
+
+def check_numbers(cfg) -> None:
     positive = (
         "eval_interval",
         "eval_iters",
@@ -63,6 +72,16 @@ def check_config(cfg) -> None:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     if cfg.vocab_size is not None and cfg.vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1 or None, got {cfg.vocab_size}")
+    for name in ("ddp_bucket_cap_mb", "dist_timeout_s"):
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
+    if cfg.peak_flops is not None and not cfg.peak_flops > 0:
+        raise ValueError(f"peak_flops must be > 0, got {cfg.peak_flops}")
+    if not 0 <= cfg.seed < 2**64:
+        raise ValueError(f"seed must be in [0, 2**64), got {cfg.seed}")
+
+
+def check_optimizer(cfg) -> None:
     for name in ("learning_rate", "min_lr", "weight_decay", "beta1", "beta2", "grad_clip", "dropout"):
         if not math.isfinite(getattr(cfg, name)):
             raise ValueError(f"{name} must be a finite number, got {getattr(cfg, name)}")
@@ -79,19 +98,23 @@ def check_config(cfg) -> None:
         raise ValueError(f"beta1 and beta2 must be in [0, 1), got {cfg.beta1}, {cfg.beta2}")
     if cfg.decay_lr and cfg.warmup_iters > cfg.lr_decay_iters:
         raise ValueError(f"warmup_iters ({cfg.warmup_iters}) must be <= lr_decay_iters ({cfg.lr_decay_iters})")
+
+
+def check_choices(cfg) -> None:
     if cfg.dtype not in DTYPES:
         raise ValueError(f"unknown dtype {cfg.dtype!r}; choose one of {', '.join(DTYPES)}")
     if cfg.dist_backend not in DIST_BACKENDS:
         raise ValueError(f"unknown dist_backend {cfg.dist_backend!r}; choose nccl or gloo")
     if cfg.compile_mode not in COMPILE_MODES:
         raise ValueError(f"unknown compile_mode {cfg.compile_mode!r}; choose one of {', '.join(COMPILE_MODES)}")
-    if cfg.peak_flops is not None and not cfg.peak_flops > 0:
-        raise ValueError(f"peak_flops must be > 0, got {cfg.peak_flops}")
     if not cfg.out_dir:
         raise ValueError("out_dir must not be empty")
     too_long = [part for part in Path(cfg.out_dir).parts if len(os.fsencode(part)) > 255]
     if too_long:
         raise ValueError(f"out_dir has a folder name of {len(os.fsencode(too_long[0]))} bytes; 255 is the most")
+
+
+def check_parallelism(cfg) -> None:
     if cfg.parallelism not in PARALLELISMS:
         raise ValueError(f"unknown parallelism {cfg.parallelism!r}; choose one of {', '.join(PARALLELISMS)}")
     if cfg.parallelism == "fsdp" and cfg.compile_mode in CUDA_GRAPH_MODES:
@@ -106,11 +129,9 @@ def check_config(cfg) -> None:
         raise ValueError(f"unknown ddp_reduce_dtype {cfg.ddp_reduce_dtype!r}; choose one of {', '.join(REDUCE_DTYPES)}")
     if cfg.ddp_reduce_dtype == "bfloat16" and cfg.dist_backend != "nccl":
         raise ValueError("ddp_reduce_dtype=bfloat16 needs dist_backend=nccl (no bf16 all-reduce hook for gloo)")
-    for name in ("ddp_bucket_cap_mb", "dist_timeout_s"):
-        if not getattr(cfg, name) > 0:
-            raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
-    if not 0 <= cfg.seed < 2**64:
-        raise ValueError(f"seed must be in [0, 2**64), got {cfg.seed}")
+
+
+def check_packing_and_lora(cfg) -> None:
     if cfg.document_separator is not None and (cfg.document_separator < 0 or not cfg.packed_documents):
         raise ValueError(f"document_separator={cfg.document_separator} needs packed_documents=True and a token id >= 0")
     if cfg.lora_rank < 0:
@@ -119,7 +140,6 @@ def check_config(cfg) -> None:
         raise ValueError(f"need lora_alpha > 0 and 0 <= lora_dropout < 1, got {cfg.lora_alpha}, {cfg.lora_dropout}")
     if cfg.lora_rank:
         check_targets(cfg.model_config(), cfg.lora_targets)
-    cfg.model_config()  # the model's own checks (head dim, backend names, ...)
 
 
 def check_before_training(cfg, runtime: Runtime) -> tuple[dict | None, Path, dict, int]:
