@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import generation  # noqa: F401  (registers paged_attention: a run may name it, for its checkpoint's sampling)
 import kernels  # noqa: F401  (registers flash-attn 3/4, flex_attention and auto's table)
 from configurator import load_config, parse_bool
 from data.loader import Batches

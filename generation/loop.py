@@ -79,6 +79,7 @@ def generate(model: GPT, idx, max_new_tokens: int, temperature: float = 1.0, top
 
 
 @torch.no_grad()
+# Long for its docstring: it is the reference for every option of generation, which sample.py passes through.
 def stream(
     model: GPT,
     prompts: Sequence[torch.Tensor],

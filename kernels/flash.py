@@ -71,6 +71,8 @@ FLASH_ATTN_4 = FlashAttention4(
 )
 
 
+# Longer than a function should be, for a reason: the two custom ops, their fake (shape) versions and the
+# autograd formula that joins them are one definition; split apart, none of them reads on its own.
 @functools.cache
 def flash_attn_4_ops(interface, namespace: str = "gpt_flash_attn_4"):
     """flash-attn-4 as two PyTorch custom ops with an autograd formula, in the shape of a flash-attn module.

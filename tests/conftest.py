@@ -28,6 +28,14 @@ def pytest_collection_finish(session):
         warm_context()
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    # The tests run in random order (pytest-randomly, a new seed each run); -q hides the header line that names
+    # the seed, so a failed run names it here, to replay that order.
+    seed = getattr(config.option, "randomly_seed", None)
+    if exitstatus == pytest.ExitCode.TESTS_FAILED and isinstance(seed, int):
+        terminalreporter.write_line(f"test order: python -m pytest -p randomly --randomly-seed={seed} replays it")
+
+
 @pytest.fixture(scope="session")
 def warm_interpreter():
     """For tests that fork children from the warm interpreter (helpers.WarmProcess, warm=True): asking for it

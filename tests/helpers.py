@@ -19,9 +19,11 @@ import resource
 import runpy
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from unittest import mock
@@ -69,12 +71,41 @@ def subprocess_env() -> dict:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _swallow(signum, frame):
+    pass
+
+
+@contextlib.contextmanager
+def terminal_signals():
+    """Children started inside get SIGINT, SIGTERM and SIGHUP as a command typed at a terminal does, whatever
+    this process inherited. Under `nohup`, or as a shell script's background job (`pytest &` starts with SIGINT
+    ignored), this process ignores them, and SIG_IGN survives exec: a child would never see the signal a test
+    sends it. Meanwhile this process swallows them in a handler of its own instead, which exec resets to the
+    default: the same for this process, the default for its children."""
+    ignored = []
+    if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+        ignored = [sig for sig in STOP_SIGNALS if signal.getsignal(sig) is signal.SIG_IGN]
+    for sig in ignored:
+        signal.signal(sig, _swallow)
+    try:
+        yield
+    finally:
+        for sig in ignored:
+            signal.signal(sig, signal.SIG_IGN)
+
+
 def run_script(script: str, args: list[str], timeout: float = 120, warm: bool = False) -> subprocess.CompletedProcess:
     """`python <script> args` from the repo root; stdout and stderr captured separately. warm=True: forked from
     the warm interpreter (WarmProcess) instead of started afresh."""
     command = [sys.executable, script, *args]
     if not warm:
-        return subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+        with terminal_signals():
+            return subprocess.run(
+                command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=timeout
+            )
     with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
         process = WarmProcess(script, args, stdout.fileno(), stderr.fileno())
         try:
@@ -100,13 +131,14 @@ class Child:
             if warm:
                 self.proc = WarmProcess(script, args, write_end, write_end)
             else:
-                self.proc = subprocess.Popen(
-                    [sys.executable, script, *args],
-                    cwd=REPO,
-                    env=subprocess_env(),
-                    stdout=write_end,
-                    stderr=subprocess.STDOUT,
-                )
+                with terminal_signals():
+                    self.proc = subprocess.Popen(
+                        [sys.executable, script, *args],
+                        cwd=REPO,
+                        env=subprocess_env(),
+                        stdout=write_end,
+                        stderr=subprocess.STDOUT,
+                    )
         finally:
             os.close(write_end)
         self.fd, self.lines = read_end, []
@@ -176,7 +208,7 @@ def warm_context() -> multiprocessing.context.BaseContext:
     environment subprocess_env() gives a fresh child."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(WARM_IMPORTS))
-    with mock.patch.dict(os.environ, subprocess_env()):
+    with mock.patch.dict(os.environ, subprocess_env()), terminal_signals():
         multiprocessing.forkserver.ensure_running()
     return context
 
@@ -198,8 +230,12 @@ def is_repo_module(module) -> bool:
 def run_as_main(script: str, args: list[str], stdout, stderr, path: tuple[str, ...]):
     """In a child of the warm interpreter: what `python <script> args` does once torch is imported. The repo's
     own modules are imported afresh from the script's folder and `path` (a fresh interpreter's sys.path), as
-    the script would import them; stdout and stderr are unbuffered (PYTHONUNBUFFERED); the exit code of
+    the script would import them; stdout and stderr are unbuffered (PYTHONUNBUFFERED); SIGINT, SIGTERM and
+    SIGHUP are as a fresh interpreter started at a terminal has them (see terminal_signals); the exit code of
     sys.exit(main()) is the child's."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     for fd, connection in ((1, stdout), (2, stderr)):
         os.dup2(connection.fileno(), fd)
         connection.close()
@@ -371,13 +407,31 @@ def stand_in_flash_module(calls: list, table_keyword: str = "block_table"):
 
 
 def stand_in_flash(monkeypatch, module):
-    """A flash kernel (attention.FlashAttention) over `module`, registered as flash_attn_2 and allowed on CPU."""
-    import attention
+    """A flash kernel (model.FlashAttention) over `module`, registered as flash_attn_2 (with its KV cache decode
+    kernel, generation.kv_cache.DECODE_KERNELS) and allowed on CPU."""
     import model
     from generation import kv_cache
 
-    kernel = attention.FlashAttention("stand-in flash", (), (0, 0), "")
-    kernel._package = attention.Package(module, "0.0-fake", "")
-    record = model.AttentionBackend("flash_attn_2", kernel, lambda need: "", "sdpa", (), kv_cache.flash_decode(kernel))
+    kernel = model.FlashAttention("stand-in flash", (), (0, 0), "")
+    kernel._package = model.Package(module, "0.0-fake", "")
+    record = model.AttentionBackend("flash_attn_2", kernel, lambda need: "", "sdpa")
     monkeypatch.setitem(model.BACKENDS, "flash_attn_2", record)
+    monkeypatch.setitem(kv_cache.DECODE_KERNELS, "flash_attn_2", kv_cache.flash_decode(kernel))
     return kernel
+
+
+def run_module(module: str, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m <module> args` from the repo root (a fresh interpreter); stdout and stderr captured separately."""
+    command = [sys.executable, "-m", module, *args]
+    return subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 below Linux's ephemeral range (32768-60999), where no process's next outgoing
+    connection can take it before torchrun binds it. Drawn from the OS's randomness, not the `random` module's:
+    pytest-randomly seeds that alike in every test and worker, which would give parallel tests the same ports."""
+    for port in random.SystemRandom().sample(range(20000, 32768), 200):
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            return port
+    raise RuntimeError("no free TCP port found in 20000-32767")

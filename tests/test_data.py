@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from data import atomic, common, loader, tokenizer
+from data import common, loader, tokenizer
 from data.common import (
     largest_token_id,
     open_split,
@@ -31,7 +31,8 @@ from data.common import (
 )
 from data.tokenizer import EOT, EOT_ID, gpt2_encoding, gpt2_meta, load_tokenizer
 from errors import DataError
-from helpers import run_script, subprocess_env, tiny_text
+from helpers import run_module, subprocess_env, tiny_text
+from storage import atomic
 
 SAMPLE_TEXT = (
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
@@ -80,60 +81,62 @@ def test_char_prepare_roundtrip(tmp_path):
     assert no_tmp_files(tmp_path)
 
 
-def test_char_prepare_runs_as_a_script(tmp_path):
-    """nanoGPT's `python data/shakespeare_char/prepare.py`, not only `python -m data.shakespeare_char.prepare`."""
+def test_char_prepare_runs_as_a_module(tmp_path):
+    """`python -m data.shakespeare_char.prepare` from the repo root, in a fresh interpreter."""
     text_file = tmp_path / "input.txt"
     text_file.write_text(SAMPLE_TEXT, encoding="utf-8")
     out_dir = tmp_path / "out"
-    result = run_script("data/shakespeare_char/prepare.py", ["--input", str(text_file), "--out_dir", str(out_dir)])
+    result = run_module("data.shakespeare_char.prepare", ["--input", str(text_file), "--out_dir", str(out_dir)])
     assert result.returncode == 0, result.stderr
     assert f"wrote {out_dir}/{{train.bin,val.bin,meta.json}}" in result.stdout
     meta = read_meta(out_dir)
     _, decode = load_tokenizer(meta)
     assert decode(read_bin(out_dir / "train.bin")) + decode(read_bin(out_dir / "val.bin")) == SAMPLE_TEXT
 
-    result = subprocess.run(
-        [sys.executable, "-m", "data.shakespeare_char.prepare", "--input", str(tmp_path / "missing.txt")],
-        cwd=common.DATA_ROOT.parent,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_module("data.shakespeare_char.prepare", ["--input", str(tmp_path / "missing.txt")], timeout=60)
     assert (result.returncode, result.stderr) == (2, f"error: --input {tmp_path / 'missing.txt'}: no such file\n")
 
 
-RUN_AS_SCRIPTS = """
+PREPARE_MODULES = sorted(f"data.{path.parent.name}.prepare" for path in common.DATA_ROOT.glob("*/prepare.py"))
+
+RUN_AS_MODULES = """
 import runpy, sys
-path = list(sys.path)
-for script in sys.argv[1:]:
-    sys.path[:] = path  # each script on its own: no repo root, no repo package left by the one before
-    for name in [name for name in sys.modules if name == "data" or name.startswith("data.")]:
-        del sys.modules[name]
-    sys.argv = [script, "--help"]
+for module in sys.argv[1:]:
+    sys.argv = [module, "--help"]
     try:
-        runpy.run_path(script, run_name="__main__")  # as `python <script>` runs it
+        runpy.run_module(module, run_name="__main__", alter_sys=True)  # as `python -m <module>` runs it
     except SystemExit as done:
-        assert done.code == 0, script
-    print("ok", script, flush=True)
+        assert done.code == 0, module
+    print("ok", module, flush=True)
 """
 
 
-def test_every_prepare_script_runs_as_a_script_from_anywhere(tmp_path):
-    """Each data/*/prepare.py --help run as a script from a folder outside the repo, in one interpreter (two
-    of them import the `datasets` package, which takes seconds)."""
-    scripts = sorted(str(path) for path in common.DATA_ROOT.glob("*/prepare.py"))
-    assert len(scripts) >= 4
+def test_every_prepare_module_runs_with_dash_m_and_as_a_file_says_so(tmp_path):
+    """Each `python -m data.<name>.prepare --help` from the repo root, in one interpreter (two of them import the
+    `datasets` package, which takes seconds), exits 0. Each data/<name>/prepare.py run as a file, from a folder
+    outside the repo, where the repo's packages cannot be imported, is one `error:` line naming the -m command,
+    exit code 2."""
+    assert len(PREPARE_MODULES) >= 4
     result = subprocess.run(
-        [sys.executable, "-c", RUN_AS_SCRIPTS, *scripts],
-        cwd=tmp_path,
+        [sys.executable, "-c", RUN_AS_MODULES, *PREPARE_MODULES],
+        cwd=common.DATA_ROOT.parent,
         env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    assert [line for line in result.stdout.splitlines() if line.startswith("ok ")] == [f"ok {s}" for s in scripts]
+    assert [line for line in result.stdout.splitlines() if line.startswith("ok ")] == [
+        f"ok {module}" for module in PREPARE_MODULES
+    ]
+
+    for module in PREPARE_MODULES:
+        script = common.DATA_ROOT.parent / (module.replace(".", "/") + ".py")
+        command = [sys.executable, str(script), f"--out_dir={tmp_path / 'out'}"]
+        done = subprocess.run(command, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=60)
+        assert (done.returncode, done.stdout) == (2, ""), done.stderr
+        assert done.stderr == f"error: run it from the repo root as: python -m {module}\n"
+    assert list(tmp_path.iterdir()) == []  # nothing written
 
 
 def test_gpt2_prepare_roundtrip(tmp_path):
@@ -151,14 +154,12 @@ def test_gpt2_prepare_roundtrip(tmp_path):
     assert open_split(out_dir, "val", block_size=8, vocab_size=50304).dtype == np.uint16
 
 
-PREPARE_SCRIPTS = sorted(str(path) for path in common.DATA_ROOT.glob("*/prepare.py"))
-
-
-@pytest.mark.parametrize("script", PREPARE_SCRIPTS, ids=[Path(s).parent.name for s in PREPARE_SCRIPTS])
-def test_prepare_script_errors_are_one_line(script, tmp_path, monkeypatch, capsys):
-    """Each data/<name>/prepare.py as `python <script>` runs it (in this process, for speed): a bad path or
-    option is one `error:` line and exit code 2, before any download or tokenizing."""
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts the repo root on it
+@pytest.mark.parametrize("module", PREPARE_MODULES, ids=[module.split(".")[1] for module in PREPARE_MODULES])
+def test_prepare_script_errors_are_one_line(module, tmp_path, monkeypatch, capsys):
+    """Each `python -m data.<name>.prepare` as -m runs it (in this process, for speed): a bad path or option is
+    one `error:` line and exit code 2, before any download or tokenizing."""
+    script = common.DATA_ROOT.parent / (module.replace(".", "/") + ".py")
+    monkeypatch.delitem(sys.modules, module, raising=False)  # run afresh as __main__, as -m runs it
     (tmp_path / "a_file").write_text("not a folder")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     (tmp_path / "loop").symlink_to("loop")
@@ -175,9 +176,9 @@ def test_prepare_script_errors_are_one_line(script, tmp_path, monkeypatch, capsy
     else:
         cases[(f"--dataset_path={tmp_path / 'nope'}", f"--out_dir={tmp_path}")] = "nope does not exist"
     for args, message in cases.items():
-        monkeypatch.setattr(sys, "argv", [script, *args])
+        monkeypatch.setattr(sys, "argv", [str(script), *args])
         with pytest.raises(SystemExit) as done:
-            runpy.run_path(script, run_name="__main__")
+            runpy.run_module(module, run_name="__main__")
         err = capsys.readouterr().err
         assert done.value.code == 2, (args, err)
         assert err.count("\n") == 1 and err.startswith("error: ") and message in err, (args, err)
@@ -404,7 +405,7 @@ def test_open_split_errors_name_the_fix(prepared, problem, message):
     with pytest.raises(DataError) as error:
         open_split(prepared, "val", block_size=16)
     assert message in str(error.value)
-    assert f"python data/shakespeare_char/prepare.py --out_dir {prepared}" in str(error.value)
+    assert f"python -m data.shakespeare_char.prepare --out_dir {prepared}" in str(error.value)
     assert "\n" not in str(error.value)
 
 
@@ -440,9 +441,9 @@ def test_open_split_too_short_and_model_vocab(prepared):
 
 
 def test_prepare_command_for_default_and_custom_folders(tmp_path):
-    assert common.prepare_command(common.DATA_ROOT / "shakespeare") == "python data/shakespeare/prepare.py"
+    assert common.prepare_command(common.DATA_ROOT / "shakespeare") == "python -m data.shakespeare.prepare"
     custom = tmp_path / "mine"
-    assert common.prepare_command(custom) == f"python data/<dataset>/prepare.py --out_dir {custom}"
+    assert common.prepare_command(custom) == f"python -m data.<dataset>.prepare --out_dir {custom}"
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import Child, tiny_args
-from storage.checkpoint import load_checkpoint
+from weights.load import load_checkpoint
 
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
 

@@ -24,12 +24,11 @@ import pytest
 import torch
 
 import train
-from bench.bench_two_nodes import free_port  # a port outside the ephemeral range
-from helpers import REPO, Child, one_torch_thread, subprocess_env, tiny_args, tiny_config
+from helpers import REPO, Child, free_port, one_torch_thread, subprocess_env, tiny_args, tiny_config
 from model import GPT
-from storage.checkpoint import load_checkpoint
 from training import parallel
 from training.runtime import Runtime, join_process_group, leave_process_group
+from weights.load import load_checkpoint
 
 ACCUM = 4  # micro-steps per optimizer step over all ranks: 1 rank x 4, 2 x 2, 4 x 1
 MAX_ITERS = 60
@@ -241,14 +240,16 @@ def test_leaving_the_process_group_stops_its_threads():
 def test_ddp_wrapping_follows_the_settings(monkeypatch, gloo_world_of_one):
     """wrap_model gives DDP its bucket size and tells torch.compile whether to cut the graph at the buckets
     (ddp_graph_split)."""
-    monkeypatch.setattr(torch._dynamo.config, "optimize_ddp", torch._dynamo.config.optimize_ddp)  # restored after
     monkeypatch.setattr(torch, "compile", lambda model, **options: model)  # the setting is read when it compiles
     runtime = Runtime(torch.device("cpu"), torch.float32, world_size=2)  # wraps in DDP; one process here
-    for split in (False, True):
-        model = GPT(tiny_config())
-        _, ddp = parallel.wrap_model(model, runtime, use_compile=True, bucket_cap_mb=7, graph_split=split)
-        assert torch._dynamo.config.optimize_ddp is split
-        assert ddp.bucket_bytes_cap == 7 * 2**20
+    # wrap_model sets dynamo's global optimize_ddp (right for train.py's one run); dynamo's own config.patch puts
+    # it back after, as pytest's monkeypatch cannot for a torch config entry (its undo may delete the entry)
+    with torch._dynamo.config.patch(optimize_ddp=torch._dynamo.config.optimize_ddp):
+        for split in (False, True):
+            model = GPT(tiny_config())
+            _, ddp = parallel.wrap_model(model, runtime, use_compile=True, bucket_cap_mb=7, graph_split=split)
+            assert torch._dynamo.config.optimize_ddp is split
+            assert ddp.bucket_bytes_cap == 7 * 2**20
     # bf16 all-reduce: PyTorch's hook, which refuses gloo when registered; here its registration is recorded
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
     from torch.nn.parallel import DistributedDataParallel

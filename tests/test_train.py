@@ -25,10 +25,11 @@ from errors import DataError
 from helpers import REPO, TINY_MODEL, Child, file_size_limit, run_script, tiny_args, tree_digest
 from model import GPT, GPTConfig
 from storage import checkpoint
-from storage.checkpoint import claim_out_dir, load_checkpoint
+from storage.checkpoint import claim_out_dir
 from train import DEPRECATED, TrainConfig, learning_rate_at
 from training import preflight
 from training.runtime import model_flops_utilization, peak_flops_for
+from weights.load import load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -426,7 +427,7 @@ def test_missing_bins_run_the_dataset_prepare(monkeypatch, tmp_path, capsys):
     argv = ["--dataset=fakeds", f"--out_dir={tmp_path / 'out'}", *TINY_MODEL, "--max_iters=2", "--eval_interval=2"]
     assert train.main(argv) == 0
     out = capsys.readouterr().out
-    assert f"{root / 'fakeds'}: train.bin, val.bin, meta.json missing; running python data/fakeds/prepare.py" in out
+    assert f"{root / 'fakeds'}: train.bin, val.bin, meta.json missing; running python -m data.fakeds.prepare" in out
     assert calls == [[]]
     assert "iter 2 |" in out
 

@@ -1,4 +1,4 @@
-"""A run's checkpoint contents (train_checkpoint.py): one data stream for all ranks; checkpoints of earlier
+"""A run's checkpoint contents (training/state.py): one data stream for all ranks; checkpoints of earlier
 versions, with a data position per rank, still resume."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 import train
 from helpers import tiny_args
-from storage.checkpoint import load_checkpoint
+from weights.load import load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

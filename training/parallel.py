@@ -47,6 +47,7 @@ def place_model(
     return model.to(runtime.device)
 
 
+# Long for its docstring, which says what each DDP switch trades.
 def wrap_model(
     model: nn.Module,
     runtime: Runtime,
