@@ -41,7 +41,7 @@ def free_port() -> int:
     """A free TCP port below Linux's ephemeral range (32768-60999). One that bind(0) finds free lies in that
     range, where any process's next outgoing connection may take it before torchrun binds it (torchrun's c10d
     rendezvous, finding its port taken, connects to it as a client instead)."""
-    for port in random.sample(range(20000, 32768), 200):
+    for port in random.SystemRandom().sample(range(20000, 32768), 200):  # not the seeded global generator
         with socket.socket() as s, contextlib.suppress(OSError):
             s.bind(("127.0.0.1", port))
             return port
