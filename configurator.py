@@ -243,15 +243,26 @@ def _read_file(path: str) -> dict:
         exec(compile(Path(path).read_text(), path, "exec"), namespace)
     except SyntaxError as e:
         raise ConfigError(f"{path}: syntax error on line {e.lineno}: {e.msg}") from None
+    except SystemExit as e:  # sys.exit(), exit(), quit(): a config file sets values, it cannot end the run
+        code = "" if e.code is None else repr(e.code)
+        raise ConfigError(
+            f"{path}: {_file_line(e, path) or 'the file'} calls sys.exit({code}); a config file only assigns "
+            f"settings and cannot end the run"
+        ) from None
     except Exception as e:  # whatever the file raised, reported with its line
-        lines = [frame.lineno for frame in traceback.extract_tb(e.__traceback__) if frame.filename == path]
-        where = f" on line {lines[-1]}" if lines else ""
-        raise ConfigError(f"{path}: {type(e).__name__}{where}: {e}") from None
+        line = _file_line(e, path)
+        raise ConfigError(f"{path}: {type(e).__name__}{' on ' + line if line else ''}: {e}") from None
     return {
         name: value
         for name, value in namespace.items()
         if not name.startswith("_") and not isinstance(value, types.ModuleType)
     }
+
+
+def _file_line(error: BaseException, path: str) -> str:
+    """'line N' of the config file where the error was raised ('' when its traceback has none)."""
+    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__) if frame.filename == path]
+    return f"line {lines[-1]}" if lines else ""
 
 
 def _source_comments(cls, fields) -> tuple[dict, dict]:

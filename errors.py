@@ -1,5 +1,11 @@
 """Every error type of this repo. Each one's message is one line: what was wrong and what is allowed or what
-to do; the entry points print it after `error: ` and exit with code 2."""
+to do; the entry points print it after `error: ` and exit with code 2. Also how every command starts
+(as_command): output it cannot write is dropped, never a crash, and Ctrl-C while it starts is one line."""
+
+from __future__ import annotations
+
+import os
+import sys
 
 
 class OneLineError(ValueError):
@@ -23,3 +29,102 @@ class DataError(ValueError):
 
 class CheckpointError(ValueError):
     """A missing, unreadable or mismatched checkpoint, or an out_dir that cannot be used."""
+
+
+# ----------------------------------------------------------------------------------------------
+# How a command runs: output it cannot write is dropped, a Ctrl-C nothing caught is one line
+
+
+class QuietStream:
+    """sys.stdout or sys.stderr of a command: a write that fails never raises. The reader may be gone (a closed
+    pipe, `| head -1`: EPIPE), the terminal may have gone away (a dropped ssh session: EIO), the file may be on a
+    full disk (`> /dev/full`: ENOSPC) or not open for writing (EBADF): the stream then goes to /dev/null for the
+    rest of the process (what it still buffers too, so the interpreter's flush at exit does not fail either), and
+    `failure` keeps the first error. Everything else is the wrapped stream's."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.failure: OSError | None = None
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except BlockingIOError:  # a non-blocking stream that is full for now: this write is lost, not the stream
+            return len(text)
+        except OSError as error:
+            self._fail(error)
+            return len(text)
+
+    def writelines(self, lines):
+        for line in lines:
+            self.write(line)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except BlockingIOError:
+            pass
+        except OSError as error:
+            self._fail(error)
+
+    def _fail(self, error: OSError) -> None:
+        self.failure = self.failure or error
+        if not silence(self._stream):  # not a file descriptor (a StringIO): drop it for one that is
+            self._stream = open(os.devnull, "w")  # kept open for the rest of the process
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def silence(stream) -> bool:
+    """Point a failed stream's file descriptor at /dev/null: the rest of what it buffers, and everything written to
+    it later, goes nowhere. False when the stream has no file descriptor."""
+    try:
+        fd = stream.fileno()
+    except (OSError, ValueError, AttributeError):  # io.UnsupportedOperation is both an OSError and a ValueError
+        return False
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+    try:
+        stream.flush()  # what the failed write left in the buffer
+    except (OSError, ValueError):
+        pass
+    return True
+
+
+def stream_failure(stream) -> OSError | None:
+    """The error a QuietStream's output met (None while it is fine, or for any other stream)."""
+    return getattr(stream, "failure", None)
+
+
+def as_command() -> None:
+    """The first thing a command runs (in `if __name__ == "__main__":`, before its heavy imports: torch takes
+    seconds). stdout and stderr become QuietStreams, so a log line or a result that cannot be written never stops
+    the work; standard streams that were closed when the command started are opened on /dev/null (a file the
+    command opens must not become its stdout); and a Ctrl-C that main() does not catch (while torch imports) is one
+    line, `interrupted`, instead of a KeyboardInterrupt traceback."""
+    while True:  # the lowest free descriptor: a closed 0, 1 or 2 is filled, anything above is closed again
+        fd = os.open(os.devnull, os.O_RDWR)
+        if fd > 2:
+            os.close(fd)
+            break
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is None:  # closed when the interpreter started: it now has /dev/null
+            stream = open(1 if name == "stdout" else 2, "w", closefd=False)
+        if not isinstance(stream, QuietStream):
+            setattr(sys, name, QuietStream(stream))
+    if sys.excepthook is sys.__excepthook__:
+        sys.excepthook = _interrupted_quietly
+
+
+def _interrupted_quietly(kind, error, trace) -> None:
+    """sys.excepthook: a KeyboardInterrupt that nothing caught is one line; the interpreter then ends as Python
+    ends on Ctrl-C, killed by SIGINT (exit code 130 to a shell, which then stops a script too)."""
+    if issubclass(kind, KeyboardInterrupt):
+        print("interrupted", file=sys.stderr, flush=True)
+    else:
+        sys.__excepthook__(kind, error, trace)

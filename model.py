@@ -17,12 +17,15 @@ generation/.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import importlib
 import importlib.metadata
 import inspect
 import logging
 import math
+import os
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -1037,19 +1040,51 @@ def attention_report(device=None) -> dict:
     return report
 
 
-def main():
+def main(argv: list[str] | None = None, prog: str = "python model.py") -> int:
+    """Print what this machine can run (attention_report). Exit code 0; 2, with one `error:` line, for arguments
+    (it takes none) or a report that cannot be written (`> /dev/full`; a closed pipe or terminal is quiet: 0)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv in (["-h"], ["--help"]):
+        print(f"usage: {prog}\n\nPrints the attention backends this machine can run, and what auto picks.")
+        return 0
+    if argv:
+        print(
+            f"error: {prog} takes no arguments, got {' '.join(argv)!r}; it prints what this machine can run",
+            file=sys.stderr,
+        )
+        return 2
     report = attention_report()
     gpu = f"{report['gpu']} ({report['capability']})" if report["gpu"] else "none"
-    print(f"torch {report['torch']} | CUDA {report['cuda']} | cuDNN {report['cudnn']} | GPU {gpu}")
-    print(f"device {report['device']}, training dtype {report['dtype']}:")
+    lines = [
+        f"torch {report['torch']} | CUDA {report['cuda']} | cuDNN {report['cudnn']} | GPU {gpu}",
+        f"device {report['device']}, training dtype {report['dtype']}:",
+    ]
     for name, row in report["backends"].items():
         status = "available" if row["available"] else "unavailable"
         version = f" {row['version']}" if row["version"] else ""
-        print(f"  {name:<15} {status:<12}{version:<14} {row['why']}")
+        lines.append(f"  {name:<15} {status:<12}{version:<14} {row['why']}")
     for key, length in (("auto", "1024"), ("auto_long", "32768")):
         picks = ", ".join(f"{dtype} -> {used}" for dtype, used in report[key].items())
-        print(f"  auto picks at T={length}: {picks}")
+        lines.append(f"  auto picks at T={length}: {picks}")
+    try:
+        print("\n".join(lines), flush=True)
+    except OSError as error:
+        devnull = os.open(os.devnull, os.O_WRONLY)  # what stdout still buffers must not fail again at exit
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        if error.errno in (errno.EPIPE, errno.EIO):  # the reader or the terminal is gone: nobody to tell
+            return 0
+        with contextlib.suppress(OSError):
+            print(f"error: the report could not be written to stdout ({error.strerror or error})", file=sys.stderr)
+        return 2
+    # a stdout that drops what fails (errors.QuietStream, under python -m kernels) says so instead of raising
+    failure = getattr(sys.stdout, "failure", None)
+    if failure is not None and failure.errno not in (errno.EPIPE, errno.EIO):
+        with contextlib.suppress(OSError):
+            print(f"error: the report could not be written to stdout ({failure.strerror or failure})", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -11,16 +11,23 @@ whole context every step); --compile compiles the decode step with CUDA graphs. 
 a separator line; stderr gets the attention backend in use (an INFO line) and prefill and decode tokens/s.
 
 Ctrl-C prints the samples in progress as far as they got and exits with code 130, a shell's code for SIGINT (so
-`sample.py && next` stops); a closed stdout (`... | head -1`) ends the run quietly with code 0. Bad input is one
-`error: ` line on stderr and exit code 2.
+`sample.py && next` stops); SIGTERM and SIGHUP (the terminal closed) do the same with 143 and 129. Output nobody
+reads any more ends the run quietly with code 0: a closed stdout (`... | head -1`), a terminal that went away.
+Output that cannot be stored (`> /dev/full`) is one `error: ` line on stderr and exit code 2, as bad input is.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-import os
 import sys
+
+from errors import as_command
+
+if __name__ == "__main__":  # before torch's seconds of importing: see as_command
+    as_command()
+
+import errno
+import logging
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,11 +38,11 @@ import torch
 import kernels  # noqa: F401  (registers flash-attn 3/4, flex_attention and auto's table)
 from configurator import load_config
 from data.tokenizer import load_tokenizer, tokenizer_vocab_size
-from errors import CheckpointError, ConfigError, DataError, UsageError
+from errors import CheckpointError, ConfigError, DataError, UsageError, silence, stream_failure
 from generation import stream
 from generation.loop import check_generation
 from model import GPT, canonical_backend
-from training.runtime import Runtime, pick_device, pick_dtype
+from training.runtime import Runtime, StopOnSignals, Stopped, pick_device, pick_dtype
 from weights.hf import load_weights, model_from_checkpoint
 from weights.load import load_checkpoint
 
@@ -70,8 +77,6 @@ class SampleConfig:
             raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
         self.attention_backend = canonical_backend(self.attention_backend)  # eager, flash_attention_2, ...
@@ -173,6 +178,7 @@ def load_model(cfg: SampleConfig, device: torch.device):
         state = load_checkpoint(path)
     overrides = {"attention_backend": cfg.attention_backend, "disable_mps_fix": cfg.disable_mps_fix, "dropout": 0.0}
     model = model_from_checkpoint(state, path, **overrides)
+    check_finite_weights(model, path)
     model.eval().to(device)  # the attention backend is resolved when generation starts, for its KV cache
     encode, decode = load_tokenizer(state["meta"])
     vocab_size = tokenizer_vocab_size(state["meta"])
@@ -181,6 +187,30 @@ def load_model(cfg: SampleConfig, device: torch.device):
             f"the checkpoint's tokenizer has {vocab_size} ids but its model only {model.config.vocab_size}"
         )
     return model, encode, decode, vocab_size
+
+
+def check_finite_weights(model: GPT, path) -> None:
+    """CheckpointError naming the tensors when a checkpoint's weights hold NaN or inf: nothing can be sampled
+    from them (training refuses to save such a state, but a file can come from elsewhere)."""
+    bad = [
+        name
+        for name, tensor in model.state_dict().items()
+        if tensor.is_floating_point() and not tensor.isfinite().all()
+    ]
+    if bad:
+        names = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise CheckpointError(
+            f"{path} has non-finite weights (NaN or inf in {names}): nothing can be sampled from it; "
+            f"use an earlier checkpoint of the run (best.pt, ckpt-NNNNNNN.pt)"
+        )
+
+
+class OutputLost(Exception):
+    """stdout failed: the samples cannot reach anyone (`error` is what the write met)."""
+
+    def __init__(self, error: OSError):
+        super().__init__(error.strerror or str(error))
+        self.error = error
 
 
 def encode_prompts(cfg: SampleConfig, encode, block_size: int) -> list[list[int]]:
@@ -217,6 +247,7 @@ def sample(cfg: SampleConfig) -> int:
     device = pick_device(cfg.device)
     runtime = Runtime(device, pick_dtype(cfg.dtype, device))
     model, encode, decode, vocab_size = load_model(cfg, device)
+    source = cfg.init_from or cfg.checkpoint or Path(cfg.out_dir) / "ckpt.pt"
     prompts = encode_prompts(cfg, encode, model.config.block_size)
     torch.manual_seed(cfg.seed)
     jobs = [prompt for prompt in prompts for _ in range(cfg.num_samples)]  # each prompt's samples in turn
@@ -228,14 +259,22 @@ def sample(cfg: SampleConfig) -> int:
         try:
             with runtime.autocast():
                 sample_batch(cfg, model, batch, vocab_size, timing, new)
-        except KeyboardInterrupt:  # Ctrl-C: print the samples so far
-            print_samples(batch, new, decode)
+        except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM, SIGHUP: print the samples so far
+            print_samples(batch, new, decode, stopping=True)
+            how, code = stop_words(stop)
             numbers = f"sample {first + 1}" if len(batch) == 1 else f"samples {first + 1}-{first + len(batch)}"
             print(
-                f"interrupted: {numbers} of {len(jobs)} stopped after {len(new)} of {cfg.max_new_tokens} tokens",
+                f"{how}: {numbers} of {len(jobs)} stopped after {len(new)} of {cfg.max_new_tokens} tokens",
                 file=sys.stderr,
             )
-            return 130
+            return code
+        except RuntimeError as error:
+            if "probability tensor contains" not in str(error):
+                raise
+            raise CheckpointError(
+                f"{source}: the model's logits are not finite (NaN or inf) at token {len(new) + 1} of this prompt, "
+                f"with finite weights; try --dtype=float32, or an earlier checkpoint"
+            ) from None
         print_samples(batch, new, decode)
     timing.report(len(jobs) * cfg.max_new_tokens, time.time() - started)
     return 0
@@ -262,30 +301,50 @@ def sample_batch(cfg: SampleConfig, model: GPT, batch: list[list[int]], vocab_si
     timing.decoded += len(batch) * max(0, cfg.max_new_tokens - 2)  # the first two: prefill and warm-up
 
 
-def print_samples(batch: list[list[int]], new: list[torch.Tensor], decode):
-    """Each prompt with its tokens drawn so far, then a separator line."""
+def print_samples(batch: list[list[int]], new: list[torch.Tensor], decode, stopping: bool = False):
+    """Each prompt with its tokens drawn so far, then a separator line. OutputLost when stdout fails (unless
+    `stopping`: the run ends anyway)."""
     drawn = torch.stack(new, dim=1).tolist() if new else [[] for _ in batch]
-    for prompt, tokens in zip(batch, drawn):
-        print(decode(prompt + tokens))
-        print(SEPARATOR, flush=True)
+    try:
+        for prompt, tokens in zip(batch, drawn):
+            print(decode(prompt + tokens))
+            print(SEPARATOR, flush=True)
+    except OSError as error:  # stdout is not a QuietStream (sample.main called in-process): the same, by hand
+        silence(sys.stdout)
+        lost = error
+    else:
+        lost = stream_failure(sys.stdout)
+    if lost is not None and not stopping:
+        raise OutputLost(lost)
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", force=True)  # the backend line
     try:
-        return sample(load_config(SampleConfig(), argv))
+        with StopOnSignals():  # SIGTERM and SIGHUP stop it as Ctrl-C does
+            return sample(load_config(SampleConfig(), argv))
     except (ConfigError, CheckpointError, DataError, UsageError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # before sampling began: nothing generated yet
-        print("interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        # The reader is gone (`| head -1` has its line): stop quietly. Text left in stdout's buffer would make
-        # the interpreter's flush at exit complain, so stdout goes to /dev/null first.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+    except OutputLost as lost:
+        if lost.error.errno in (errno.EPIPE, errno.EIO):  # the reader or the terminal is gone: nobody to tell
+            return 0
+        print(
+            f"error: the samples could not be written to stdout ({lost}); nothing more was generated", file=sys.stderr
+        )
+        return 2
+    except KeyboardInterrupt as stop:  # before sampling began: nothing generated yet
+        how, code = stop_words(stop)
+        print(how, file=sys.stderr)
+        return code
+
+
+def stop_words(stop: KeyboardInterrupt) -> tuple[str, int]:
+    """How a stop is reported, and the exit code: a shell's for death by that signal (Ctrl-C: 130)."""
+    if isinstance(stop, Stopped) and stop.signum != signal.SIGINT:
+        return f"stopped by {stop.signal_name}", stop.exit_code
+    return "interrupted", 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

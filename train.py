@@ -12,11 +12,18 @@ train(); one optimizer step is train_step(), which bench/bench_train.py times as
 
 from __future__ import annotations
 
+import sys
+
+from errors import as_command
+
+if __name__ == "__main__":  # before torch's seconds of importing: see as_command
+    as_command()
+
 import contextlib
 import dataclasses
+import errno
 import logging
 import math
-import sys
 import textwrap
 import time
 from collections.abc import Callable
@@ -30,9 +37,9 @@ import generation  # noqa: F401  (registers paged_attention: a run may name it, 
 import kernels  # noqa: F401  (registers flash-attn 3/4, flex_attention and auto's table)
 from configurator import load_config, parse_bool
 from data.loader import Batches
-from errors import CheckpointError, ConfigError, DataError, UsageError
+from errors import CheckpointError, ConfigError, DataError, UsageError, stream_failure
 from model import GPT, GPTConfig
-from storage.checkpoint import BEST, LATEST
+from storage.checkpoint import BEST, LATEST, checkpoint_names
 from training.parallel import fused_optimizer_ok, grad_scaler, gradient_sync, place_model, replicated, wrap_model
 from training.preflight import (
     CUDA_GRAPH_MODES,
@@ -48,6 +55,8 @@ from training.runtime import (
     PeerFailed,
     Runtime,
     StopFlags,
+    StopOnSignals,
+    Stopped,
     agree,
     emit,
     leave_process_group,
@@ -359,10 +368,13 @@ def clip_and_step(
 # The run around the steps: setup or resume, evaluation and checkpoints, log lines, stops
 
 
-def setup_or_resume(cfg: TrainConfig, runtime: Runtime, hold: contextlib.ExitStack) -> tuple[TrainState, Batches, dict]:
+def setup_or_resume(
+    cfg: TrainConfig, runtime: Runtime, hold: contextlib.ExitStack, startup: StopOnSignals | None = None
+) -> tuple[TrainState, Batches, dict]:
     """Data, model and optimizer state, from scratch or from a checkpoint; prints the run's header.
     Everything a user can get wrong is checked first, on every rank, and the ranks stop together if one
-    fails; then rank 0 claims out_dir (held until `hold` closes). Returns (state, batches, the dataset's meta)."""
+    fails; then rank 0 claims out_dir (held until `hold` closes; not cut in half by a stop signal that `startup`
+    raises). Returns (state, batches, the dataset's meta)."""
     error = None
     try:
         checkpoint, data_dir, meta, vocab_size = check_before_training(cfg, runtime)
@@ -383,7 +395,8 @@ def setup_or_resume(cfg: TrainConfig, runtime: Runtime, hold: contextlib.ExitSta
         shape_only = cfg.parallelism == "fsdp" and runtime.ddp and not runtime.master  # rank 0 builds for all
         model = build_model(cfg, vocab_size, checkpoint, shape_only=shape_only)
         torch.manual_seed((cfg.seed + runtime.rank) % 2**64)  # and each rank its own dropout
-        claim_run_out_dir(cfg, runtime, model, hold)
+        with startup.deferred() if startup is not None else contextlib.nullcontext():
+            claim_run_out_dir(cfg, runtime, model, hold)
     except (CheckpointError, DataError, UsageError) as failure:
         error = failure
     agree(runtime, error)
@@ -481,6 +494,31 @@ def on_disk(state: TrainState) -> str:
     if state.ckpt_iter == state.resumed_iter:
         return f"{latest} still holds iter {state.ckpt_iter}, the checkpoint this run resumed from"
     return f"{latest} holds iter {state.ckpt_iter}, the last state this run saved"
+
+
+def out_dir_state(out_dir, unchanged: bool = True) -> str:
+    """What out_dir holds (unchanged: and that this run wrote none of it), for a run's last words."""
+    path = Path(out_dir)
+    if not path.is_dir():
+        return f"out_dir {path} does not exist"
+    names = checkpoint_names(path)
+    return f"out_dir {path} holds " + (
+        ", ".join(names) + (", unchanged" if unchanged else "") if names else "no checkpoint"
+    )
+
+
+def nothing_saved(state: TrainState) -> str:
+    """The last line of a run that ends without a checkpoint of its last iteration (eval_only, max_iters=0, or
+    resumed at max_iters already): why, and what is on disk."""
+    cfg, it = state.cfg, state.iter_num
+    if cfg.eval_only:
+        return f"eval_only: no checkpoint written; {out_dir_state(cfg.out_dir)}"
+    if state.resumed_iter is not None and it == state.resumed_iter:
+        return (
+            f"nothing to train: resumed at iter {it} and max_iters={cfg.max_iters}; no checkpoint written; "
+            f"{Path(cfg.out_dir) / LATEST} still holds iter {it}"
+        )
+    return f"max_iters={cfg.max_iters}: no step taken, no checkpoint written; {out_dir_state(cfg.out_dir)}"
 
 
 def too_many_bad_steps(state: TrainState, bad_streak: int) -> bool:
@@ -592,33 +630,49 @@ def save_and_exit_on_signal(state: TrainState, batches: Batches, meta: dict) -> 
 
 def train(cfg: TrainConfig) -> int:
     """Train until max_iters (exit code 0; 1 if the last state is not finite), a signal (saves, then 0) or
-    max_bad_steps non-finite steps in a row (1). out_dir is this run's alone until it returns."""
-    cfg = resolve_init_from(cfg)
-    runtime = setup_runtime(
-        cfg.device, cfg.dtype, cfg.dist_backend, cfg.gradient_accumulation_steps, timeout_s=cfg.dist_timeout_s
-    )
-    if runtime.master:
-        logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", force=True)
-    with contextlib.ExitStack() as hold:
-        state, batches, meta = setup_or_resume(cfg, runtime, hold)
-        wandb = start_wandb(cfg) if cfg.wandb_log and runtime.master else None
-        throughput = Throughput(state)
+    max_bad_steps non-finite steps in a row (1). out_dir is this run's alone until it returns. A signal before
+    the first step raises Stopped, once out_dir is let go of again (and removed, if the run created it and left
+    it empty). The last line says what is on disk."""
+    with StopOnSignals() as startup, contextlib.ExitStack() as hold:
+        try:
+            cfg = resolve_init_from(cfg)
+            runtime = setup_runtime(
+                cfg.device, cfg.dtype, cfg.dist_backend, cfg.gradient_accumulation_steps, timeout_s=cfg.dist_timeout_s
+            )
+            if runtime.master:
+                logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", force=True)
+            state, batches, meta = setup_or_resume(cfg, runtime, hold, startup)
+            wandb = start_wandb(cfg) if cfg.wandb_log and runtime.master else None
+        except BaseException:
+            startup.disarm()  # what `hold` lets go of is not cut short by another signal
+            raise
         with state.stop.handling_signals(), naming_the_failed_rank(runtime):
-            while True:
-                if evaluation_due(state):
-                    with throughput.paused():
-                        if not evaluate_and_maybe_save(state, batches, meta, wandb):
-                            return 1
-                if state.iter_num >= cfg.max_iters or cfg.eval_only:
-                    return 0
-                step = train_step(state)
-                throughput.step_done(state.iter_num)
-                if step.bad_streak and too_many_bad_steps(state, step.bad_streak):
+            startup.disarm()  # from here on a signal finishes the step, saves and exits 0
+            code = train_loop(state, batches, meta, wandb)
+    if code == 0 and runtime.master and (state.ckpt_iter != state.iter_num or state.resumed_iter == state.iter_num):
+        emit(nothing_saved(state))  # once out_dir is let go of: what it holds now (a run that saved said so last)
+    return code
+
+
+def train_loop(state: TrainState, batches: Batches, meta: dict, wandb) -> int:
+    """Steps, evaluations and checkpoints until the run ends; its exit code."""
+    cfg = state.cfg
+    throughput = Throughput(state)
+    while True:
+        if evaluation_due(state):
+            with throughput.paused():
+                if not evaluate_and_maybe_save(state, batches, meta, wandb):
                     return 1
-                if state.iter_num % cfg.log_interval == 0 or step.stop_requested:
-                    log_step(state, step, throughput, wandb)
-                if step.stop_requested:
-                    return save_and_exit_on_signal(state, batches, meta)
+        if state.iter_num >= cfg.max_iters or cfg.eval_only:
+            return 0
+        step = train_step(state)
+        throughput.step_done(state.iter_num)
+        if step.bad_streak and too_many_bad_steps(state, step.bad_streak):
+            return 1
+        if state.iter_num % cfg.log_interval == 0 or step.stop_requested:
+            log_step(state, step, throughput, wandb)
+        if step.stop_requested:
+            return save_and_exit_on_signal(state, batches, meta)
 
 
 def start_wandb(cfg: TrainConfig):
@@ -633,12 +687,28 @@ def main(argv: list[str] | None = None) -> int:
     cfg = None
     try:
         cfg = load_config(TrainConfig(), argv, deprecated=DEPRECATED)
-        return train(cfg)
+        code = train(cfg)
+        lost = stream_failure(sys.stdout)
+        if lost is not None and lost.errno != errno.EPIPE:  # `| head` is a choice; a full disk is news
+            emit(
+                f"note: stdout could not be written ({lost.strerror or lost}), so the log lines were dropped; "
+                f"the run went on: {out_dir_state(cfg.out_dir, unchanged=False)}",
+                file=sys.stderr,
+            )
+        return code
     except PeerFailed:  # another rank failed and printed why
         return 2
     except (ConfigError, DataError, CheckpointError, UsageError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        emit(f"error: {error}", file=sys.stderr)
         return 2
+    except Stopped as stop:  # a signal during start-up: nothing trained
+        where = f"; {out_dir_state(cfg.out_dir)}" if cfg is not None else ""
+        message = f"received {stop.signal_name} during start-up, before the first step: nothing saved{where}"
+        emit(message, file=sys.stderr)
+        return stop.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before train() took the signals (reading the config)
+        emit("interrupted before training started: nothing saved", file=sys.stderr)
+        return 130
     except torch.cuda.OutOfMemoryError:
         example = ""
         if cfg is not None and cfg.batch_size > 1:
@@ -646,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
                 f" (e.g. --batch_size={cfg.batch_size // 2} "
                 f"--gradient_accumulation_steps={cfg.gradient_accumulation_steps * 2})"
             )
-        print(
+        emit(
             f"error: CUDA out of memory; lower --batch_size and raise --gradient_accumulation_steps by the same "
             f"factor{example}: same tokens per step, less memory; or shorten --block_size",
             file=sys.stderr,

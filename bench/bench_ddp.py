@@ -30,6 +30,7 @@ import torch
 
 from bench import launch
 from bench.report import DEFAULT_OUT, GPT2_124M, GPT2_VOCAB, TINY, Column, pyplot, results_header, write_results
+from data.common import OneLineParser
 from training.parallel import PARALLELISMS
 
 GPT2_XL = {"n_layer": 48, "n_head": 25, "n_embd": 1600}
@@ -202,9 +203,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(parser)
     args = parser.parse_args(argv)
     quick = args.quick

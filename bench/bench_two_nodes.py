@@ -11,7 +11,6 @@ Results: bench/results/<card>-two-nodes.{json,md}. NCCL_NVLS_ENABLE=0 in every l
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import random
 import socket
@@ -24,6 +23,7 @@ import torch
 
 from bench import launch
 from bench.report import DEFAULT_OUT, GPT2_124M, GPT2_VOCAB, TINY, Column, save_results
+from data.common import OneLineParser
 
 COLUMNS = [
     Column("launch", "launch"),
@@ -114,7 +114,7 @@ def compare(rows: list[dict]) -> None:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="CPU, gloo, a tiny model: checks the script")
     parser.add_argument("--ranks", type=int, default=4, help="processes in all, half per agent (default 4)")
     parser.add_argument("--iters", type=int, default=None, help="iterations per launch (default 30; --quick 6)")

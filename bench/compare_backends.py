@@ -26,6 +26,7 @@ from pathlib import Path
 
 from bench import launch
 from bench.report import DEFAULT_OUT, Column, bench_device, results_header, results_stem, write_results
+from data.common import OneLineParser
 
 BACKENDS = ("auto", "sdpa", "flash_attn_2", "flex_attention", "manual")
 SETTINGS = [  # before the caller's arguments, so theirs win
@@ -101,9 +102,7 @@ def run_backends(backends: Sequence[str], train_args: Sequence[str], logs: Path)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), help=f"default {' '.join(BACKENDS)}")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
     parser.add_argument("--keep-rows", action="store_true", help="keep other backends' rows of the earlier file")

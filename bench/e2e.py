@@ -17,7 +17,6 @@ a sanity check of each path, not benchmarks. A train cell passes when its loss i
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -28,6 +27,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from data.common import OneLineParser
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_BACKENDS = ("sdpa", "manual", "flex_attention", "flash_attn_2", "flash_attn_3", "flash_attn_4")
@@ -317,7 +318,7 @@ def write(rows: list[Row], out: Path, card: str, started: float) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--work", default="/tmp/e2e", help="scratch folder for data and checkpoints")
     parser.add_argument("--jobs", type=int, default=4, help="cells at a time")

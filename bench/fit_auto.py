@@ -12,11 +12,11 @@ keep their earlier entries. The table is data: model code reads it, and nothing 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from data.common import OneLineParser
 from kernels.auto import AUTO_TABLE
 from storage.atomic import atomic_path
 
@@ -61,7 +61,7 @@ def updated_table(table: dict, card: str, fitted: dict, source: str) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path, help="an attention results JSON (python -m bench.bench_attention)")
     parser.add_argument("--write", action="store_true", help="store the entry in the table file")
     parser.add_argument("--table", type=Path, default=AUTO_TABLE, help="the table file (default: %(default)s)")

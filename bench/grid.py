@@ -17,12 +17,13 @@ from pathlib import Path
 import torch
 
 from bench.report import DEFAULT_OUT, Column, save_results
+from data.common import OneLineParser
 
 # ----------------------------------------------------------------------------------------------
 # The command line
 
 
-class BenchParser(argparse.ArgumentParser):
+class BenchParser(OneLineParser):
     """A grid bench's command line: the options every one has (--quick, --out, --device, --dtype, --budget,
     --name), then the bench's own. An option left unset (None) takes its --quick or full-run default."""
 

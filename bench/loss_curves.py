@@ -10,7 +10,6 @@ again from another seed: the gap between the two seeds is the run-to-run noise t
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -20,6 +19,7 @@ import torch
 
 from bench import launch
 from bench.report import DEFAULT_OUT, TINY, Column, pyplot, save_results
+from data.common import OneLineParser
 
 PLAIN = ["--attention_backend=sdpa", "--cross_entropy=plain"]
 RUNS = {"plain": (1337, PLAIN), "default": (1337, []), "plain, seed 2": (2, PLAIN)}  # name: (seed, switches)
@@ -103,7 +103,7 @@ def curve_row(run: str, seed: int, switches: list[str], log: list[dict], tail: i
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny char model on CPU, 30 iterations")
     parser.add_argument("--iters", type=int, default=None, help="iterations per run (default 300; --quick 30)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")

@@ -36,6 +36,7 @@ from bench.bench_generate import model_settings
 from bench.bench_train import VARIANTS, Case, build_state, case_config
 from bench.grid import free_device_memory
 from bench.report import DEFAULT_OUT, card_slug
+from data.common import OneLineParser
 from model import GPT, GPTConfig
 from train import train_step
 from training.runtime import synchronize
@@ -181,9 +182,7 @@ def profile_generate(args) -> tuple[str, str]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--what", choices=("train", "generate"), default="train", help="what to profile (train)")
     parser.add_argument("--quick", action="store_true", help="tiny model on CPU (train: no compile)")
     parser.add_argument("--batch-size", type=int, help="train: 16 (--quick 4); generate: 1")

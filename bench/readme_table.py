@@ -30,6 +30,8 @@ import re
 import sys
 from pathlib import Path
 
+from data.common import OneLineParser
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = REPO_ROOT / "bench" / "results" / "h100-attention.json"
 DEFAULT_README = REPO_ROOT / "bench" / "README.md"
@@ -297,7 +299,7 @@ def repo_relative(path: Path) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "results",
         nargs="*",

@@ -14,7 +14,6 @@ Results: bench/results/<card>-step-phases.{json,md,png}. Run with NCCL_NVLS_ENAB
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from bench.report import DEFAULT_OUT, GPT2_VOCAB, Column, model_shape, pyplot, save_results
+from data.common import OneLineParser
 
 COLUMNS = [
     Column("parallelism", "parallelism"),
@@ -171,7 +171,7 @@ def write(args, runtime, rows: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("parallelism", nargs="+", choices=("ddp", "fsdp"))
     parser.add_argument("--steps", type=int, default=20, help="steps per parallelism; the first quarter is left out")
     parser.add_argument("--quick", action="store_true", help="CPU, gloo, a tiny model: checks the script")

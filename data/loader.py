@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data.common import DATA_ROOT, open_split, prepare_command, read_meta
+from data.common import DATA_ROOT, open_split, prepare_command, read_meta, token_limit
 from errors import DataError
 
 REQUIRED_FILES = ("train.bin", "val.bin", "meta.json")
@@ -89,6 +89,7 @@ class Batches:
         self.rank, self.world_size, self.accum = rank, world_size, accum  # accum: micro-steps per step, this rank
         for split in ("train", "val"):
             open_split(data_dir, split, block_size, vocab_size)  # validates; DataError names the fix
+        self.limit = token_limit(read_meta(data_dir), vocab_size)  # every id drawn must be below it
         self.separator = separator_token(data_dir, document_separator, vocab_size) if packed_documents else None
         self.generator = torch.Generator().manual_seed(seed)
         self.state_before_last = self.generator.get_state()  # before the draw of the step being trained on
@@ -113,13 +114,30 @@ class Batches:
             starts = self._next_train_starts(len(data) - self.block_size)
         else:
             starts = torch.randint(len(data) - self.block_size, (self.batch_size,), generator=generator).tolist()
-        x = torch.from_numpy(np.stack([data[i : i + self.block_size] for i in starts]).astype(np.int64))
-        y = torch.from_numpy(np.stack([data[i + 1 : i + 1 + self.block_size] for i in starts]).astype(np.int64))
+        windows = np.stack([data[i : i + self.block_size + 1] for i in starts])  # x, and y one token later
+        self._check_ids(windows, starts, path)
+        x = torch.from_numpy(windows[:, :-1].astype(np.int64))
+        y = torch.from_numpy(windows[:, 1:].astype(np.int64))
         if self.device.type == "cuda":
             x, y = x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
         else:
             x, y = x.to(self.device), y.to(self.device)
         return (x, y) if self.separator is None else (x, y, document_ids(x, self.separator))
+
+    def _check_ids(self, windows: np.ndarray, starts: list[int], path: Path) -> None:
+        """Every id drawn is below the vocabulary size (microseconds a batch). open_split checked the files at
+        start-up, but a big bin's check trusts meta.json's cached largest id, and a file can change during the run:
+        an id out of range would be an IndexError on a CPU and a device-side assert on a GPU."""
+        largest = int(windows.max())
+        if largest < self.limit:
+            return
+        row, column = np.unravel_index(int(windows.argmax()), windows.shape)
+        position = starts[row] + int(column)
+        raise DataError(
+            f"{path} holds token id {largest} (at token {position:,}) >= vocab_size {self.limit}, which its "
+            f"meta.json does not admit: the file changed after meta.json was written; rerun: "
+            f"{prepare_command(self.data_dir)}"
+        )
 
     def _next_train_starts(self, high: int) -> list[int]:
         if not self.pending:  # a new optimizer step: draw all of it; global micro-step m * world_size + rank

@@ -145,7 +145,9 @@ def check_generation(max_new_tokens, temperature, top_k, kv_cache: str, compile:
         raise ValueError(f"unknown slide {slide!r}; choose one of {', '.join(SLIDES)}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if not (math.isfinite(temperature) and temperature >= 0):
+    if not math.isfinite(temperature):  # inf would divide every logit to 0 (uniform noise), nan to nan
+        raise ValueError(f"temperature must be >= 0 (0 is greedy) and finite, got {temperature}")
+    if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1 or None, got {top_k}")

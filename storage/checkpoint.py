@@ -29,7 +29,9 @@ import os
 import pickle
 import random
 import re
+import shlex
 import shutil
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -95,7 +97,7 @@ class OutDir:
 def claim_out_dir(out_dir, *, continuing: bool, overwrite: bool, first_save_bytes: int = 0) -> OutDir:
     """Create out_dir, prove it writable, and lock it for this run. `continuing`: the run resumes the checkpoints
     there; otherwise existing checkpoints are refused unless `overwrite`. A disk with less free space than
-    first_save_bytes is refused too. CheckpointError (one line) on failure."""
+    first_save_bytes (see save_bytes) is refused too. CheckpointError (one line) on failure."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"out_dir {out_dir} exists and is not a folder")
@@ -123,7 +125,7 @@ def claim_out_dir(out_dir, *, continuing: bool, overwrite: bool, first_save_byte
         shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         raise CheckpointError(
             f"out_dir {out_dir} already holds checkpoints ({shown}); this run would replace them. "
-            f"Continue that run with --init_from=resume, or replace them with --overwrite_out_dir=true, "
+            f"Continue that run with {resume_hint(out_dir)}, or replace them with --overwrite_out_dir=true, "
             f"or choose another --out_dir"
         )
     free = free_bytes(out_dir)
@@ -193,6 +195,28 @@ def _remove_if_empty(folders: list[Path]) -> None:
             folder.rmdir()
         except OSError:
             return
+
+
+# The start-up free-space check's estimate of a save: upper bounds of what a checkpoint file holds besides its
+# tensors' bytes (torch 2.x, measured: ~300 bytes per tensor, ~15 KB per rank's RNG states, ~8 KB else).
+TENSOR_RECORD_BYTES = 512  # a tensor's zip entry (local and central headers, 64-byte alignment) and its pickle
+RANK_STATE_BYTES = 24 * 1024  # each rank's RNG states: torch's (5 KB), numpy's (5 KB), python's (4 KB)
+FIXED_BYTES = 16 * 1024  # the pickle, the data stream's generator state (5 KB), scalars, the GradScaler's state
+FILES_PER_SAVE = 3  # ckpt-<iter>.pt, and its copies best.pt and ckpt.pt: three files of the same size
+BLOCK_BYTES = 4096  # a file takes whole blocks of its filesystem
+
+
+def checkpoint_file_bytes(tensor_bytes: int, tensors: int, *, ranks: int = 1, other_bytes: int = 0) -> int:
+    """An upper estimate of one checkpoint file: `tensors` tensors of `tensor_bytes` in all (their storages,
+    each counted once), `ranks` ranks' RNG states, and other_bytes of other pickled entries (config, meta)."""
+    return tensor_bytes + tensors * TENSOR_RECORD_BYTES + ranks * RANK_STATE_BYTES + FIXED_BYTES + other_bytes
+
+
+def save_bytes(file_bytes: int) -> int:
+    """The free space a save of checkpoint files of file_bytes needs: FILES_PER_SAVE files in whole blocks. (In
+    an out_dir that holds best.pt and ckpt.pt, each copy's temporary file replaces one, so the peak is a file
+    less; the check asks for the larger need of a fresh out_dir.)"""
+    return FILES_PER_SAVE * (-(-file_bytes // BLOCK_BYTES) * BLOCK_BYTES)
 
 
 def free_bytes(out_dir) -> int | None:
@@ -284,17 +308,78 @@ def _rotate(out_dir: Path, keep_last_k: int) -> None:
 
 def read_checkpoint_file(path, map_location="cpu"):
     """What the file at `path` holds, read without running code; CheckpointError (one line) when it is missing
-    or not a torch file. weights.load.load_checkpoint converts and checks it."""
+    or not a torch file, naming what is there instead. weights.load.load_checkpoint converts and checks it."""
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"no checkpoint at {path}; train first (python train.py) or point at another out_dir")
+        raise CheckpointError(missing_checkpoint(path))
     return read_torch_file(path, map_location)
 
 
+def missing_checkpoint(path: Path) -> str:
+    """The line for a checkpoint path that is no file: what is there instead, and the way on."""
+    folder = path.parent
+    if path.is_dir():
+        return f"{path} is a folder, not a checkpoint file" + (
+            f"; its checkpoint is {path / LATEST}" if (path / LATEST).is_file() else f" (it holds no {LATEST})"
+        )
+    if path.exists():
+        return f"{path} is not a regular file (a device, pipe or socket), not a checkpoint"
+    if path.is_symlink():
+        return f"no checkpoint at {path}: it is a link to {os.readlink(path)}, which does not exist"
+    if path.name == LATEST and folder.is_dir():
+        # A missing ckpt.pt beside numbered saves is not taken as "resume from the newest of them": the user may
+        # have deleted it on purpose (a diverged state, or a run to throw away), and continuing from an older
+        # save without a word would be a silent rollback. The line names that save and the command that makes it
+        # the latest again; `--init_from=<it>` would be a fine-tune (a fresh optimizer), not a resume.
+        saved = newest_save(folder)
+        if saved is not None:
+            return (
+                f"no checkpoint at {path}, but {folder} holds {saved.name}, its newest save{_iteration(saved)}; "
+                f"to continue from it, make it the latest: cp {shlex.quote(str(saved))} {shlex.quote(str(path))}"
+            )
+    if path.name == LATEST:
+        there = f"{folder} holds no checkpoints" if folder.is_dir() else f"there is no folder {folder}"
+        train = f"python train.py --out_dir={folder}"
+        return f"no checkpoint at {path}: {there}; train first ({train}) or point at another checkpoint"
+    return f"no checkpoint at {path}: no such file" + ("" if folder.is_dir() else f" (and no folder {folder})")
+
+
+def newest_save(out_dir) -> Path | None:
+    """The last checkpoint saved in out_dir other than ckpt.pt: the newest numbered file by save order (as
+    rotation counts it: a resumed run may save a lower iteration again), else best.pt; None if neither is there."""
+    out_dir = Path(out_dir)
+    numbered = [p for p in out_dir.iterdir() if NUMBERED.fullmatch(p.name) and p.is_file()] if out_dir.is_dir() else []
+    if numbered:
+        return max(numbered, key=lambda p: (p.stat().st_mtime_ns, p.name))
+    return out_dir / BEST if (out_dir / BEST).is_file() else None
+
+
+def _iteration(path: Path) -> str:
+    return f" (iter {int(path.name[5:-3])})" if NUMBERED.fullmatch(path.name) else ""
+
+
+def resume_hint(out_dir) -> str:
+    """How to continue the run whose checkpoints are in out_dir: --init_from=resume, after making its newest
+    save the latest when ckpt.pt is gone (see missing_checkpoint)."""
+    out_dir = Path(out_dir)
+    saved = None if (out_dir / LATEST).is_file() else newest_save(out_dir)
+    if saved is None:
+        return "--init_from=resume"
+    copy = f"cp {shlex.quote(str(saved))} {shlex.quote(str(out_dir / LATEST))}"
+    return f"`{copy}` ({LATEST} is gone; {saved.name} is its newest save), then --init_from=resume"
+
+
 def read_torch_file(path: Path, map_location="cpu"):
-    """torch.load(weights_only=True): tensors and plain containers only; CheckpointError (one line) otherwise."""
+    """torch.load(weights_only=True): tensors and plain containers only; CheckpointError (one line) otherwise,
+    naming what the file is when it is another kind of file. torch's warnings (a pickle protocol it did not
+    write, ...) are not shown: the error line says what is wrong."""
+    kind = other_file_kind(path)
+    if kind:
+        raise CheckpointError(kind)
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location=map_location, weights_only=True)
     except (
         pickle.UnpicklingError,
         RuntimeError,
@@ -310,6 +395,63 @@ def read_torch_file(path: Path, map_location="cpu"):
         raise CheckpointError(_load_failure(path, error)) from None
 
 
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6: a zip archive
+LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")  # what torch.save's older pickle format begins with
+
+
+def other_file_kind(path: Path) -> str:
+    """'' for a file that may be a torch checkpoint; else one line naming what it is instead, read from its first
+    bytes: empty, a safetensors file, a NumPy array, a plain Python pickle, a text file, zeros, or no format that
+    torch.save writes (a zip archive; before torch 1.6, a pickle; long before, a tar)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return ""  # torch.load says why
+    unreadable = f"{path} is not a readable checkpoint"
+    if not head:
+        return f"{unreadable}: it is empty (0 bytes; an interrupted copy or save?)"
+    if head.startswith(ZIP_MAGIC):
+        return ""
+    header = int.from_bytes(head[:8], "little") if len(head) > 8 else 0
+    if 0 < header <= size - 8 and head[8:9] == b"{":
+        return (
+            f"{path} is a safetensors file (weights alone, without model_config or tokenizer), not a .pt checkpoint "
+            f"of this repo; pass the .pt it was exported from, or a Hugging Face GPT-2 folder with it as "
+            f"model.safetensors beside its config.json"
+        )
+    if head.startswith(b"\x93NUMPY"):
+        return f"{path} is a NumPy array file (.npy), not a checkpoint"
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05") and LEGACY_MAGIC not in head[:32]:
+        return (
+            f"{path} is a plain Python pickle (pickle.dump), not a checkpoint saved by torch.save; refused unread: "
+            f"unpickling it could run arbitrary code"
+        )
+    if b"\0" not in head:
+        try:
+            text = head.decode("utf-8")
+        except UnicodeDecodeError as error:
+            text = head[: error.start].decode("utf-8") if error.start >= len(head) - 3 else None  # a cut character
+        if text is not None:
+            first = (text.strip().splitlines() or [""])[0][:40]
+            return f"{unreadable}: it is a text file (it begins {first!r})"
+    if not head.strip(b"\0"):
+        return f"{unreadable}: its first {len(head):,} bytes are all zeros (a damaged file?)"
+    if head[:1] != b"\x80" and head[257:262] != b"ustar":  # neither a pickle (torch's old format) nor a tar
+        return f"{unreadable}: it is in no format torch.save writes (damaged, or another kind of file)"
+    return ""
+
+
+def _has_torch_records(path: Path) -> bool:
+    """Whether a zip archive holds what torch.save writes (<name>/data.pkl); True where that cannot be told."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist())
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return True
+
+
 def _load_failure(path: Path, error: Exception) -> str:
     """One line for a failed torch.load. Torch's own text suggests weights_only=False, which would run whatever
     code the file holds: that advice is never passed on."""
@@ -323,6 +465,13 @@ def _load_failure(path: Path, error: Exception) -> str:
         )
     if "legacy .tar format" in text:
         return f"{path} is not a readable checkpoint (an old .tar format, or not a checkpoint)"
+    if "central directory" in text:  # a zip archive without its end
+        return (
+            f"{path} is not a readable checkpoint: it is cut short (a zip archive without its end: an interrupted "
+            f"copy or save?); copy it again, or use another checkpoint"
+        )
+    if ("data.pkl" in text or "inline_container" in text) and not _has_torch_records(path):
+        return f"{path} is not a readable checkpoint: it is a zip archive, but not one torch.save wrote"
     unsafe = ("weights_only", "trusted source", "arbitrary code", "Weights only load failed", "file an issue")
     sentences = [s.strip() for s in re.split(r"(?<=\.)\s+|\n+", text) if s.strip()]
     sentences = [s for s in sentences if not any(word in s for word in unsafe) and not s.startswith("Check the")]
@@ -453,6 +602,7 @@ def _to_tuples(value):
 
 def write_safetensors(weights: dict[str, torch.Tensor], out_path: Path, metadata: dict[str, str]) -> Path:
     """Write `weights` (no tensor stored twice) atomically; an OSError is one CheckpointError line."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     try:
@@ -460,6 +610,9 @@ def write_safetensors(weights: dict[str, torch.Tensor], out_path: Path, metadata
             save_file(weights, str(tmp), metadata=metadata)
     except OSError as error:
         raise CheckpointError(f"cannot write {out_path}: {os_reason(error)}") from None
+    except SafetensorError as error:  # its writer's I/O errors: "Error while serializing: I/O error: <cause>"
+        reason = str(error).strip().splitlines()[0].rsplit("I/O error: ", 1)[-1][:200]
+        raise CheckpointError(f"cannot write {out_path}: {reason}") from None
     return out_path
 
 

@@ -323,20 +323,21 @@ DAMAGE = {  # "missing" writes nothing; "truncated" and "not-a-checkpoint" are m
 }
 
 
-@pytest.mark.parametrize(
-    "damage",
-    [
-        "missing",
-        "empty",
-        "random-bytes",
-        "zeros",
-        "truncated",
-        "not-a-checkpoint",
-        "text-file",
-        "pickle-bad-memo",
-    ],
-)
-def test_unreadable_checkpoint_is_one_line_error(trained_out, tmp_path, damage):
+UNREADABLE = [  # (damage, how the line begins)
+    ("missing", "no checkpoint at {path}: {tmp} holds no checkpoints; train first"),
+    ("empty", "{path} is not a readable checkpoint: it is empty (0 bytes"),
+    ("random-bytes", "{path} is not a readable checkpoint: it is in no format torch.save writes"),
+    ("zeros", "{path} is not a readable checkpoint: its first 4,096 bytes are all zeros"),
+    ("truncated", "{path} is not a readable checkpoint: it is cut short"),
+    ("not-a-checkpoint", "{path} is not a checkpoint of this repo (no model or model_config)"),
+    ("text-file", "{path} is not a readable checkpoint: it is a text file (it begins 'this is not a checkpoint')"),
+    ("pickle-bad-memo", "{path} is a plain Python pickle (pickle.dump), not a checkpoint saved by torch.save"),
+]
+
+
+@pytest.mark.parametrize("damage, cause", [pytest.param(*case, id=case[0]) for case in UNREADABLE])
+def test_unreadable_checkpoint_is_one_line_error(trained_out, tmp_path, damage, cause):
+    """Each line names what is wrong with the file (not torch's internals), and reading it changes nothing."""
     path = tmp_path / "ckpt.pt"
     if damage in DAMAGE:
         path.write_bytes(DAMAGE[damage])
@@ -345,11 +346,13 @@ def test_unreadable_checkpoint_is_one_line_error(trained_out, tmp_path, damage):
         path.write_bytes(good[: len(good) // 2])
     elif damage == "not-a-checkpoint":
         torch.save({"weights": torch.zeros(3)}, path)
+    before = tree_digest(tmp_path)
     with pytest.raises(CheckpointError) as error:
         load_checkpoint(path)
     message = str(error.value)
-    assert "\n" not in message and str(path) in message
+    assert "\n" not in message and message.startswith(cause.format(path=path, tmp=tmp_path)), message
     assert "weights_only" not in message and "trusted source" not in message, message
+    assert tree_digest(tmp_path) == before
 
 
 def drop(key):

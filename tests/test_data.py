@@ -409,9 +409,10 @@ def test_open_split_errors_name_the_fix(prepared, problem, message):
     assert "\n" not in str(error.value)
 
 
-def test_open_split_checks_every_token_id(tmp_path):
-    """One id beyond the vocabulary anywhere in a 4M-token bin fails validation: meta.json's cached largest id
-    is used while meta.json vouches for the file (same token count, bin not newer), else the bin is scanned."""
+def test_open_split_checks_every_token_id(tmp_path, monkeypatch):
+    """One id beyond the vocabulary anywhere in a 4M-token bin fails validation: a bin of up to
+    SCAN_ALWAYS_TOKENS is scanned at every start, whatever meta.json's cached largest id says; a bigger one uses
+    the cache only while meta.json vouches for the file (same token count, bin not newer)."""
     out_dir = tmp_path / "big"
     ids = np.arange(4_000_000) % 20
     itos = [chr(ord("a") + i) for i in range(20)]
@@ -426,7 +427,10 @@ def test_open_split_checks_every_token_id(tmp_path):
     with pytest.raises(DataError, match="train.bin holds token id 25 >= vocab_size 20"):
         open_split(out_dir, "train", block_size=16)
 
-    (out_dir / "meta.json").write_text(json.dumps(meta))  # vouches for max id 19: trusted, no scan
+    (out_dir / "meta.json").write_text(json.dumps(meta))  # a stale cache, rewritten after the bin
+    with pytest.raises(DataError, match="train.bin holds token id 25 >= vocab_size 20"):
+        open_split(out_dir, "train", block_size=16)
+    monkeypatch.setattr(common, "SCAN_ALWAYS_TOKENS", 0)  # as for a bin > 256M tokens: the vouched cache is used
     assert len(open_split(out_dir, "train", block_size=16)) == 4_000_000
     edited_later(out_dir / "train.bin")  # a bin newer than meta.json is scanned again
     with pytest.raises(DataError, match="train.bin holds token id 25 >= vocab_size 20"):

@@ -18,7 +18,7 @@ import model
 from generation import generate, kv_cache, loop
 from generation.kv_cache import ContiguousKVCache, PagedKVCache, Step
 from generation.loop import forward_cached, generation_attention
-from helpers import REPO, stand_in_flash, stand_in_flash_module, tiny_config
+from helpers import REPO, stand_in_flash, stand_in_flash_module, tiny_config, tree_digest
 from kernels import flash, flex
 from model import GPT, Need, Package
 
@@ -420,9 +420,11 @@ def test_sample_bad_generation_settings_are_one_error_line(trained_out, tmp_path
     (tmp_path / "blank.txt").write_text("\n  \n")
     (tmp_path / "euro.txt").write_text("ROMEO:\nthe €\n")
     argv = [f"--out_dir={trained_out}", "--max_new_tokens=3", "--device=cpu", *(a.format(tmp=tmp_path) for a in args)]
+    before = tree_digest(trained_out, tmp_path)
     code, out, err = sample_main(capsys, *argv)
     assert code == 2 and out == ""
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and expect in err, err
+    assert tree_digest(trained_out, tmp_path) == before  # nothing written
 
 
 # ---- GPU (run on the device) ----------------------------------------------------------------------

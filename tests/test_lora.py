@@ -157,10 +157,11 @@ def test_resume_continues_the_adapters(lora_out, char_data, tmp_path):
     state = load_checkpoint(out / "ckpt.pt", resume=True)
     assert state["iter_num"] == 5 and all(lora.is_adapter_key(k) for k in state["model"])
 
-    code, _, err = run_train(*common, "--max_iters=7", "--lora_rank=8")
-    assert code == 2 and err.count("\n") == 1 and "lora_rank=4 (config says 8)" in err, err
-    code, _, err = run_train(*common, "--max_iters=7")
-    assert code == 2 and err.count("\n") == 1 and "holds LoRA adapters" in err, err
+    before = tree_digest(out)
+    for extra, message in (("--lora_rank=8", "lora_rank=4 (config says 8)"), ("--lora_rank=0", "holds LoRA adapters")):
+        code, _, err = run_train(*common, "--max_iters=7", extra)
+        assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    assert tree_digest(out) == before  # the refused runs wrote nothing
 
 
 def test_sample_and_merge_use_the_base_with_the_adapters_merged(lora_out, tmp_path):
@@ -187,8 +188,10 @@ def test_sample_and_merge_use_the_base_with_the_adapters_merged(lora_out, tmp_pa
     before = tree_digest(tmp_path, lora_out)
     with contextlib.redirect_stderr(io.StringIO()) as err:  # export wants the merged model, not the adapters
         assert weights_main(["safetensors", str(lora_out / "ckpt.pt"), str(tmp_path / "x.safetensors")]) == 2
+    adapters = lora_out / "ckpt.pt"
     assert err.getvalue() == (
-        f"error: {lora_out / 'ckpt.pt'} holds LoRA adapters; first run: python -m weights merge CKPT OUT\n"
+        f"error: {adapters} is a LoRA adapter checkpoint (adapters on a base model), not a plain one; merge them "
+        f"into their base first: python -m weights merge {adapters} {lora_out / 'ckpt-merged.pt'}\n"
     )
     assert tree_digest(tmp_path, lora_out) == before  # nothing written
     plain = GPT(adapted.config)
@@ -205,10 +208,12 @@ def test_an_adapter_checkpoint_whose_base_is_gone_or_changed_is_one_line(lora_ou
     else:
         state["lora"]["base_sha256"] = "0" * 64
     torch.save(state, tmp_path / "ckpt.pt")
+    before = tree_digest(tmp_path)
     assert sample.main([f"--out_dir={tmp_path}", "--device=cpu", "--max_new_tokens=2"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1, err
-    assert ("which is missing" if change == "base moved" else "sha256 differs") in err
+    assert err.count("\n") == 1 and err.startswith(f"error: {tmp_path / 'ckpt.pt'} holds LoRA adapters"), err
+    assert ("which is missing; put the base back" if change == "base moved" else "sha256 differs") in err
+    assert tree_digest(tmp_path) == before
 
 
 def test_lora_from_scratch_saves_its_base_inside_and_resumes(char_data, tmp_path):

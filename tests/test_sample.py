@@ -14,7 +14,7 @@ import torch
 
 import sample
 from data.tokenizer import gpt2_meta, load_tokenizer, tokenizer_vocab_size
-from helpers import REPO, Child, subprocess_env
+from helpers import REPO, Child, subprocess_env, tree_digest
 from model import GPT, GPTConfig
 from weights.load import load_checkpoint
 
@@ -150,11 +150,14 @@ def test_bad_input(trained_out, tmp_path, capsys, args, expect):
     (tmp_path / "loop.txt").symlink_to("loop.txt")  # unreadable even for root, unlike a chmod 000 file
     argv = [f"--out_dir={trained_out}", "--max_new_tokens=3", "--device=cpu"]
     argv += [arg.format(tmp=tmp_path) for arg in args]
+    before = tree_digest(trained_out)
     code, out, err = run_sample(capsys, *argv)
     assert code == 2
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], err
     assert SEPARATOR not in out
+    assert tree_digest(trained_out) == before  # nothing written: not beside the checkpoint, not here
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latin1.txt", "loop.txt"]
 
 
 def test_greedy_and_long_prompt(trained_out, capsys):

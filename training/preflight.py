@@ -15,18 +15,26 @@ import dataclasses
 import logging
 import math
 import os
+import pickle
 from pathlib import Path
 
 from data.common import read_meta
 from data.loader import ensure_dataset
 from errors import UsageError
 from model import GPT, GPTConfig
-from storage.checkpoint import LATEST, check_same_tokenizer, claim_out_dir, format_bytes
+from storage.checkpoint import (
+    LATEST,
+    check_same_tokenizer,
+    checkpoint_file_bytes,
+    claim_out_dir,
+    format_bytes,
+    save_bytes,
+)
 from training.parallel import PARALLELISMS, REDUCE_DTYPES
 from training.runtime import DIST_BACKENDS, DTYPES, Runtime, available_memory
 from weights.hf import load_weights
 from weights.load import load_checkpoint
-from weights.lora import check_targets
+from weights.lora import check_targets, checkpoint_entries
 
 log = logging.getLogger("train")
 
@@ -92,8 +100,9 @@ def check_optimizer(cfg) -> None:
             f"need 0 <= min_lr <= learning_rate when decay_lr is on, got "
             f"min_lr={cfg.min_lr}, learning_rate={cfg.learning_rate}"
         )
-    if cfg.weight_decay < 0 or cfg.grad_clip < 0:
-        raise ValueError("weight_decay and grad_clip must be >= 0")
+    for name in ("weight_decay", "grad_clip"):  # grad_clip=0 turns clipping off
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
         raise ValueError(f"beta1 and beta2 must be in [0, 1), got {cfg.beta1}, {cfg.beta2}")
     if cfg.decay_lr and cfg.warmup_iters > cfg.lr_decay_iters:
@@ -173,7 +182,9 @@ def checkpoint_path(cfg) -> Path:
 
 def resolve_init_from(cfg):
     """init_from=auto is resume when out_dir holds a ckpt.pt, else scratch: a job that torchrun restarts after a
-    crash (--max-restarts) continues from its last checkpoint, and its first start begins afresh."""
+    crash (--max-restarts) continues from its last checkpoint, and its first start begins afresh. Numbered
+    checkpoints without a ckpt.pt are not resumed by themselves (a deleted ckpt.pt may be deliberate): the scratch
+    run is refused by claim_out_dir, whose line names the newest of them and the cp that makes it the latest."""
     if cfg.init_from != "auto":
         return cfg
     return dataclasses.replace(cfg, init_from="resume" if (Path(cfg.out_dir) / LATEST).is_file() else "scratch")
@@ -199,11 +210,31 @@ def claim_run_out_dir(cfg, runtime: Runtime, model: GPT, hold: contextlib.ExitSt
     """Rank 0 of a run that will save claims out_dir (checkpoint.claim_out_dir: lock, write probe, free space
     for the first save, no overwriting another run's checkpoints unless asked), held until `hold` closes."""
     if runtime.master and not cfg.eval_only:
-        first_save = 3 * 12 * sum(p.numel() for p in model.parameters())  # 3 files: weights, AdamW moments
+        first_save = first_save_bytes(cfg, runtime, model)
         continuing, overwrite = cfg.init_from == "resume", cfg.overwrite_out_dir
         hold.enter_context(
             claim_out_dir(cfg.out_dir, continuing=continuing, overwrite=overwrite, first_save_bytes=first_save)
         )
+
+
+META_BYTES_PER_ID = 16  # a char vocabulary's meta (itos) pickles to at most this much per token id
+
+
+def first_save_bytes(cfg, runtime: Runtime, model: GPT) -> int:
+    """The free space the run's first save needs (checkpoint.save_bytes): the files a save writes, each holding
+    what training/state.py saves of this model: its weights (for LoRA the adapters, and the base only where no
+    file holds it), AdamW's two float32 moments and step count per trained tensor, every rank's RNG states, the
+    config and the dataset's vocabulary, and each tensor's own overhead in the file."""
+    storages = {}  # what torch.save writes: each storage once (lm_head.weight is wte's), whole (a cropped wpe)
+    for tensor in checkpoint_entries(model)["model"].values():
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    tensor_bytes = sum(storages.values()) + sum(8 * p.numel() + 4 for p in trained)
+    other = len(pickle.dumps(dataclasses.asdict(cfg))) + META_BYTES_PER_ID * model.config.vocab_size
+    file_bytes = checkpoint_file_bytes(
+        tensor_bytes, len(storages) + 3 * len(trained), ranks=runtime.world_size, other_bytes=other
+    )
+    return save_bytes(file_bytes)
 
 
 def check_wandb(cfg) -> None:

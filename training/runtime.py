@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from errors import UsageError
+from errors import UsageError, silence
 from storage.checkpoint import format_bytes
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -253,18 +253,21 @@ def available_memory(device: torch.device) -> tuple[int, str]:
 
 
 def emit(*values, **kwargs) -> None:
-    """print(), flushed, for the run's output lines. A closed stdout (`python train.py | head -1`) must not stop
-    a run: after the first EPIPE stdout goes to /dev/null and the run carries on silently (it still saves)."""
+    """print(), flushed, for the run's output lines. A stream that fails must not stop a run: a closed stdout
+    (`python train.py | head -1`: EPIPE), a terminal that went away (a dropped ssh session: EIO), a full disk
+    (`> /dev/full`: ENOSPC) or a stream not open for writing (EBADF). The stream then goes to /dev/null and the run
+    carries on without its lines (it still saves). Commands make their streams QuietStreams (errors.as_command),
+    which never raise; this covers a run started in-process as well."""
+    stream = kwargs.get("file") or sys.stdout
     try:
         print(*values, **kwargs, flush=True)
-    except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(devnull, sys.stdout.fileno())  # the unflushed rest of the line then goes there too
-        except (OSError, ValueError, AttributeError):  # stdout is not a file descriptor
-            sys.stdout = open(os.devnull, "w")  # kept open for the rest of the process
-        finally:
-            os.close(devnull)
+    except BlockingIOError:  # a non-blocking stream, full for now: this line is lost, not the stream
+        pass
+    except OSError:
+        if not silence(stream):  # not a file descriptor: the rest of the process writes nothing to it
+            for name in ("stdout", "stderr"):
+                if getattr(sys, name) is stream:
+                    setattr(sys, name, open(os.devnull, "w"))  # kept open for the rest of the process
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,6 +275,64 @@ def emit(*values, **kwargs) -> None:
 
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal (SIGTERM, SIGINT or SIGHUP) that arrived before there was anything to save, raised where the
+    program was, as Ctrl-C raises KeyboardInterrupt (which it is: what catches Ctrl-C catches it too)."""
+
+    def __init__(self, signum: int):
+        self.signum, self.signal_name = signum, signal.Signals(signum).name
+        super().__init__(self.signal_name)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # a shell's code for death by that signal: 143, 130, 129
+
+
+class StopOnSignals:
+    """Where there is nothing to save (a run's start-up, until the loop's StopFlags take over; sample.py): SIGTERM,
+    SIGINT or SIGHUP raises Stopped at once, as Ctrl-C raises KeyboardInterrupt, and the `with` blocks it unwinds
+    release what was held. A step that must not be cut in half (claiming out_dir: its lock and the folders it
+    creates) runs under deferred(); a signal during it stops the run right after it. Signals ignored when the
+    command starts stay ignored (nohup)."""
+
+    def __init__(self):
+        self.armed, self.deferring, self.pending = True, False, None
+        self.previous = {}
+
+    def __enter__(self):
+        wanted = [sig for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]
+        self.previous = {sig: signal.signal(sig, self._on_signal) for sig in wanted}
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum, frame):
+        if not self.armed:  # past start-up: the loop's handlers had it; now the run is only letting go of out_dir
+            return
+        if self.deferring:
+            self.pending = self.pending or signum
+            return
+        self.disarm()  # the unwinding that follows is not cut short by a repeated signal
+        raise Stopped(signum)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        self.deferring = True
+        try:
+            yield
+        finally:
+            self.deferring = False
+        if self.pending and self.armed:
+            self.disarm()
+            raise Stopped(self.pending)
+
+    def disarm(self) -> None:
+        """Start-up is over: the loop's handlers (StopFlags) take the signals, or the run is ending."""
+        self.armed = False
 
 
 class StopFlags:

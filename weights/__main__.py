@@ -10,6 +10,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from errors import as_command
+
+if __name__ == "__main__":  # before torch's seconds of importing: see as_command
+    as_command()
+
 from data.common import OneLineParser
 from errors import CheckpointError
 from weights.hf import export_hf

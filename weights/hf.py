@@ -12,8 +12,10 @@ weights (in, out) where nn.Linear has (out, in): they are transposed on the way 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -22,8 +24,16 @@ from data.common import make_out_dir
 from data.tokenizer import gpt2_meta
 from errors import CheckpointError, DataError
 from model import GPT, GPTConfig
-from storage.checkpoint import check_model_weights, read_torch_file, write_safetensors
-from weights.load import is_mask_buffer, load_checkpoint
+from storage.atomic import atomic_path
+from storage.checkpoint import (
+    LATEST,
+    check_model_weights,
+    missing_checkpoint,
+    newest_save,
+    read_torch_file,
+    write_safetensors,
+)
+from weights.load import is_mask_buffer, load_checkpoint, refuse_adapters
 from weights.lora import load_model_weights
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -49,12 +59,21 @@ def load_weights(source, also: tuple[str, ...] = ()) -> tuple[dict, Path]:
     path = Path(source)
     if path.is_file():
         return load_checkpoint(path), path
-    if path.is_dir() and (path / "ckpt.pt").is_file():
-        return load_checkpoint(path / "ckpt.pt"), path / "ckpt.pt"
+    if path.is_dir() and (path / LATEST).is_file():
+        return load_checkpoint(path / LATEST), path / LATEST
     if (path.is_dir() and (path / "config.json").is_file()) or str(source) in HUB_NAMES:
         return load_hf(source), path
+    if path.is_dir() and newest_save(path) is not None:  # an out_dir whose ckpt.pt is gone
+        raise CheckpointError(missing_checkpoint(path / LATEST))
     allowed = ", ".join(also) + (", or " if also else "") + SOURCES
-    raise CheckpointError(f"init_from={str(source)!r}: allowed are {allowed}")
+    why = ""  # a word that is none of the allowed: the list says it all
+    if path.is_dir():
+        why = f"{path} is a folder that holds no {LATEST} and no config.json; "
+    elif path.exists() or path.is_symlink():
+        why = missing_checkpoint(path) + "; "
+    elif path.suffix or os.sep in str(source):  # meant as a path
+        why = f"no such file or folder {path}; "
+    raise CheckpointError(f"init_from={str(source)!r}: {why}allowed are {allowed}")
 
 
 def load_hf(name_or_dir) -> dict:
@@ -132,7 +151,10 @@ def hf_weights(folder: Path) -> dict:
     """{"model": our state dict, "meta": the tokenizer written by export_hf or None} from a folder's weights."""
     path = next((folder / name for name in WEIGHT_FILES if (folder / name).is_file()), None)
     if path is None:
-        raise CheckpointError(f"{folder} has config.json but no {' or '.join(WEIGHT_FILES)}")
+        raise CheckpointError(
+            f"{folder} is a Hugging Face GPT-2 folder with config.json but no weights ({' or '.join(WEIGHT_FILES)}); "
+            f"copy or download its weights file into it"
+        )
     meta = None
     if path.suffix == ".safetensors":
         from safetensors import SafetensorError, safe_open
@@ -186,23 +208,41 @@ def from_pretrained(source, **overrides) -> GPT:
 def export_hf(model_or_checkpoint, out_dir) -> Path:
     """Write out_dir/config.json and out_dir/model.safetensors that GPT2LMHeadModel.from_pretrained loads with
     the same logits. Takes a GPT, a checkpoint dict, or the path of a checkpoint; returns out_dir."""
-    meta = None
+    meta, source = None, "the model"
     if isinstance(model_or_checkpoint, GPT):
         config, weights = dataclasses.asdict(model_or_checkpoint.config), model_or_checkpoint.state_dict()
     else:
         state = model_or_checkpoint
         if not isinstance(state, dict):
-            state = load_checkpoint(model_or_checkpoint)
+            source = Path(model_or_checkpoint)
+            state = load_checkpoint(source)
+            refuse_adapters(state, source)
         config, weights, meta = state["model_config"], state["model"], state.get("meta")
+    # every check before out_dir is created: a refused export leaves no folder behind
     check_expressible(config)
+    with torch.device("meta"):  # names and shapes only, no memory: ours, and GPT-2's (which has biases)
+        ours, gpt2 = GPT(GPTConfig(**config)), GPT(GPTConfig(**{**config, "bias": True}))
+    check_model_weights(ours.state_dict(), weights, source)
     out_dir = Path(out_dir)
+    created = [folder for folder in (out_dir, *out_dir.parents) if not folder.exists()]
     try:
         make_out_dir(out_dir)
     except DataError as error:
         raise CheckpointError(str(error)) from None
-    with torch.device("meta"):  # names and shapes only, no memory: ours, and GPT-2's (which has biases)
-        ours, gpt2 = GPT(GPTConfig(**config)), GPT(GPTConfig(**{**config, "bias": True}))
-    check_model_weights(ours.state_dict(), weights, out_dir)
+    try:
+        write_hf_files(config, weights, meta, gpt2, out_dir)
+    except BaseException:
+        if created:  # out_dir is this call's own: what it wrote there goes with it
+            for name in ("model.safetensors", "config.json"):
+                (out_dir / name).unlink(missing_ok=True)
+        for folder in created:  # deepest first; only the folders this call made, and only while empty
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+    return out_dir
+
+
+def write_hf_files(config: dict, weights: dict, meta: dict | None, gpt2: GPT, out_dir: Path) -> None:
     dtype = weights["lm_head.weight"].dtype
     hf = {}
     for name, tensor in gpt2.state_dict().items():
@@ -213,7 +253,6 @@ def export_hf(model_or_checkpoint, out_dir) -> Path:
     metadata = {"format": "pt"} | ({"meta": json.dumps(meta)} if meta else {})  # transformers wants format=pt
     write_safetensors(hf, out_dir / "model.safetensors", metadata)
     write_config_json(config, meta, out_dir / "config.json")
-    return out_dir
 
 
 def check_expressible(config: dict) -> None:
@@ -255,6 +294,7 @@ def write_config_json(config: dict, meta: dict | None, path: Path) -> None:
         "eos_token_id": 50256 if gpt2_tokens else None,
     }
     try:
-        path.write_text(json.dumps(hf, indent=2) + "\n", encoding="utf-8")
+        with atomic_path(path) as tmp:  # a failed write leaves the config.json that was there
+            tmp.write_text(json.dumps(hf, indent=2) + "\n", encoding="utf-8")
     except OSError as error:
         raise CheckpointError(f"cannot write {path}: {error.strerror or error}") from None

@@ -23,12 +23,34 @@ def load_checkpoint(path, map_location="cpu", *, resume: bool = False) -> dict:
     """The checkpoint at `path` (a nanoGPT one converted), read without running code and checked: the schema
     (storage.checkpoint.check_schema) and a model_config this version knows. CheckpointError (one line) else."""
     path = Path(path)
+    folder = path if path.is_dir() else path.parent if path.name == storage.LATEST and not path.exists() else None
+    if folder is not None and (folder / "config.json").is_file():  # an out_dir was expected
+        raise CheckpointError(hf_folder_line(folder))
     state = storage.read_checkpoint_file(path, map_location)
     if isinstance(state, dict) and "model_args" in state and "model_config" not in state:
         state = from_nanogpt(state, path)
+        if resume:
+            raise CheckpointError(
+                f"{path} is a nanoGPT checkpoint: its weights load, but its run cannot be resumed here (nanoGPT "
+                f"saves no data position or RNG states in our format); fine-tune from it into a new out_dir: "
+                f"--init_from={path} --out_dir=<another folder>"
+            )
     storage.check_schema(state, path, resume=resume)
     saved_model_config(state, path)
     return state
+
+
+def hf_folder_line(folder: Path) -> str:
+    """A Hugging Face GPT-2 folder where a .pt checkpoint (or an out_dir) is needed."""
+    if not any((folder / name).is_file() for name in ("model.safetensors", "pytorch_model.bin")):
+        return (
+            f"{folder} is a Hugging Face GPT-2 folder with config.json but no weights (model.safetensors or "
+            f"pytorch_model.bin), not a .pt checkpoint of this repo"
+        )
+    return (
+        f"{folder} is a Hugging Face GPT-2 folder (config.json + weights), not a .pt checkpoint of this repo; "
+        f"train.py and sample.py read it as it is: --init_from={folder}"
+    )
 
 
 def saved_model_config(state: dict, path) -> GPTConfig:
@@ -76,6 +98,16 @@ def nanogpt_meta(state: dict, path: Path) -> dict:
         raise CheckpointError(str(error)) from None
 
 
+def refuse_adapters(state: dict, path: Path) -> None:
+    """An export needs a plain checkpoint: an adapter checkpoint names the command that merges it."""
+    if "lora" in state:
+        merged = path.with_name(f"{path.stem}-merged.pt")
+        raise CheckpointError(
+            f"{path} is a LoRA adapter checkpoint (adapters on a base model), not a plain one; merge them into "
+            f"their base first: python -m weights merge {path} {merged}"
+        )
+
+
 def export_safetensors(checkpoint_path, out_path) -> Path:
     """Model weights only (no optimizer, no pickle), with the model config in the file's metadata."""
     checkpoint_path, out_path = Path(checkpoint_path), Path(out_path)
@@ -84,8 +116,7 @@ def export_safetensors(checkpoint_path, out_path) -> Path:
     if not out_path.parent.is_dir():
         raise CheckpointError(f"cannot write {out_path}: folder {out_path.parent} does not exist")
     state = load_checkpoint(checkpoint_path)
-    if "lora" in state:
-        raise CheckpointError(f"{checkpoint_path} holds LoRA adapters; first run: python -m weights merge CKPT OUT")
+    refuse_adapters(state, checkpoint_path)
     # lm_head.weight is tied to transformer.wte.weight; safetensors stores shared tensors only once
     weights = {k: v.contiguous() for k, v in state["model"].items() if k != "lm_head.weight"}
     metadata = {"model_config": json.dumps(state["model_config"]), "tied": "lm_head.weight=transformer.wte.weight"}

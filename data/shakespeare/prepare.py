@@ -16,6 +16,7 @@ if not __package__:  # `python data/shakespeare/prepare.py`: the repo's packages
     sys.exit(2)
 
 from data.common import run_prepare, text_prepare_main  # noqa: E402
+from errors import as_command  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -23,4 +24,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    as_command()  # a line that cannot be written (`> /dev/full`, a closed terminal) is dropped, not an error
     sys.exit(run_prepare(main))  # errors: one `error:` line, exit code 2

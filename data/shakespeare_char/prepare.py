@@ -15,6 +15,7 @@ if not __package__:  # `python data/shakespeare_char/prepare.py`: the repo's pac
     sys.exit(2)
 
 from data.common import run_prepare, text_prepare_main  # noqa: E402
+from errors import as_command  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -22,4 +23,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    as_command()  # a line that cannot be written (`> /dev/full`, a closed terminal) is dropped, not an error
     sys.exit(run_prepare(main))  # errors: one `error:` line, exit code 2

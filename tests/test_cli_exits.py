@@ -1,0 +1,370 @@
+"""How every command ends: bad input is one `error:` line and exit code 2 with nothing written, whichever command
+and however it is run (a module run as a script, imported again under its own name, must still match its own
+error types); a signal during train.py's start-up is one line and leaves out_dir as it was; Ctrl-C while torch
+imports is one line; a run's last line says what is on disk; a config file cannot end the run; sample.py names a
+checkpoint that cannot be sampled and a temperature that is not finite."""
+
+from __future__ import annotations
+
+import fcntl
+import io
+import math
+import multiprocessing.connection
+import os
+import re
+import runpy
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+
+import sample
+import train
+from helpers import (
+    REPO,
+    fresh_sys_path,
+    is_repo_module,
+    run_as_main,
+    subprocess_env,
+    terminal_signals,
+    tiny_args,
+    tree_digest,
+    warm_context,
+)
+from storage.checkpoint import checkpoint_names
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if not line.startswith("INFO: ")]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+# ---- every command: bad input is one line, exit code 2, nothing written ----
+
+
+def _run_module_as_main(module: str, args: list[str], stdout, stderr, path: tuple[str, ...]):
+    """In a child of the warm interpreter: what `python -m <module> args` does once torch is imported (as
+    helpers.run_as_main does for a script): the repo's modules afresh, the module run as __main__."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    for fd, connection in ((1, stdout), (2, stderr)):
+        os.dup2(connection.fileno(), fd)
+        connection.close()
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), errors="backslashreplace", write_through=True)
+    for name, loaded in list(sys.modules.items()):
+        if is_repo_module(loaded):
+            del sys.modules[name]
+    os.chdir(REPO)
+    sys.path[:] = [str(REPO), *path]
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def run_command(command: str, args: list[str], timeout: float = 120) -> tuple[int, str, str]:
+    """`python <command> args` (a script) or `python -m <command> args` (`-m name`), forked from the warm
+    interpreter: (exit code, stdout, stderr)."""
+    module = command.removeprefix("-m ") if command.startswith("-m ") else None
+    target, name = (_run_module_as_main, module) if module else (run_as_main, command)
+    with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+        outputs = [multiprocessing.connection.Connection(os.dup(f.fileno()), readable=False) for f in (stdout, stderr)]
+        process = warm_context().Process(target=target, args=(name, list(args), *outputs, fresh_sys_path()))
+        try:
+            process.start()
+        finally:
+            for output in outputs:
+                output.close()
+        process.join(timeout)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+        stdout.seek(0), stderr.seek(0)
+        return process.exitcode, stdout.read().decode(errors="replace"), stderr.read().decode(errors="replace")
+
+
+BENCHES = {  # each bench, and what its error line names for an unknown option
+    **dict.fromkeys(
+        ("bench_attention", "bench_ddp", "bench_generate", "bench_train", "bench_two_nodes", "compare_backends"),
+        "--bogus",
+    ),
+    **dict.fromkeys(("e2e", "loss_curves", "profile", "readme_table"), "--bogus"),
+    "fit_auto": "the following arguments are required: results",
+    "step_phases": "the following arguments are required: parallelism",
+}
+COMMANDS = [  # (command, its arguments, what the error line names); {tmp}: the test's folder, {trained}: an out_dir
+    ("train.py", ["--init_from=resume", "--out_dir={tmp}/out", "--device=cpu"], "ckpt.pt"),
+    ("train.py", ["{tmp}/missing.py"], "missing.py"),
+    ("sample.py", ["--checkpoint={tmp}/missing.pt", "--device=cpu"], "missing.pt"),
+    ("sample.py", ["--out_dir={trained}", "--temperature=inf", "--device=cpu"], "temperature"),
+    ("model.py", ["--bogus"], "takes no arguments"),
+    ("-m kernels", ["--bogus"], "takes no arguments"),
+    ("-m weights", ["hf", "{tmp}/missing.pt", "{tmp}/hf"], "missing.pt"),
+    ("-m weights", ["safetensors", "{tmp}/truncated.pt", "{tmp}/weights.safetensors"], "truncated.pt"),
+    ("-m weights", ["merge", "{trained}/ckpt.pt", "{tmp}/merged.pt"], "ckpt.pt"),  # not a LoRA checkpoint
+    ("-m weights", ["convert", "{tmp}/x.pt", "{tmp}/y"], "convert"),
+    pytest.param(
+        "-m data.shakespeare_char.prepare",
+        ["--input", "{tmp}/missing.txt", "--out_dir", "{tmp}/prepared"],
+        "missing.txt",
+        id="-m data.shakespeare_char.prepare-missing-input",
+    ),
+    *[(f"-m data.{name}.prepare", ["--bogus"], "--bogus") for name in ("shakespeare_char", "shakespeare")],
+    *[(f"-m data.{name}.prepare", ["--bogus"], "--bogus") for name in ("openwebtext", "fineweb")],
+    *[(f"-m bench.{name}", ["--bogus"], BENCHES[name]) for name in BENCHES],
+]
+
+
+def test_every_command_of_the_repo_is_in_the_list():
+    """A new command (a module with a `__main__` block) is added to COMMANDS, and so gets its bad-input test."""
+    listed = {command.values[0] if hasattr(command, "values") else command[0] for command in COMMANDS}
+    found = set()
+    for path in REPO.rglob("*.py"):
+        relative = path.relative_to(REPO)
+        if relative.parts[0] in ("tests", ".probe") or relative.parts[0].startswith("."):
+            continue
+        if not re.search(r'^if __name__ == "__main__":', path.read_text(), re.M):
+            continue
+        if len(relative.parts) == 1:
+            found.add(str(relative))
+        else:
+            module = ".".join(relative.with_suffix("").parts)
+            found.add("-m " + module.removesuffix(".__main__"))
+    assert found == listed
+
+
+@pytest.mark.parametrize("command, args, names", COMMANDS)
+def test_bad_input_to_every_command_is_one_line_and_exit_2(command, args, names, trained_out, tmp_path):
+    """Each command runs as a user runs it: a script as `__main__` (whose module a repo module may import again
+    under its own name: then `except ItsError` would not match the error it raises, the double-import trap) or a
+    module with -m. Whatever is wrong, one `error:` line on stderr, nothing on stdout, exit code 2, and nothing
+    written: no output file, no empty folder."""
+    (tmp_path / "truncated.pt").write_bytes((trained_out / "ckpt.pt").read_bytes()[:1000])
+    argv = [arg.format(tmp=tmp_path, trained=trained_out) for arg in args]
+    before = tree_digest(tmp_path, trained_out)
+    code, out, err = run_command(command, argv)
+    assert code == 2, err
+    assert names in one_error_line(err)
+    assert "Traceback" not in err and out == "", out
+    assert tree_digest(tmp_path, trained_out) == before
+
+
+# ---- Ctrl-C while torch imports ----
+
+
+def read_line(fd: int, deadline: float) -> str:
+    """The next line from `fd`, read a byte at a time (nothing past it leaves the pipe), without its newline."""
+    line = b""
+    while not line.endswith(b"\n"):
+        assert select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0], "timed out; so far: " + str(line)
+        byte = os.read(fd, 1)
+        assert byte, f"the output ended first; so far: {line!r}"
+        line += byte
+    return line.decode(errors="replace").rstrip("\n")
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py"])
+def test_ctrl_c_while_torch_imports_is_one_line(script, tmp_path):
+    """SIGINT in the middle of `import torch` (seconds of a command's start): one line, and the interpreter ends
+    as Python does on Ctrl-C, killed by SIGINT (exit code 130 to a shell). The interpreter lists each module it
+    has imported on stderr (PYTHONPROFILEIMPORTTIME), into a one-page pipe read a byte at a time: once a torch
+    submodule is listed, the test stops reading, so the child blocks within a page of listing while torch's
+    thousand modules are still loading, and the signal comes there."""
+    # bad input: a signal lost inside some import would end in an error line at once, not in a run
+    args = [f"--out_dir={tmp_path / 'out'}", "--init_from=resume"] if script == "train.py" else []
+    args += [f"--checkpoint={tmp_path / 'missing.pt'}"] if script == "sample.py" else []
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
+    env = {**subprocess_env(), "PYTHONPROFILEIMPORTTIME": "1"}
+    try:
+        with terminal_signals():
+            child = subprocess.Popen(
+                [sys.executable, script, *args, "--device=cpu"],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=write_end,
+            )
+    finally:
+        os.close(write_end)
+    deadline = time.monotonic() + 120
+    try:
+        while not re.search(r"\|\s+torch\.\S+$", read_line(read_end, deadline)):
+            pass
+        child.send_signal(signal.SIGINT)
+        rest = b""
+        while chunk := os.read(read_end, 65536):
+            rest += chunk
+        code = child.wait(timeout=60)
+    finally:
+        os.close(read_end)
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    said = [line for line in rest.decode(errors="replace").splitlines() if not line.startswith("import time:")]
+    assert said == ["interrupted"], said
+    assert code == -signal.SIGINT
+    assert not (tmp_path / "out").exists()
+
+
+# ---- a signal during train.py's start-up ----
+
+
+START_UP = {  # the moment of start-up, and the function of train's namespace during which the signal comes
+    "checking-inputs": "check_before_training",
+    "claiming-out_dir": "claim_run_out_dir",
+    "printing-the-header": "print_header",
+    "building-the-optimizer": "build_train_state",
+    "restoring-the-resumed-state": "restore_progress",
+}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=lambda sig: sig.name)
+@pytest.mark.parametrize("moment", START_UP)
+def test_a_signal_during_start_up_is_one_line_and_leaves_out_dir_as_it_was(
+    moment, sig, char_data, trained_out, tmp_path, monkeypatch, capsys
+):
+    """From its first line to its first step, a run has nothing to save. A stop signal then ends it at once with
+    one line naming the signal and what out_dir holds, and exit code 128+N: no lock left, no folder the run
+    created (a scratch run's out_dir goes again), no checkpoint changed (a resumed run's are as they were)."""
+    out = tmp_path / "out"
+    resume = moment == "restoring-the-resumed-state"
+    if resume:
+        shutil.copytree(trained_out, out)
+    before = tree_digest(tmp_path)
+    real = getattr(train, START_UP[moment])
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), sig)  # delivered before kill returns: handled at the next Python instruction
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train, START_UP[moment], signalled)
+    unseen = []
+    for stop_signal in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # a run that does not take the signal
+        signal.signal(stop_signal, lambda signum, frame: unseen.append(signum))  # trains on (the fixture restores)
+    extra = ("--init_from=resume", "--max_iters=8") if resume else ("--max_iters=2",)
+    code = train.main(tiny_args(char_data, out, "--eval_interval=2", *extra))
+
+    err = capsys.readouterr().err
+    assert code == 128 + sig, err
+    assert not unseen
+    state = f"holds {', '.join(checkpoint_names(out))}, unchanged" if resume else "does not exist"
+    assert err.splitlines()[-1] == (
+        f"received {sig.name} during start-up, before the first step: nothing saved; out_dir {out} {state}"
+    ), err
+    assert "Traceback" not in err
+    assert tree_digest(tmp_path) == before
+
+
+# ---- the last line says what is on disk ----
+
+
+@pytest.mark.parametrize("case", ["max_iters-0", "max_iters-0-existing-folder", "eval_only", "resumed-at-max_iters"])
+def test_a_run_that_saves_nothing_says_so_and_what_out_dir_holds(case, char_data, trained_out, tmp_path, capsys):
+    """max_iters=0, eval_only, or a resume at max_iters: exit code 0, no checkpoint written, and the last line
+    says so and what out_dir holds, as it is after the run: no folder the run created and left empty."""
+    out = tmp_path / "out"
+    if case == "max_iters-0-existing-folder":
+        out.mkdir()
+    elif case in ("eval_only", "resumed-at-max_iters"):
+        shutil.copytree(trained_out, out)
+    before = tree_digest(tmp_path)
+    extra = {
+        "max_iters-0": ["--max_iters=0"],
+        "max_iters-0-existing-folder": ["--max_iters=0"],
+        "eval_only": ["--init_from=resume", "--eval_only=true"],
+        "resumed-at-max_iters": ["--init_from=resume", "--max_iters=4"],
+    }[case]
+    code = train.main(tiny_args(char_data, out, *extra))
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert code == 0
+    holds = f"holds {', '.join(checkpoint_names(trained_out))}, unchanged"
+    assert (
+        last
+        == {
+            "max_iters-0": f"max_iters=0: no step taken, no checkpoint written; out_dir {out} does not exist",
+            "max_iters-0-existing-folder": f"max_iters=0: no step taken, no checkpoint written; out_dir {out} holds "
+            "no checkpoint",
+            "eval_only": f"eval_only: no checkpoint written; out_dir {out} {holds}",
+            "resumed-at-max_iters": "nothing to train: resumed at iter 4 and max_iters=4; no checkpoint written; "
+            f"{out / 'ckpt.pt'} still holds iter 4",
+        }[case]
+    )
+    assert tree_digest(tmp_path) == before
+
+
+# ---- a config file cannot end the run ----
+
+
+@pytest.mark.parametrize(
+    "ending, call",
+    [("import sys\nsys.exit(0)", "sys.exit(0)"), ("exit()", "sys.exit()"), ("quit(3)", "sys.exit(3)")]
+    + [("raise SystemExit('done')", "sys.exit('done')")],
+)
+@pytest.mark.parametrize("program", ["train", "sample"])
+def test_a_config_file_that_exits_is_one_line_naming_it(program, ending, call, char_data, tmp_path, capsys):
+    """A config file that calls sys.exit (exit(), quit(), raise SystemExit) would end the command with its code
+    and no word: it is a config error naming the file and the line, exit code 2, nothing written."""
+    config = tmp_path / "config.py"
+    config.write_text(f"batch_size = 4\n{ending}\n")
+    before = tree_digest(tmp_path)
+    if program == "train":
+        code = train.main(tiny_args(char_data, tmp_path / "out", str(config)))
+    else:
+        code = sample.main([str(config), f"--out_dir={tmp_path / 'out'}", "--device=cpu"])
+    err = capsys.readouterr().err
+    assert code == 2
+    line = ending.count("\n") + 2
+    assert one_error_line(err) == (
+        f"error: {config}: line {line} calls {call}; a config file only assigns settings and cannot end the run"
+    )
+    assert tree_digest(tmp_path) == before
+
+
+# ---- sample.py: what cannot be sampled ----
+
+
+@pytest.mark.parametrize(
+    "damage, names",
+    [
+        ("nan-embedding", "non-finite weights (NaN or inf in transformer.wte.weight"),
+        ("inf-norm", "non-finite weights (NaN or inf in transformer.ln_f.weight)"),
+        ("overflowing-logits", "the model's logits are not finite (NaN or inf) at token 1"),
+    ],
+)
+def test_a_checkpoint_that_cannot_be_sampled_is_one_line_naming_it(damage, names, trained_out, tmp_path, capsys):
+    """NaN or inf weights (a file from elsewhere: training never saves them), or finite weights whose logits
+    overflow: one `error:` line naming the checkpoint and the cause, exit code 2, no sample printed."""
+    state = torch.load(trained_out / "ckpt.pt", weights_only=True)
+    weights = state["model"]
+    if damage == "nan-embedding":
+        weights["transformer.wte.weight"][3, 5] = math.nan
+    elif damage == "inf-norm":
+        weights["transformer.ln_f.weight"][0] = math.inf
+    else:
+        weights["transformer.h.0.mlp.c_fc.weight"].fill_(1e38)
+    path = tmp_path / "damaged.pt"
+    torch.save(state, path)
+    code = sample.main([f"--checkpoint={path}", "--device=cpu", "--max_new_tokens=5"])
+    captured = capsys.readouterr()
+    assert code == 2
+    line = one_error_line(captured.err)
+    assert line.startswith(f"error: {path}") and names in line, line
+    assert captured.out == ""
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e400"])
+def test_a_temperature_that_is_not_finite_is_named_so(value, trained_out, capsys):
+    code = sample.main([f"--out_dir={trained_out}", f"--temperature={value}", "--device=cpu"])
+    line = one_error_line(capsys.readouterr().err)
+    assert code == 2
+    assert line == f"error: temperature must be >= 0 (0 is greedy) and finite, got {float(value)}"
