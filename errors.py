@@ -23,6 +23,10 @@ class UsageError(ValueError):
     """Bad input found after the config was read (device, data, checkpoint)."""
 
 
+class PeerFailed(UsageError):
+    """Another rank failed and says why itself; this rank stops as well, without repeating the message."""
+
+
 class DataError(ValueError):
     """A dataset is missing or broken; the message names the problem and the fix."""
 

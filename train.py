@@ -37,7 +37,7 @@ import generation  # noqa: F401  (registers paged_attention: a run may name it, 
 import kernels  # noqa: F401  (registers flash-attn 3/4, flex_attention and auto's table)
 from configurator import load_config, parse_bool
 from data.loader import Batches
-from errors import CheckpointError, ConfigError, DataError, UsageError, stream_failure
+from errors import CheckpointError, ConfigError, DataError, PeerFailed, UsageError, stream_failure
 from model import GPT, GPTConfig
 from storage.checkpoint import BEST, LATEST, checkpoint_names
 from training.parallel import fused_optimizer_ok, grad_scaler, gradient_sync, place_model, replicated, wrap_model
@@ -52,7 +52,6 @@ from training.preflight import (
     with_weights_shape,
 )
 from training.runtime import (
-    PeerFailed,
     Runtime,
     StopFlags,
     StopOnSignals,

@@ -4,7 +4,7 @@
     python -m bench.bench_attention --docs              # also document-masked cells (~4 documents per row)
     python -m bench.bench_attention --docs-only         # only those (-> <card>-attention-docs.json)
     python -m bench.bench_attention --dtype float16 --budget 0
-    python -m bench.bench_attention --quick             # tiny CPU run (seconds), what tests/test_bench.py runs
+    python -m bench.bench_attention --quick             # tiny CPU run (seconds), what tests/e2e/test_bench.py runs
 
 Every cell (head dim, sequence length, documents or not) gets fresh random inputs with the same number of
 tokens per call (batch = tokens // T, at least 1) and H = 16 heads for both head dims (so H*D is 1024 or

@@ -1,6 +1,6 @@
 # The embedded default: a small character-level GPT on Shakespeare's complete works that trains on a
 # 2-core CPU in about two minutes. These are TrainConfig's own defaults, written out so you can copy
-# and edit them (tests/test_train.py checks the two agree).
+# and edit them (tests/unit/test_train.py checks the two agree).
 # Config files are Python and are run like any script you run: only use files you trust.
 
 out_dir = "out-shakespeare-char"

@@ -16,15 +16,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from errors import UsageError, silence
+from errors import PeerFailed, UsageError, silence
 from storage.checkpoint import format_bytes
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DIST_BACKENDS = ("nccl", "gloo")
-
-
-class PeerFailed(UsageError):
-    """Another rank failed and says why itself; this rank stops as well, without repeating the message."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -58,7 +54,7 @@ def pick_device(requested: str, local_rank: int = 0) -> torch.device:
     allowed = "auto, cpu, cuda, cuda:N, mps"
     if requested == "auto":
         if torch.cuda.is_available():
-            return torch.device("cuda", local_rank)
+            return cuda_device(local_rank, "auto")
         mps = getattr(torch.backends, "mps", None)
         return torch.device("mps" if mps is not None and mps.is_available() else "cpu")
     try:
@@ -68,15 +64,25 @@ def pick_device(requested: str, local_rank: int = 0) -> torch.device:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise UsageError(f"device {requested!r} requested but CUDA is not available here; use --device=cpu")
-        index = device.index if device.index is not None else local_rank
-        if index >= torch.cuda.device_count():
-            raise UsageError(f"device {requested!r}: only {torch.cuda.device_count()} CUDA device(s) here")
-        return torch.device("cuda", index)
+        return cuda_device(device.index if device.index is not None else local_rank, requested)
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise UsageError(f"device {requested!r} requested but MPS is not available here; use --device=cpu")
     if device.type not in ("cpu", "cuda", "mps"):
         raise UsageError(f"unsupported device {requested!r}; allowed: {allowed}")
     return device
+
+
+def cuda_device(index: int, requested: str) -> torch.device:
+    """cuda:index, checked against the GPUs here: under torchrun, LOCAL_RANK picks the GPU, and a rank past the
+    last GPU (more processes per node than GPUs) says so instead of failing at its first CUDA call."""
+    count = torch.cuda.device_count()
+    if index >= count:
+        rank = f" (LOCAL_RANK={index})" if requested == "auto" or ":" not in requested else ""
+        raise UsageError(
+            f"device {requested!r}{rank} needs cuda:{index}, but this machine has {count} CUDA device(s); "
+            f"start at most {count} processes per node (torchrun --nproc_per_node={count})"
+        )
+    return torch.device("cuda", index)
 
 
 def pick_dtype(requested: str, device: torch.device) -> torch.dtype:

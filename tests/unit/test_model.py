@@ -19,7 +19,7 @@ from generation.loop import generation_attention
 from helpers import run_script, tiny_config
 from model import GPT, GPTConfig, Need
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 ALL_NAMES = model.backend_names() + tuple(model.aliases())
 MODEL_BACKENDS = ("flash_attn_2", "sdpa", "manual")  # model.py's own; kernels/ and generation/ add the others

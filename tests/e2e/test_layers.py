@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 OURS = ("model", "train", "sample", "configurator", "errors", "kernels", "generation", "weights", "training")
 OURS += ("storage", "data", "bench", "tests", "helpers", "conftest")
 

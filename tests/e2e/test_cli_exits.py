@@ -368,3 +368,22 @@ def test_a_temperature_that_is_not_finite_is_named_so(value, trained_out, capsys
     line = one_error_line(capsys.readouterr().err)
     assert code == 2
     assert line == f"error: temperature must be >= 0 (0 is greedy) and finite, got {float(value)}"
+
+
+@pytest.mark.parametrize("requested", ["auto", "cuda"])
+def test_a_local_rank_past_the_last_gpu_is_one_line_naming_the_gpu_count(monkeypatch, requested):
+    """--device=auto and --device=cuda under torchrun's LOCAL_RANK=N with N >= the GPU count: the same check,
+    naming the count and how many processes a node can take (CUDA faked: this machine has none)."""
+    from errors import UsageError
+    from training.runtime import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert pick_device(requested, local_rank=1) == torch.device("cuda", 1)
+    with pytest.raises(UsageError) as raised:
+        pick_device(requested, local_rank=2)
+    message = str(raised.value)
+    assert "(LOCAL_RANK=2) needs cuda:2, but this machine has 2 CUDA device(s)" in message
+    assert "torchrun --nproc_per_node=2" in message
+    with pytest.raises(UsageError, match="'cuda:5' needs cuda:5, but this machine has 2"):
+        pick_device("cuda:5")
