@@ -40,6 +40,7 @@ from bench.grid import (
     run_grid,
 )
 from bench.report import Column, plot_lines
+from errors import as_command
 from model import BACKENDS, AttentionMask, Need, resolve, sdpa_attention, sdpa_kernel_problem
 from training.runtime import synchronize
 
@@ -577,4 +578,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())

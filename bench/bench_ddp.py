@@ -31,6 +31,7 @@ import torch
 from bench import launch
 from bench.report import DEFAULT_OUT, GPT2_124M, GPT2_VOCAB, TINY, Column, pyplot, results_header, write_results
 from data.common import OneLineParser
+from errors import as_command
 from training.parallel import PARALLELISMS
 
 GPT2_XL = {"n_layer": 48, "n_head": 25, "n_embd": 1600}
@@ -334,4 +335,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())

@@ -28,6 +28,7 @@ import torch
 import generation
 from bench.grid import BenchParser, Grid, fresh_row, number, run_grid
 from bench.report import GPT2_VOCAB, Column, model_shape, plot_lines
+from errors import as_command
 from generation.loop import generation_attention
 from model import GPT, GPTConfig
 from training.runtime import synchronize
@@ -411,4 +412,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())

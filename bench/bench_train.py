@@ -26,6 +26,7 @@ import torch
 
 from bench.grid import BenchParser, Grid, fresh_row, number, run_grid
 from bench.report import GPT2_VOCAB, Column, model_shape, plot_lines
+from errors import as_command
 from train import TrainConfig, TrainState, build_model, build_train_state, train_step
 from training.runtime import model_flops_utilization, peak_flops_for, setup_runtime, synchronize
 
@@ -381,4 +382,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())

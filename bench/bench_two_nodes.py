@@ -24,6 +24,7 @@ import torch
 from bench import launch
 from bench.report import DEFAULT_OUT, GPT2_124M, GPT2_VOCAB, TINY, Column, save_results
 from data.common import OneLineParser
+from errors import as_command
 
 COLUMNS = [
     Column("launch", "launch"),
@@ -167,4 +168,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())

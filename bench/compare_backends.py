@@ -27,6 +27,7 @@ from pathlib import Path
 from bench import launch
 from bench.report import DEFAULT_OUT, Column, bench_device, results_header, results_stem, write_results
 from data.common import OneLineParser
+from errors import as_command
 
 BACKENDS = ("auto", "sdpa", "flash_attn_2", "flex_attention", "manual")
 SETTINGS = [  # before the caller's arguments, so theirs win
@@ -123,4 +124,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from data.common import OneLineParser
+from errors import as_command
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_BACKENDS = ("sdpa", "manual", "flex_attention", "flash_attn_2", "flash_attn_3", "flash_attn_4")
@@ -348,4 +349,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from data.common import OneLineParser
+from errors import as_command
 from kernels.auto import AUTO_TABLE
 from storage.atomic import atomic_path
 
@@ -88,4 +89,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())

@@ -20,6 +20,7 @@ import torch
 from bench import launch
 from bench.report import DEFAULT_OUT, TINY, Column, pyplot, save_results
 from data.common import OneLineParser
+from errors import as_command
 
 PLAIN = ["--attention_backend=sdpa", "--cross_entropy=plain"]
 RUNS = {"plain": (1337, PLAIN), "default": (1337, []), "plain, seed 2": (2, PLAIN)}  # name: (seed, switches)
@@ -134,4 +135,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())

@@ -37,6 +37,7 @@ from bench.bench_train import VARIANTS, Case, build_state, case_config
 from bench.grid import free_device_memory
 from bench.report import DEFAULT_OUT, card_slug
 from data.common import OneLineParser
+from errors import as_command
 from model import GPT, GPTConfig
 from train import train_step
 from training.runtime import synchronize
@@ -219,4 +220,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())

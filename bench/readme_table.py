@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 from data.common import OneLineParser
+from errors import as_command
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = REPO_ROOT / "bench" / "results" / "h100-attention.json"
@@ -358,4 +359,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from bench.report import DEFAULT_OUT, GPT2_VOCAB, Column, model_shape, pyplot, save_results
 from data.common import OneLineParser
+from errors import as_command
 
 COLUMNS = [
     Column("parallelism", "parallelism"),
@@ -194,4 +195,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())
