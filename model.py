@@ -289,7 +289,7 @@ class Need:
     dropout: bool = False  # attention dropout during training
     training: bool = True  # gradients are needed
     seq_len: int = 0  # the longest sequence this use runs (0: unknown); only auto's order depends on it
-    kv_cache: str = "none"  # generation: the KV cache decode steps read (none | contiguous | paged, kv_cache.py)
+    kv_cache: str = "none"  # generation: the KV cache decode steps read (none | contiguous | paged: generation/)
     compiled: bool = False  # generation: the decode step runs under torch.compile (CUDA graphs)
     mps_fix: bool = True  # keep SDPA away from explicit masks on MPS (sdpa_problem); GPTConfig.disable_mps_fix
 
