@@ -19,7 +19,8 @@ print(json.dumps(sorted(m for m in set(sys.modules) - before if m.split(".")[0] 
 """
 
 MODEL_ALONE = """
-import logging, torch
+import json, logging, sys, torch
+before = set(sys.modules)
 from model import GPT, GPTConfig
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 for switches in ({}, {"rope": True, "norm": "rmsnorm", "mlp": "swiglu", "n_kv_head": 1, "qk_norm": True}):
@@ -31,6 +32,8 @@ for switches in ({}, {"rope": True, "norm": "rmsnorm", "mlp": "swiglu", "n_kv_he
         _, loss = model(idx, idx)
         loss.backward()
         assert model.generate(idx[:1, :3], 4).shape == (1, 7)
+ours = {ours!r}
+print(json.dumps(sorted(m for m in set(sys.modules) - before if m.split(".")[0] in ours)))
 """
 
 
@@ -41,18 +44,16 @@ def loaded_by(imports: str) -> list[str]:
     return json.loads(done.stdout)
 
 
-def test_the_model_alone_loads_no_other_module_of_the_repo():
-    """`from model import GPT, GPTConfig` in a fresh interpreter, and a forward, backward and generate with each
-    of the card's kernels and both blocks: nothing else of this repo is imported."""
+def test_the_model_alone_loads_no_other_module_falls_back_down_the_chain_and_says_why():
+    """`from model import GPT, GPTConfig` in a fresh interpreter, and a forward, backward and generate with each of
+    the card's kernels and both blocks: nothing else of this repo is imported. Without the flash-attn package
+    (this machine), flash_attn_2 falls back to sdpa with a WARNING naming the cause, and one INFO line names the
+    backend used."""
     assert loaded_by("from model import GPT, GPTConfig") == ["model"]
-    assert loaded_by(MODEL_ALONE) == ["model"]
-
-
-def test_the_model_alone_falls_back_down_the_chain_and_says_why():
-    """Without the flash-attn package (this machine), flash_attn_2 falls back to sdpa with a WARNING naming
-    the cause, and one INFO line names the backend used."""
-    done = subprocess.run([sys.executable, "-c", MODEL_ALONE], cwd=REPO, capture_output=True, text=True, timeout=120)
+    script = MODEL_ALONE.replace("{ours!r}", repr(OURS))
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == ["model"]
     lines = done.stderr.splitlines()
     warnings = [line for line in lines if line.startswith("WARNING flash_attn_2 requested but")]
     assert warnings and "falling back to sdpa" in warnings[0], done.stderr
@@ -64,29 +65,3 @@ def test_the_ground_floor_imports_nothing_above_it():
     assert loaded_by("import errors") == ["errors"]
     assert loaded_by("import configurator") == ["configurator", "errors"]
     assert set(loaded_by("import storage.checkpoint")) == {"errors", "storage", "storage.atomic", "storage.checkpoint"}
-
-
-def test_kernels_register_themselves_into_the_model():
-    """model.py knows three backends; importing kernels adds flash-attn 3 and 4 and flex_attention, and auto's
-    per-card table; generation adds the paged cache's name."""
-    script = """
-import model
-alone = list(model.BACKENDS)
-import kernels
-with_kernels = list(model.BACKENDS)
-import generation
-print(alone, with_kernels, list(model.BACKENDS), len(model.AUTO_ORDERS))
-"""
-    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    alone, with_kernels, with_generation, orders = done.stdout.strip().split("] ")
-    assert alone == "['flash_attn_2', 'sdpa', 'manual'"
-    assert set(eval(with_kernels + "]")) == {
-        "flash_attn_2",
-        "sdpa",
-        "manual",
-        "flash_attn_3",
-        "flash_attn_4",
-        "flex_attention",
-    }
-    assert "paged_attention" in with_generation and orders == "2"
