@@ -47,6 +47,7 @@ class Case:
     prompt_len: int  # the longest prompt; with mixed, the batch's prompts spread from 1/16 of it up to it
     new_tokens: int
     mixed: bool = False
+    slide: str = ""  # "": block_size fits prompt + new (no sliding); half | exact: block_size stays, rows slide
 
     def prompt_lens(self) -> list[int]:
         if not self.mixed or self.batch_size == 1:
@@ -76,6 +77,9 @@ def default_cases(args) -> list[Case]:
         cases += [Case("hf-transformers", "static", False, b, p, args.new_tokens) for b, p in shapes]
     if "none" in args.caches:
         cases += [Case(k, "none", False, b, p, args.new_tokens) for b, p in shapes for k in args.backends]
+    for slide in args.slide:  # past block_size, as sample.py runs a long sample: 3 windows of new tokens
+        window = block_size_for(args, 0, 0)
+        cases += [Case("auto", c, False, 1, 16, 3 * window, slide=slide) for c in cached]
     return cases
 
 
@@ -90,11 +94,16 @@ def model_settings(quick: bool) -> dict:
 
 def build_model(case: Case, args, device: torch.device, dtype: torch.dtype) -> GPT:
     shapes = model_settings(args.quick)
-    block_size = max(64 if args.quick else 1024, case.prompt_len + case.new_tokens)  # no sliding here
+    block_size = block_size_for(args, case.prompt_len, case.new_tokens if not case.slide else 0)
     torch.manual_seed(0)
     config = GPTConfig(block_size=block_size, attention_backend=case.backend, **shapes)
     with torch.device(device):  # initialised where it runs: seconds less per row on a GPU
         return GPT(config).to(dtype=dtype).eval()
+
+
+def block_size_for(args, prompt_len: int, new_tokens: int) -> int:
+    """GPT-2's 1024 (64 --quick), or more where prompt + new would not fit: only the slide rows slide."""
+    return max(64 if args.quick else 1024, prompt_len + new_tokens)
 
 
 def prompts_for(case: Case, vocab_size: int, device) -> list[torch.Tensor]:
@@ -107,7 +116,8 @@ def timed_stream(gpt: GPT, prompts, case: Case, device, tokens: int) -> tuple[fl
     """(seconds to the first token, seconds for the rest) of greedy generation, stopped after `tokens`."""
     synchronize(device)
     start = time.perf_counter()
-    stream = generation.stream(gpt, prompts, case.new_tokens, temperature=0, kv_cache=case.cache, compile=case.compile)
+    options = dict(kv_cache=case.cache, compile=case.compile, slide=case.slide or "exact")
+    stream = generation.stream(gpt, prompts, case.new_tokens, temperature=0, **options)
     next(stream)
     synchronize(device)
     first = time.perf_counter()
@@ -129,6 +139,7 @@ def empty_row(case: Case, dtype: torch.dtype) -> dict:
         "prompt_len": case.prompt_len,
         "prompts": f"{min(case.prompt_lens())}-{case.prompt_len}" if case.mixed else str(case.prompt_len),
         "new_tokens": case.new_tokens,
+        "slide": case.slide or None,
         "dtype": str(dtype).removeprefix("torch."),
         "prefill_ms": None,
         "prefill_tok_s": None,
@@ -278,7 +289,8 @@ def hf_available() -> bool:
 
 
 def progress_line(row: dict) -> str:
-    label = f"{row['backend']}{'+compile' if row['compile'] else ''}"
+    slide = f" slide {row['slide']}" if row.get("slide") else ""
+    label = f"{row['backend']}{'+compile' if row['compile'] else ''}{slide}"
     return (
         f"B={row['batch_size']:<3} prompt={row['prompts']:<9} {label:<22} {row['cache']:<10} "
         f"prefill {number(row, 'prefill_tok_s', '{:,.0f}'):>10} tok/s  "
@@ -297,6 +309,7 @@ COLUMNS = [
     Column("batch_size", "B"),
     Column("prompts", "prompt"),
     Column("new_tokens", "new"),
+    Column("slide", "slide"),
     Column("dtype", "dtype"),
     Column("prefill_ms", "prefill ms", "{:.1f}"),
     Column("prefill_tok_s", "prefill tok/s", "{:,.0f}"),
@@ -369,6 +382,13 @@ def parse_args(argv=None):
         "--mixed", action="store_true", help="prompts of mixed lengths in each batch (1/16 of a prompt length up to it)"
     )
     parser.add_argument("--manual-max-prompt", type=int, default=2048, help="manual only up to this prompt length")
+    parser.add_argument(
+        "--slide",
+        nargs="*",
+        default=["half", "exact"],
+        choices=("half", "exact"),
+        help="rows that decode 3 windows past block_size at batch 1, per slide mode (default: both; none: --slide)",
+    )
     args = parser.parse_args(argv)
     args.compile = args.compile == "true"
     args.hf = args.hf == "auto" and not args.quick and hf_available()
@@ -382,7 +402,8 @@ def header_fields(args, cases: list[Case]) -> dict:
         "grid": {"cases": [vars(c) for c in cases], "dtype": args.dtype},
         "notes": {
             "model": ", ".join(f"{k}={v}" for k, v in shapes.items())
-            + f", random weights; block_size = max({64 if args.quick else 1024}, prompt + new): no row slides",
+            + f", random weights; block_size = max({64 if args.quick else 1024}, prompt + new), except the slide rows: "
+            f"block_size {64 if args.quick else 1024}, 3 windows of new tokens past it (slide half | exact)",
             "generation": "generation.stream, greedy (temperature 0), random prompt ids; prefill = time to the "
             "first token; decode = the remaining new tokens; tok/s counts the whole batch",
             "warm-up": f"an untimed run of the same shapes stopped after {WARMUP_TOKENS} tokens first (compiles, "
