@@ -228,11 +228,11 @@ def is_repo_module(module) -> bool:
 
 
 def run_as_main(script: str, args: list[str], stdout, stderr, path: tuple[str, ...]):
-    """In a child of the warm interpreter: what `python <script> args` does once torch is imported. The repo's
-    own modules are imported afresh from the script's folder and `path` (a fresh interpreter's sys.path), as
-    the script would import them; stdout and stderr are unbuffered (PYTHONUNBUFFERED); SIGINT, SIGTERM and
-    SIGHUP are as a fresh interpreter started at a terminal has them (see terminal_signals); the exit code of
-    sys.exit(main()) is the child's."""
+    """In a child of the warm interpreter: what `python <script> args` (or, for `-m name`, `python -m name args`)
+    does once torch is imported. The repo's own modules are imported afresh from the script's folder (the repo
+    root for -m) and `path` (a fresh interpreter's sys.path), as the command would import them; stdout and stderr
+    are unbuffered (PYTHONUNBUFFERED); SIGINT, SIGTERM and SIGHUP are as a fresh interpreter started at a terminal
+    has them (see terminal_signals); the exit code of sys.exit(main()) is the child's."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
@@ -245,9 +245,13 @@ def run_as_main(script: str, args: list[str], stdout, stderr, path: tuple[str, .
         if is_repo_module(module):
             del sys.modules[name]
     os.chdir(REPO)
-    sys.path[:] = [str((REPO / script).parent), *path]
-    sys.argv = [script, *args]
-    runpy.run_path(script, run_name="__main__")
+    module = script.removeprefix("-m ") if script.startswith("-m ") else None
+    sys.path[:] = [str(REPO if module else (REPO / script).parent), *path]
+    sys.argv = [module or script, *args]
+    if module:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(script, run_name="__main__")
 
 
 class WarmProcess:

@@ -7,12 +7,9 @@ checkpoint that cannot be sampled and a temperature that is not finite."""
 from __future__ import annotations
 
 import fcntl
-import io
 import math
-import multiprocessing.connection
 import os
 import re
-import runpy
 import select
 import shutil
 import signal
@@ -28,14 +25,11 @@ import sample
 import train
 from helpers import (
     REPO,
-    fresh_sys_path,
-    is_repo_module,
-    run_as_main,
+    WarmProcess,
     subprocess_env,
     terminal_signals,
     tiny_args,
     tree_digest,
-    warm_context,
 )
 from storage.checkpoint import checkpoint_names
 
@@ -51,45 +45,18 @@ def one_error_line(err: str) -> str:
 # ---- every command: bad input is one line, exit code 2, nothing written ----
 
 
-def _run_module_as_main(module: str, args: list[str], stdout, stderr, path: tuple[str, ...]):
-    """In a child of the warm interpreter: what `python -m <module> args` does once torch is imported (as
-    helpers.run_as_main does for a script): the repo's modules afresh, the module run as __main__."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    for fd, connection in ((1, stdout), (2, stderr)):
-        os.dup2(connection.fileno(), fd)
-        connection.close()
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), errors="backslashreplace", write_through=True)
-    for name, loaded in list(sys.modules.items()):
-        if is_repo_module(loaded):
-            del sys.modules[name]
-    os.chdir(REPO)
-    sys.path[:] = [str(REPO), *path]
-    sys.argv = [module, *args]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
-
-
 def run_command(command: str, args: list[str], timeout: float = 120) -> tuple[int, str, str]:
     """`python <command> args` (a script) or `python -m <command> args` (`-m name`), forked from the warm
     interpreter: (exit code, stdout, stderr)."""
-    module = command.removeprefix("-m ") if command.startswith("-m ") else None
-    target, name = (_run_module_as_main, module) if module else (run_as_main, command)
     with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
-        outputs = [multiprocessing.connection.Connection(os.dup(f.fileno()), readable=False) for f in (stdout, stderr)]
-        process = warm_context().Process(target=target, args=(name, list(args), *outputs, fresh_sys_path()))
+        process = WarmProcess(command, list(args), stdout.fileno(), stderr.fileno())
         try:
-            process.start()
-        finally:
-            for output in outputs:
-                output.close()
-        process.join(timeout)
-        if process.exitcode is None:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
             process.kill()
-            process.join()
+            process.wait()
         stdout.seek(0), stderr.seek(0)
-        return process.exitcode, stdout.read().decode(errors="replace"), stderr.read().decode(errors="replace")
+        return process.returncode, stdout.read().decode(errors="replace"), stderr.read().decode(errors="replace")
 
 
 BENCHES = {  # each bench, and what its error line names for an unknown option
