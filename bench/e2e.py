@@ -21,13 +21,13 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import launch
 from data.common import OneLineParser
 from errors import as_command
 
@@ -58,21 +58,6 @@ class Row:
     seconds: float
 
 
-def run(cell: Cell, env: dict) -> tuple[subprocess.CompletedProcess | None, float]:
-    started = time.perf_counter()
-    try:
-        done = subprocess.run(cell.command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        return None, time.perf_counter() - started
-    return done, time.perf_counter() - started
-
-
-def last_error(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("error:") or "Error" in line]
-    return (errors or lines or ["(no output)"])[-1][:300]
-
-
 def read_train(log: str) -> tuple[str, float | None, str]:
     """(status, final val loss) from train.py's eval lines: finite and falling."""
     vals = [float(v) for v in re.findall(r"^eval \d+ \| train \S+ \| val (\S+)", log, re.M)]
@@ -93,12 +78,10 @@ def read_sample(log: str) -> tuple[str, float | None, str]:
 
 
 def measure(cell: Cell, env: dict) -> Row:
-    done, seconds = run(cell, env)
-    if done is None:
-        return Row(cell.path, cell.settings, "timed out after 600 s", None, "", seconds)
-    output = done.stdout + done.stderr
-    if done.returncode != 0:
-        return Row(cell.path, cell.settings, last_error(output), None, "", seconds)
+    done = launch.run(cell.command, env, timeout=600)  # stdout and stderr together; 124 past the timeout
+    output, seconds = done.output, done.seconds
+    if done.code != 0:
+        return Row(cell.path, cell.settings, done.failure(), None, "", seconds)
     fallback = re.search(r"WARNING: (\S+) requested but (.*); falling back to", output)
     if fallback and cell.settings.get("backend") == fallback.group(1):
         return Row(cell.path, cell.settings, f"skipped: {fallback.group(2)[:200]}", None, "", seconds)
@@ -248,16 +231,6 @@ def parallel_cells(data: Path, work: Path) -> list[Cell]:
 # Running them
 
 
-def corpus(work: Path) -> Path:
-    """This repo's sources as a char dataset: real text, no network."""
-    text = "\n".join(p.read_text(errors="replace") for p in sorted(REPO.glob("**/*.py")) if ".probe" not in p.parts)
-    (work / "corpus.txt").write_text(text)
-    data = work / "data"
-    prepare = [sys.executable, "-m", "data.shakespeare_char.prepare", f"--input={work / 'corpus.txt'}"]
-    subprocess.run([*prepare, f"--out_dir={data}"], cwd=REPO, check=True, capture_output=True)
-    return data
-
-
 def run_cells(cells: list[Cell], jobs: int, gpus: int, env: dict, rows: dict[str, Row]) -> list[Row]:
     """Run every cell once the cells it needs (here or in `rows`, those run before) have passed, `jobs` at a time."""
     pending = list(cells)
@@ -329,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started, work = time.perf_counter(), Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    data = corpus(work)
+    data = launch.corpus(work / "data")
     cells = base_cells(data, work) + train_cells(data, work) + sample_cells(work) + weights_cells(data, work)
     cells += parallel_cells(data, work) + speed_cells(work)
     if args.only:
