@@ -286,7 +286,7 @@ def sample_batch(cfg: SampleConfig, model: GPT, batch: list[list[int]], vocab_si
     device = timing.device
     begun = prefilled = warmed = timing.now()
     rows = [torch.tensor(prompt, dtype=torch.long, device=device) for prompt in batch]
-    graph = cfg.cuda_graph and device.type == "cuda" and cfg.kv_cache != "none" and not cfg.compile
+    graph = None if cfg.cuda_graph else False  # None: where generation can (CUDA, a KV cache, not compiled)
     options = dict(kv_cache=cfg.kv_cache, compile=cfg.compile, cuda_graph=graph, slide=cfg.slide, vocab_size=vocab_size)
     for tokens in stream(model, rows, cfg.max_new_tokens, cfg.temperature, cfg.top_k, **options):
         new.append(tokens)

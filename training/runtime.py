@@ -283,6 +283,18 @@ def emit(*values, **kwargs) -> None:
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
 
 
+def take_stop_signals(handler) -> dict:
+    """`handler` for each stop signal; the handlers it replaced, to put back. A signal ignored when the command
+    started stays ignored: `nohup python train.py` must outlive its terminal."""
+    wanted = [sig for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]
+    return {sig: signal.signal(sig, handler) for sig in wanted}
+
+
+def give_back_stop_signals(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
 class Stopped(KeyboardInterrupt):
     """A stop signal (SIGTERM, SIGINT or SIGHUP) that arrived before there was anything to save, raised where the
     program was, as Ctrl-C raises KeyboardInterrupt (which it is: what catches Ctrl-C catches it too)."""
@@ -308,13 +320,11 @@ class StopOnSignals:
         self.previous = {}
 
     def __enter__(self):
-        wanted = [sig for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]
-        self.previous = {sig: signal.signal(sig, self._on_signal) for sig in wanted}
+        self.previous = take_stop_signals(self._on_signal)
         return self
 
     def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+        give_back_stop_signals(self.previous)
 
     def _on_signal(self, signum, frame):
         if not self.armed:  # past start-up: the loop's handlers had it; now the run is only letting go of out_dir
@@ -358,14 +368,11 @@ class StopFlags:
 
     @contextlib.contextmanager
     def handling_signals(self):
-        # A signal ignored when the run starts stays ignored: `nohup python train.py` must outlive its terminal
-        wanted = [sig for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in wanted}
+        previous = take_stop_signals(self._on_signal)
         try:
             yield
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            give_back_stop_signals(previous)
 
     def _on_signal(self, signum, frame):
         self.signal_name = signal.Signals(signum).name
