@@ -35,6 +35,10 @@ class CheckpointError(ValueError):
     """A missing, unreadable or mismatched checkpoint, or an out_dir that cannot be used."""
 
 
+class NonFiniteLogits(ValueError):
+    """Generation drew tokens from logits that held NaN or inf (weights that overflow in a low precision)."""
+
+
 # ----------------------------------------------------------------------------------------------
 # How a command runs: output it cannot write is dropped, a Ctrl-C nothing caught is one line
 

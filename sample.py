@@ -38,7 +38,7 @@ import torch
 import kernels  # noqa: F401  (registers flash-attn 3/4, flex_attention and auto's table)
 from configurator import load_config
 from data.tokenizer import load_tokenizer, tokenizer_vocab_size
-from errors import CheckpointError, ConfigError, DataError, UsageError, silence, stream_failure
+from errors import CheckpointError, ConfigError, DataError, NonFiniteLogits, UsageError, silence, stream_failure
 from generation import stream
 from generation.loop import check_generation
 from model import GPT, canonical_backend
@@ -268,12 +268,11 @@ def sample(cfg: SampleConfig) -> int:
                 file=sys.stderr,
             )
             return code
-        except RuntimeError as error:
-            if "probability tensor contains" not in str(error):
-                raise
+        except NonFiniteLogits:
             raise CheckpointError(
-                f"{source}: the model's logits are not finite (NaN or inf) at token {len(new) + 1} of this prompt, "
-                f"with finite weights; try --dtype=float32, or an earlier checkpoint"
+                f"{source}: the model's logits are not finite (NaN or inf) while sampling "
+                f"{'this prompt' if len(batch) == 1 else 'these prompts'}, with finite weights; "
+                f"try --dtype=float32, or an earlier checkpoint"
             ) from None
         print_samples(batch, new, decode)
     timing.report(len(jobs) * cfg.max_new_tokens, time.time() - started)

@@ -9,6 +9,8 @@ Generation: prompts of any lengths read once (prefill), then one token per step 
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 
@@ -16,6 +18,7 @@ import torch
 from torch.nn import functional as F
 from torch.nn.attention import sdpa_kernel
 
+from errors import NonFiniteLogits
 from generation.kv_cache import (
     _DECODE_SDPA_KERNELS,
     DECODE_KERNELS,
@@ -99,11 +102,13 @@ def stream(
     kv_cache: "contiguous" (preallocated), "paged" (pages allocated on demand; what
     attention_backend="paged_attention" means) or "none" (the whole context every step, as nanoGPT). compile: a
     static-shape decode step under torch.compile(mode="reduce-overhead"), CUDA graphs (elsewhere it runs eagerly).
-    cuda_graph (None: on CUDA with a KV cache, unless compiled): the eager decode step captured once as a CUDA
-    graph (GraphedStep). Past block_size, slide="exact" re-reads each row's last block_size tokens every step
-    (nanoGPT's tokens, a full forward a token); "half" re-reads the last block_size/2 once and decodes on from the
-    cache until it is full again (the context then spans half to all of the window). temperature 0 is greedy;
-    only ids below vocab_size are drawn; page_size overrides the kernel's."""
+    cuda_graph (None: on CUDA with a KV cache, unless compiled): the eager decode step and the draw after it
+    captured once as a CUDA graph (GraphedStep). Past block_size, slide="exact" re-reads each row's last
+    block_size tokens every step (nanoGPT's tokens, a full forward a token); "half" re-reads the last
+    block_size/2 once and decodes on from the cache until it is full again (the context then spans half to all
+    of the window). temperature 0 is greedy; only ids below vocab_size are drawn; page_size overrides the
+    kernel's. NonFiniteLogits once the tokens are out when any were drawn from NaN or inf logits (checked on the
+    GPU each step, read once at the end)."""
     check_generation(max_new_tokens, temperature, top_k, kv_cache, compile, slide)
     if not prompts or any(p.dim() != 1 or p.numel() == 0 for p in prompts):
         raise ValueError("every prompt must be a non-empty 1-D tensor of token ids")
@@ -124,15 +129,14 @@ def stream(
         attention,
         decode,
         kv_cache,
+        functools.partial(next_token, temperature=temperature, top_k=top_k, vocab_size=vocab_size),
         compile=compile,
         cuda_graph=cuda_graph,
         page_size=page_size,
         slide=slide,
     )
-    for _, logits in zip(range(max_new_tokens), generation):  # range first: no step past the last
-        tokens = next_token(logits, temperature, top_k, vocab_size)
-        generation.add(tokens)
-        yield tokens
+    yield from itertools.islice(generation, max_new_tokens)  # no step past the last
+    generation.check_finite()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -157,22 +161,29 @@ def check_generation(max_new_tokens, temperature, top_k, kv_cache: str, compile:
         raise ValueError("compile compiles the decode step over a KV cache; it needs kv_cache contiguous or paged")
 
 
-def next_token(logits, temperature: float, top_k: int | None, vocab_size: int | None = None) -> torch.Tensor:
+def next_token(
+    logits, temperature: float, top_k: int | None, vocab_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(B,) ids drawn from logits (B, V), only below vocab_size (a padded vocabulary's extra ids decode to
-    nothing); temperature 0 takes the likeliest."""
+    nothing), and a 0-dim bool: whether any logit was NaN or inf. temperature 0 takes the likeliest. Nothing here
+    waits for the GPU, so the host runs ahead and a CUDA graph can hold it."""
     logits = logits[:, :vocab_size].float()
+    nonfinite = ~logits.isfinite().all()
     if temperature == 0:
-        return logits.argmax(dim=-1)
+        return logits.argmax(dim=-1), nonfinite
     logits = logits / temperature
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
         logits = logits.masked_fill(logits < kth, -float("inf"))  # not logits[mask] = ...: that syncs the host
-    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)[:, 0]
+    probs = F.softmax(logits, dim=-1)
+    # torch.multinomial's own draw for one sample, the same ids for the same seed, without its two host syncs
+    # (checks on probs, which the nonfinite flag replaces)
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1), nonfinite
 
 
 class Generation:
-    """One generate call: the tokens so far, the cache and how a step runs. Iterating yields the logits
-    (B, vocab) for each row's next token; `add` appends the tokens drawn from them."""
+    """One generate call: the tokens so far, the cache and how a step runs. Iterating yields each row's next
+    token, (B,), drawn from the step's logits by `draw` (next_token's signature, less the settings)."""
 
     def __init__(
         self,
@@ -182,6 +193,7 @@ class Generation:
         attention: Attention,
         decode: DecodeKernel | None,
         kv_cache: str,
+        draw: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
         *,
         compile: bool = False,
         cuda_graph: bool = False,
@@ -199,6 +211,7 @@ class Generation:
             self.tokens[b, : prompt.numel()] = prompt
         self.rows, self.ends = torch.arange(B, device=device), torch.tensor(self.counts, device=device)
         self.newest = None  # (B, 1) the tokens added last, which the next decode step feeds
+        self.draw, self.nonfinite = draw, torch.zeros((), dtype=torch.bool, device=device)
         self.cache = None
         if kv_cache == "none":
             kernel = attention.kernel
@@ -210,35 +223,45 @@ class Generation:
         self.decode = self.fast_decode(device, compile, cuda_graph)
 
     def fast_decode(self, device: torch.device, compile: bool, cuda_graph: bool) -> Callable | None:
-        """The static decode step compiled, or captured as a CUDA graph; None: decode steps run eagerly."""
+        """(tokens, positions) -> the next tokens and the nonfinite flag, over the static decode step: compiled
+        (the draw after it), or captured with the draw as one CUDA graph; None: decode steps run eagerly."""
         if compile:
             if device.type == "cuda":  # CUDA graphs read these in place; a new call's cache re-records, not recompiles
                 for tensor in self.cache.static_tensors():
                     torch._dynamo.mark_static_address(tensor, guard=False)
-            return compile_step(self.decode_static, device)
+            step = compile_step(self.decode_static, device)
+            return lambda tokens, positions: self.draw(step(tokens, positions))
         if cuda_graph and self.cache is not None and device.type == "cuda":
-            return GraphedStep(self.decode_static, device)
+            return GraphedStep(lambda tokens, positions: self.draw(self.decode_static(tokens, positions)), device)
         return None
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        yield self.prefill()
+        tokens, nonfinite = self.draw(self.prefill())
         while True:
+            self.add(tokens, nonfinite)
+            yield tokens
             if self.cache is None or max(self.cache.host_lengths) >= self.block_size:
-                yield self.prefill(self.keep)  # no cache, or a full one: each row's last tokens again
+                tokens, nonfinite = self.draw(self.prefill(self.keep))  # no cache, or a full one: the last tokens again
             elif self.decode is not None:
                 self.cache.reserve([n + 1 for n in self.cache.host_lengths])
-                logits = self.decode(self.newest, self.cache.lengths)
+                tokens, nonfinite = self.decode(self.newest, self.cache.lengths)
                 self.cache.advance(1)
-                yield logits
             else:
-                yield forward_cached(self.model, self.newest, self.cache.extend(1), self.attends)
+                logits = forward_cached(self.model, self.newest, self.cache.extend(1), self.attends)
+                tokens, nonfinite = self.draw(logits)
 
-    def add(self, tokens: torch.Tensor):
-        """Append (B,) tokens, one per row."""
+    def add(self, tokens: torch.Tensor, nonfinite: torch.Tensor):
+        """Append (B,) tokens, one per row, and whether their logits held NaN or inf."""
         self.tokens[self.rows, self.ends] = tokens
         self.ends += 1
         self.counts = [n + 1 for n in self.counts]
         self.newest = tokens[:, None]
+        self.nonfinite |= nonfinite
+
+    def check_finite(self):
+        """NonFiniteLogits when any token so far was drawn from NaN or inf logits (the one wait for the GPU)."""
+        if self.nonfinite.item():
+            raise NonFiniteLogits("the model's logits are not finite (NaN or inf): the tokens drawn are not samples")
 
     def prefill(self, window: int | None = None) -> torch.Tensor:
         """Run each row's last `window` (default block_size) tokens, right-padded to the longest, into an empty
@@ -259,10 +282,10 @@ class Generation:
 
 
 class GraphedStep:
-    """The static decode step captured once as a CUDA graph and replayed: a step's dozens of kernels launch as
-    one, which is what decoding a small batch is bound by (what compile's reduce-overhead mode does, without
-    the compile). The cache stays where it is, so the graph reads and writes it in place; the inputs are copied
-    into the graph's own buffers."""
+    """The static decode step captured once as a CUDA graph and replayed: a step's hundreds of small kernels
+    launch as one, which is what decoding a small batch is bound by (what compile's reduce-overhead mode does,
+    without the compile). The cache stays where it is, so the graph reads and writes it in place; the inputs are
+    copied into the graph's own buffers, and the outputs copied out (the next replay overwrites them)."""
 
     def __init__(self, step: Callable, device: torch.device):
         self.step, self.device, self.graph = step, device, None
@@ -276,16 +299,16 @@ class GraphedStep:
                 self.step(self.tokens, self.positions)  # writes this step's keys and values: the same again below
         torch.cuda.current_stream(self.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self.step(self.tokens, self.positions)
+        with torch.cuda.graph(self.graph):  # random draws replay with fresh numbers (CUDA graphs' RNG offsets)
+            self.outputs = self.step(self.tokens, self.positions)
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.graph is None:
             self.capture(tokens, positions)
         self.tokens.copy_(tokens)
         self.positions.copy_(positions)
         self.graph.replay()
-        return self.logits
+        return tuple(output.clone() for output in self.outputs)
 
 
 def compile_step(step: Callable, device: torch.device) -> Callable:

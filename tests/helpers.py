@@ -306,14 +306,19 @@ def tree_digest(*roots: Path) -> dict[str, tuple[str, int]]:
 
 @contextlib.contextmanager
 def process_state_restored():
-    """train.train() installs SIGTERM/SIGINT/SIGHUP handlers and reconfigures the root logger; undo both, so an
-    in-process run does not change how this pytest process reacts to Ctrl-C or where later logs go."""
+    """train.train() installs SIGTERM/SIGINT/SIGHUP handlers, reconfigures the root logger and turns TF32 on;
+    undo all three, so an in-process run does not change how this pytest process reacts to Ctrl-C, where later
+    logs go, or the float32 results of a later GPU test (a compiled-vs-eager comparison flips under TF32)."""
+    import torch
+
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     root = logging.getLogger()
     root_handlers, root_level = root.handlers[:], root.level
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:
         yield
     finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         root.handlers[:] = root_handlers

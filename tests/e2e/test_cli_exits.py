@@ -305,7 +305,7 @@ def test_a_config_file_that_exits_is_one_line_naming_it(program, ending, call, c
     [
         ("nan-embedding", "non-finite weights (NaN or inf in transformer.wte.weight"),
         ("inf-norm", "non-finite weights (NaN or inf in transformer.ln_f.weight)"),
-        ("overflowing-logits", "the model's logits are not finite (NaN or inf) at token 1"),
+        ("overflowing-logits", "the model's logits are not finite (NaN or inf) while sampling this prompt"),
     ],
 )
 def test_a_checkpoint_that_cannot_be_sampled_is_one_line_naming_it(damage, names, trained_out, tmp_path, capsys):
