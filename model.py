@@ -290,7 +290,7 @@ class Need:
     training: bool = True  # gradients are needed
     seq_len: int = 0  # the longest sequence this use runs (0: unknown); only auto's order depends on it
     kv_cache: str = "none"  # generation: the KV cache decode steps read (none | contiguous | paged: generation/)
-    compiled: bool = False  # generation: the decode step runs under torch.compile (CUDA graphs)
+    decode_step: str = "eager"  # generation: eager | graph (the static step as a CUDA graph) | compiled (and graphed)
     mps_fix: bool = True  # keep SDPA away from explicit masks on MPS (sdpa_problem); GPTConfig.disable_mps_fix
 
     def __post_init__(self):

@@ -29,7 +29,7 @@ import generation
 from bench.grid import BenchParser, Grid, fresh_row, number, run_grid
 from bench.report import GPT2_VOCAB, Column, model_shape, plot_lines
 from errors import as_command
-from generation.loop import generation_attention
+from generation.loop import decode_step_for, generation_attention
 from model import GPT, GPTConfig
 from training.runtime import synchronize
 
@@ -169,7 +169,12 @@ def time_row(row: dict, case: Case, args, device: torch.device, dtype: torch.dty
     gpt = build_model(case, args, device, dtype)
     seq_len = case.prompt_len + case.new_tokens
     need = gpt.attention_need(
-        device, dtype, training=False, seq_len=seq_len, kv_cache=case.cache, compiled=case.compile
+        device,
+        dtype,
+        training=False,
+        seq_len=seq_len,
+        kv_cache=case.cache,
+        decode_step=decode_step_for(device, case.cache, case.compile),
     )
     resolution = generation_attention(gpt, need)[0].resolution
     row["resolved"] = resolution.used

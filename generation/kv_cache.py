@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -57,8 +58,8 @@ from model import (
     AttentionMask,
     FlashAttention,
     Need,
-    manual_attention,
     register,
+    repeat_kv,
     sdpa_kv,
 )
 
@@ -116,6 +117,17 @@ class Step:
             slots = torch.arange(self.span, device=self.q_pos.device)
             self.memo["dense"] = (slots <= self.q_pos[:, :, None])[:, None]
         return self.memo["dense"]
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """dense() as an additive mask in dtype, 0 where a query may see a key slot and -inf elsewhere, made once
+        per step: a bool mask is converted again by every layer's kernel. Its rows start at multiples of 16
+        slots, as SDPA's efficient kernel reads a mask without padding it first."""
+        if ("bias", dtype) not in self.memo:
+            B, T = self.q_pos.shape
+            bias = torch.zeros(B, 1, T, -(-self.span // 16) * 16, dtype=dtype, device=self.q_pos.device)
+            bias = bias[..., : self.span].masked_fill_(~self.dense(), float("-inf"))
+            self.memo["bias", dtype] = bias
+        return self.memo["bias", dtype]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -394,15 +406,18 @@ _DECODE_SDPA_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTI
 def sdpa_decode(q, cache: KVCache, layer: int, step: Step):
     k, v = cache.dense_kv(layer, step)
     # A one-token step that sees every slot needs no mask (is_causal would align top-left: wrong for T < S)
-    attn_mask = None if step.sees_all else step.dense()
+    attn_mask = None if step.sees_all else step.bias(q.dtype)
     k, v, gqa = sdpa_kv(q, k, v, attn_mask)
     with sdpa_kernel(_DECODE_SDPA_KERNELS):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **gqa)
 
 
 def manual_decode(q, cache: KVCache, layer: int, step: Step):
-    k, v = cache.dense_kv(layer, step)
-    return manual_attention(q, k, v, step)  # reads step.dense(): (B, 1, T, span)
+    """manual_attention's math over the dense view in 5 kernels a layer, not 8: the scale and the mask are one
+    add onto the step's float32 additive mask."""
+    k, v = repeat_kv(q, *cache.dense_kv(layer, step))
+    scores = torch.add(step.bias(torch.float32), q @ k.transpose(-2, -1), alpha=1.0 / math.sqrt(q.size(-1)))
+    return F.softmax(scores, dim=-1).to(v.dtype) @ v
 
 
 def flex_decode(q, cache: KVCache, layer: int, step: Step):
@@ -483,26 +498,31 @@ DECODE_KERNELS = {
     "manual": MANUAL_DECODE,
 }
 
-# auto's order for decoding from a KV cache. Eager: the fewest launches per step first (flash-attn's
-# flash_attn_with_kvcache reads the cache, pages included, in place), SDPA before flex, whose eager calls cost
-# more host time. Compiled (CUDA graphs, no launch cost): flex_attention skips the cache's empty key blocks and
-# manual's one-query scores fuse into Triton kernels, both ahead of flash-attn's and SDPA's kernels made for
-# many queries (bench/results/h100-generate-compiled.md).
+# auto's order for decoding from a KV cache, by how the decode step runs (Need.decode_step). Eager: the fewest
+# launches per step first (flash-attn's flash_attn_with_kvcache reads the cache, pages included, in place), SDPA
+# before flex, whose eager calls cost more host time. A CUDA graph (sample.py's default; no launch cost): flash-attn,
+# then manual, whose one-query scores beat SDPA's efficient kernel (made for many queries) and which needs no
+# compile, unlike flex (bench/results/h100-sampling.md). Compiled: flex_attention skips the cache's empty key
+# blocks and manual's one-query scores fuse into Triton kernels, both ahead of flash-attn's and SDPA's kernels
+# (bench/results/h100-generate-compiled.md).
 DECODE_ORDER = {
-    ("cuda", "contiguous", False): ("flash_attn_3", "flash_attn_2", "sdpa", "flex_attention", "manual"),
-    ("cuda", "paged", False): ("flash_attn_3", "flash_attn_2", "flex_attention", "sdpa", "manual"),
-    ("cuda", "contiguous", True): ("flex_attention", "manual", "flash_attn_3", "flash_attn_2", "sdpa"),
-    ("cuda", "paged", True): ("flex_attention", "flash_attn_3", "flash_attn_2", "manual", "sdpa"),
-    ("other", "contiguous", False): ("sdpa", "manual"),
-    ("other", "paged", False): ("sdpa", "manual"),
+    ("cuda", "contiguous", "eager"): ("flash_attn_3", "flash_attn_2", "sdpa", "flex_attention", "manual"),
+    ("cuda", "paged", "eager"): ("flash_attn_3", "flash_attn_2", "flex_attention", "sdpa", "manual"),
+    ("cuda", "contiguous", "graph"): ("flash_attn_3", "flash_attn_2", "manual", "sdpa", "flex_attention"),
+    ("cuda", "paged", "graph"): ("flash_attn_3", "flash_attn_2", "manual", "flex_attention", "sdpa"),
+    ("cuda", "contiguous", "compiled"): ("flex_attention", "manual", "flash_attn_3", "flash_attn_2", "sdpa"),
+    ("cuda", "paged", "compiled"): ("flex_attention", "flash_attn_3", "flash_attn_2", "manual", "sdpa"),
+    ("other", "contiguous", "eager"): ("sdpa", "manual"),
+    ("other", "paged", "eager"): ("sdpa", "manual"),
 }
+DECODE_STEPS = ("eager", "graph", "compiled")
 
 
 def decode_order(need: Need) -> tuple[tuple[str, ...], str]:
-    """auto's order for decoding from need.kv_cache (compiled: CUDA graphs, on CUDA only)."""
+    """auto's order for decoding from need.kv_cache (a graphed or compiled step: on CUDA only)."""
     generation = gpu_generation(need.device)[0]
-    compiled = need.compiled and generation == "cuda"  # elsewhere the compiled step runs eagerly
-    return DECODE_ORDER[(generation, need.kv_cache, compiled)], f"{'compiled ' if compiled else ''}decode order"
+    step = need.decode_step if generation == "cuda" else "eager"  # elsewhere a static step runs eagerly
+    return DECODE_ORDER[(generation, need.kv_cache, step)], f"{'' if step == 'eager' else step + ' '}decode order"
 
 
 def paged_problem(need: Need) -> str:

@@ -116,12 +116,11 @@ def stream(
         kv_cache = "paged"  # the backend names the cache layout
     device, longest = prompts[0].device, max(p.numel() for p in prompts)
     seq_len = min(model.config.block_size, longest + max_new_tokens)
+    decode_step = decode_step_for(device, kv_cache, compile, cuda_graph)
     need = model.attention_need(
-        device, model.compute_dtype(device), training=False, seq_len=seq_len, kv_cache=kv_cache, compiled=compile
+        device, model.compute_dtype(device), training=False, seq_len=seq_len, kv_cache=kv_cache, decode_step=decode_step
     )
     attention, decode = generation_attention(model, need)
-    if cuda_graph is None:
-        cuda_graph = device.type == "cuda" and kv_cache != "none" and not compile
     generation = Generation(
         model,
         prompts,
@@ -131,7 +130,7 @@ def stream(
         kv_cache,
         functools.partial(next_token, temperature=temperature, top_k=top_k, vocab_size=vocab_size),
         compile=compile,
-        cuda_graph=cuda_graph,
+        cuda_graph=decode_step == "graph",
         page_size=page_size,
         slide=slide,
     )
@@ -141,6 +140,15 @@ def stream(
 
 # ----------------------------------------------------------------------------------------------
 # Sampling and the generation loop
+
+
+def decode_step_for(device: torch.device, kv_cache: str, compile: bool, cuda_graph: bool | None = None) -> str:
+    """How stream runs a decode step (Need.decode_step): compiled, graph (by default on CUDA with a KV cache,
+    unless compiled) or eager."""
+    if compile:
+        return "compiled"
+    graph = device.type == "cuda" and kv_cache != "none" and cuda_graph is not False
+    return "graph" if graph else "eager"
 
 
 def check_generation(max_new_tokens, temperature, top_k, kv_cache: str, compile: bool, slide: str = "exact"):
@@ -173,7 +181,7 @@ def next_token(
         return logits.argmax(dim=-1), nonfinite
     logits = logits / temperature
     if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
         logits = logits.masked_fill(logits < kth, -float("inf"))  # not logits[mask] = ...: that syncs the host
     probs = F.softmax(logits, dim=-1)
     # torch.multinomial's own draw for one sample, the same ids for the same seed, without its two host syncs

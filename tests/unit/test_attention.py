@@ -839,24 +839,25 @@ def test_model_alone_registers_its_own_three_kernels_and_kernels_adds_the_rest()
 # ---- auto: the per-card table, and timing on a card the table does not know -------------------
 
 
-def test_decode_order_depends_on_whether_the_step_is_compiled(fake_env):
-    """Eager decoding pays per launch (flash-attn's one kernel first); under CUDA graphs the kernel's own time
-    counts (flex first). Off CUDA the compiled step runs eagerly, so its order is the eager one."""
-    fake_env(installed=(), capability=(9, 0))  # no flash-attn: eager decoding takes SDPA
+def test_decode_order_depends_on_how_the_step_runs(fake_env):
+    """Eager decoding pays per launch (flash-attn's one kernel first, then SDPA); a CUDA graph pays for the kernels'
+    own time and no compile (manual first without flash-attn); compiled, flex first. Off CUDA a graphed or compiled
+    step runs eagerly, so its order is the eager one."""
+    fake_env(installed=(), capability=(9, 0))  # no flash-attn
     gpt = GPT(tiny_config(n_embd=128, n_head=2))  # head dim 64
     need = gpt.attention_need(CUDA, torch.bfloat16, training=False, seq_len=384, kv_cache="contiguous")
-    assert kv_cache.decode_order(need) == (kv_cache.DECODE_ORDER[("cuda", "contiguous", False)], "decode order")
+    assert kv_cache.decode_order(need) == (kv_cache.DECODE_ORDER[("cuda", "contiguous", "eager")], "decode order")
     attention, decode = generation_attention(gpt, need)
     assert attention.resolution.used == "sdpa" and decode == kv_cache.DECODE_KERNELS["sdpa"]
     assert "decode order" in attention.resolution.reason and attention.need == need
-    compiled = dataclasses.replace(need, compiled=True)
-    assert kv_cache.decode_order(compiled)[1] == "compiled decode order"
-    attention, decode = generation_attention(gpt, compiled)
-    assert attention.resolution.used == "flex_attention" and decode == kv_cache.DECODE_KERNELS["flex_attention"]
-    paged = dataclasses.replace(compiled, kv_cache="paged")
-    assert generation_attention(gpt, paged)[0].resolution.used == "flex_attention"
-    on_cpu = dataclasses.replace(compiled, device=CPU, dtype=torch.float32)
-    assert kv_cache.decode_order(on_cpu) == (("sdpa", "manual"), "decode order")
+    for step, first in (("graph", "manual"), ("compiled", "flex_attention")):
+        static = dataclasses.replace(need, decode_step=step)
+        assert kv_cache.decode_order(static)[1] == f"{step} decode order"
+        attention, decode = generation_attention(gpt, static)
+        assert attention.resolution.used == first and decode == kv_cache.DECODE_KERNELS[first]
+        assert generation_attention(gpt, dataclasses.replace(static, kv_cache="paged"))[0].resolution.used == first
+        on_cpu = dataclasses.replace(static, device=CPU, dtype=torch.float32)
+        assert kv_cache.decode_order(on_cpu) == (("sdpa", "manual"), "decode order")
     assert gpt.attention is None, "generation's choice is its own: the model is not set up by it"
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import model
+from errors import NonFiniteLogits
 from generation import generate, kv_cache, loop
 from generation.kv_cache import ContiguousKVCache, PagedKVCache, Step
 from generation.loop import forward_cached, generation_attention
@@ -478,6 +479,41 @@ def test_gpu_compiled_decode_gives_the_eager_tokens(cache):
     for _ in range(2):
         compiled = generate(gpt, prompts, 20, temperature=0, kv_cache=cache, compile=True)
         assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+def test_gpu_cuda_graph_decoding_draws_as_eager_decoding_does(cache):
+    """The default CUDA decode (the static step and the draw captured as one CUDA graph), float32, prompts of
+    different lengths: greedy, and top_k=1 sampling (topk, mask, softmax and the exponential draw, all inside the
+    graph), give the eager tokens; the graph's draws are fresh each replay (uniform logits give many ids, not
+    one repeated); NaN logits raise NonFiniteLogits after the tokens."""
+    device = gpu_or_skip("sdpa", cache, torch.float32)
+    gpt = tiny_model(block_size=64, n_embd=128).to(device)
+    prompts = [tokens(n, seed=n).to(device) for n in (5, 17, 9)]
+    eager = generate(gpt, prompts, 20, temperature=0, kv_cache=cache, cuda_graph=False)
+    for temperature, top_k in ((0, None), (1.0, 1)):
+        graphed = generate(gpt, prompts, 20, temperature=temperature, top_k=top_k, kv_cache=cache, cuda_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(graphed, eager)), (temperature, top_k)
+    with torch.no_grad():
+        gpt.lm_head.weight.zero_()  # tied to wte: every logit 0, every id equally likely
+    drawn = generate(gpt, prompts[:1], 60, temperature=1.0, kv_cache=cache, cuda_graph=True)[0][5:]
+    assert len(set(drawn.tolist())) > 30  # 64 ids: a replay that repeated its numbers would draw one id
+    with torch.no_grad():
+        gpt.transformer.ln_f.weight.fill_(float("nan"))
+    with pytest.raises(NonFiniteLogits):
+        generate(gpt, prompts, 5, kv_cache=cache, cuda_graph=True)
+
+
+def test_logits_that_are_not_finite_raise_once_the_tokens_are_out():
+    """The draw never waits for the GPU: a NaN in the logits is flagged on the device and read once, at the end
+    of generation (NonFiniteLogits), on every path: no cache, a cache, and the static step."""
+    gpt = tiny_model()
+    with torch.no_grad():
+        gpt.transformer.ln_f.bias.fill_(float("inf"))
+    for options in (dict(kv_cache="none"), dict(kv_cache="contiguous"), dict(kv_cache="paged", compile=True)):
+        with pytest.raises(NonFiniteLogits):
+            generate(gpt, tokens(2, 5), 4, top_k=5, **options)
 
 
 def test_a_backend_registered_without_a_decode_kernel_decodes_with_sdpas(caplog):
