@@ -483,13 +483,15 @@ def test_gpu_compiled_decode_gives_the_eager_tokens(cache):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache", ["contiguous", "paged"])
-def test_gpu_cuda_graph_decoding_draws_as_eager_decoding_does(cache):
+@pytest.mark.parametrize("backend", ["flex_attention", "manual", "sdpa"])
+@pytest.mark.usefixtures("allow_flex_recompiles")
+def test_gpu_cuda_graph_decoding_draws_as_eager_decoding_does(backend, cache):
     """The default CUDA decode (the static step and the draw captured as one CUDA graph), float32, prompts of
-    different lengths: greedy, and top_k=1 sampling (topk, mask, softmax and the exponential draw, all inside the
-    graph), give the eager tokens; the graph's draws are fresh each replay (uniform logits give many ids, not
-    one repeated); NaN logits raise NonFiniteLogits after the tokens."""
-    device = gpu_or_skip("sdpa", cache, torch.float32)
-    gpt = tiny_model(block_size=64, n_embd=128).to(device)
+    different lengths, per decode kernel: greedy, and top_k=1 sampling (topk, mask, softmax and the exponential
+    draw, all inside the graph), give the eager tokens; the graph's draws are fresh each replay (uniform logits
+    give many ids, not one repeated); NaN logits raise NonFiniteLogits after the tokens."""
+    device = gpu_or_skip(backend, cache, torch.float32)
+    gpt = tiny_model(block_size=64, n_embd=128, attention_backend=backend).to(device)
     prompts = [tokens(n, seed=n).to(device) for n in (5, 17, 9)]
     eager = generate(gpt, prompts, 20, temperature=0, kv_cache=cache, cuda_graph=False)
     for temperature, top_k in ((0, None), (1.0, 1)):
