@@ -781,7 +781,8 @@ def test_generation_resolves_for_inference_once_and_keeps_the_training_choice(mo
     original = model.resolve
     monkeypatch.setattr(model, "resolve", lambda *args: resolved.append(args[1]) or original(*args))
     generate(gpt, torch.zeros(1, 1, dtype=torch.long), 5, top_k=1)
-    assert [(need.training, need.kv_cache) for need in resolved] == [(False, "contiguous")], "once, not per token"
+    # once per call, not per token: the decode pick, and under auto the pick for reading prompts (a forward)
+    assert [(need.training, need.kv_cache) for need in resolved] == [(False, "contiguous"), (False, "none")]
     assert gpt.attention is training_choice
     resolved.clear()
     gpt.generate(torch.zeros(1, 1, dtype=torch.long), 5, top_k=1)  # the plain loop runs the model's own choice
@@ -855,6 +856,8 @@ def test_decode_order_depends_on_how_the_step_runs(fake_env):
         assert kv_cache.decode_order(static)[1] == f"{step} decode order"
         attention, decode = generation_attention(gpt, static)
         assert attention.resolution.used == first and decode == kv_cache.DECODE_KERNELS[first]
+        reads_prompts = model.resolve("auto", dataclasses.replace(need, kv_cache="none")).used  # a forward's pick
+        assert reads_prompts != first and attention.kernel is model.BACKENDS[reads_prompts].kernel
         assert generation_attention(gpt, dataclasses.replace(static, kv_cache="paged"))[0].resolution.used == first
         on_cpu = dataclasses.replace(static, device=CPU, dtype=torch.float32)
         assert kv_cache.decode_order(on_cpu) == (("sdpa", "manual"), "decode order")
