@@ -25,6 +25,7 @@ from errors import as_command
 if __name__ == "__main__":  # before torch's seconds of importing: see as_command
     as_command()
 
+import contextlib
 import errno
 import logging
 import signal
@@ -247,6 +248,7 @@ def sample(cfg: SampleConfig) -> int:
     device = pick_device(cfg.device)
     runtime = Runtime(device, pick_dtype(cfg.dtype, device))
     model, encode, decode, vocab_size = load_model(cfg, device)
+    precision = inference_precision(model, runtime)
     source = cfg.init_from or cfg.checkpoint or Path(cfg.out_dir) / "ckpt.pt"
     prompts = encode_prompts(cfg, encode, model.config.block_size)
     torch.manual_seed(cfg.seed)
@@ -257,7 +259,7 @@ def sample(cfg: SampleConfig) -> int:
         batch = jobs[first : first + cfg.batch_size]
         new: list[torch.Tensor] = []  # (B,) tokens per step: what Ctrl-C prints
         try:
-            with runtime.autocast():
+            with precision:
                 sample_batch(cfg, model, batch, vocab_size, timing, new)
         except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM, SIGHUP: print the samples so far
             print_samples(batch, new, decode, stopping=True)
@@ -277,6 +279,17 @@ def sample(cfg: SampleConfig) -> int:
         print_samples(batch, new, decode)
     timing.report(len(jobs) * cfg.max_new_tokens, time.time() - started)
     return 0
+
+
+def inference_precision(model: GPT, runtime: Runtime):
+    """What a step computes in. bfloat16 on a GPU: the weights cast to it once and no autocast, as inference
+    stacks run (half the weight memory, and no casts inside every decode step, which is bound by its count of
+    small kernels: bench/results/h100-sampling.md); the residual stream is then bfloat16 too. float16 keeps its
+    float32 weights under autocast (GPT-2's activations can overflow it), and so does everything else."""
+    if runtime.device.type == "cuda" and runtime.dtype == torch.bfloat16:
+        model.to(torch.bfloat16)
+        return contextlib.nullcontext()
+    return runtime.autocast()
 
 
 def sample_batch(cfg: SampleConfig, model: GPT, batch: list[list[int]], vocab_size: int, timing: Timing, new: list):

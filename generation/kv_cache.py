@@ -501,15 +501,15 @@ DECODE_KERNELS = {
 # auto's order for decoding from a KV cache, by how the decode step runs (Need.decode_step). Eager: the fewest
 # launches per step first (flash-attn's flash_attn_with_kvcache reads the cache, pages included, in place), SDPA
 # before flex, whose eager calls cost more host time. A CUDA graph (sample.py's default; no launch cost): flash-attn,
-# then flex (its kernel compiles once, ~1 s) and manual, whose one-query kernels beat SDPA's efficient kernel,
-# made for many queries (bench/results/h100-sampling.md). Compiled: flex_attention skips the cache's empty key
-# blocks and manual's one-query scores fuse into Triton kernels, both ahead of flash-attn's and SDPA's kernels
-# (bench/results/h100-generate-compiled.md).
+# then manual, whose one-query kernels beat SDPA's efficient kernel (made for many queries); flex last, as its
+# kernel's compile took 7 s on a fresh machine (bench/results/h100-sampling.md). Compiled: flex_attention skips
+# the cache's empty key blocks and manual's one-query scores fuse into Triton kernels, both ahead of flash-attn's
+# and SDPA's kernels (bench/results/h100-generate-compiled.md).
 DECODE_ORDER = {
     ("cuda", "contiguous", "eager"): ("flash_attn_3", "flash_attn_2", "sdpa", "flex_attention", "manual"),
     ("cuda", "paged", "eager"): ("flash_attn_3", "flash_attn_2", "flex_attention", "sdpa", "manual"),
-    ("cuda", "contiguous", "graph"): ("flash_attn_3", "flash_attn_2", "flex_attention", "manual", "sdpa"),
-    ("cuda", "paged", "graph"): ("flash_attn_3", "flash_attn_2", "flex_attention", "manual", "sdpa"),
+    ("cuda", "contiguous", "graph"): ("flash_attn_3", "flash_attn_2", "manual", "sdpa", "flex_attention"),
+    ("cuda", "paged", "graph"): ("flash_attn_3", "flash_attn_2", "manual", "sdpa", "flex_attention"),
     ("cuda", "contiguous", "compiled"): ("flex_attention", "manual", "flash_attn_3", "flash_attn_2", "sdpa"),
     ("cuda", "paged", "compiled"): ("flex_attention", "flash_attn_3", "flash_attn_2", "manual", "sdpa"),
     ("other", "contiguous", "eager"): ("sdpa", "manual"),

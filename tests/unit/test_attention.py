@@ -842,8 +842,8 @@ def test_model_alone_registers_its_own_three_kernels_and_kernels_adds_the_rest()
 
 def test_decode_order_depends_on_how_the_step_runs(fake_env):
     """Eager decoding pays per launch (flash-attn's one kernel first, then SDPA); a CUDA graph or a compiled step
-    pays for the kernels' own time (flex first without flash-attn under a graph, flex first when compiled). Off
-    CUDA a graphed or compiled step runs eagerly, so its order is the eager one."""
+    pays for the kernels' own time (manual first without flash-attn under a graph: no compile; flex first when
+    compiled). Off CUDA a graphed or compiled step runs eagerly, so its order is the eager one."""
     fake_env(installed=(), capability=(9, 0))  # no flash-attn
     gpt = GPT(tiny_config(n_embd=128, n_head=2))  # head dim 64
     need = gpt.attention_need(CUDA, torch.bfloat16, training=False, seq_len=384, kv_cache="contiguous")
@@ -851,7 +851,7 @@ def test_decode_order_depends_on_how_the_step_runs(fake_env):
     attention, decode = generation_attention(gpt, need)
     assert attention.resolution.used == "sdpa" and decode == kv_cache.DECODE_KERNELS["sdpa"]
     assert "decode order" in attention.resolution.reason and attention.need == need
-    for step, first in (("graph", "flex_attention"), ("compiled", "flex_attention")):
+    for step, first in (("graph", "manual"), ("compiled", "flex_attention")):
         static = dataclasses.replace(need, decode_step=step)
         assert kv_cache.decode_order(static)[1] == f"{step} decode order"
         attention, decode = generation_attention(gpt, static)
