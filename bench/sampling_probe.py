@@ -11,9 +11,9 @@ end to end is bench/results/h100-e2e-sampling*.json (python -m bench.e2e --only 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +21,8 @@ import torch
 
 import kernels  # noqa: F401  (registers flex_attention and the flash-attn backends)
 from bench import report
+from data.common import OneLineParser
+from errors import as_command
 from generation import stream
 from model import GPT, GPTConfig
 
@@ -66,9 +68,12 @@ def time_variant(name: str, model: GPT, autocast: bool, profiled=False, temperat
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: the sampling probe times CUDA graphs on a CUDA GPU, and this machine has none", file=sys.stderr)
+        return 2
     torch.manual_seed(0)
     config = dict(report.GPT2_124M, vocab_size=50257, block_size=1024)  # the HF folder's vocabulary, unpadded
     gpt = GPT(GPTConfig(**config)).to("cuda").eval()
@@ -92,4 +97,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    as_command()  # output that cannot be written is dropped, never a traceback
+    sys.exit(main())

@@ -64,7 +64,7 @@ BENCHES = {  # each bench, and what its error line names for an unknown option
         ("bench_attention", "bench_ddp", "bench_generate", "bench_train", "bench_two_nodes", "compare_backends"),
         "--bogus",
     ),
-    **dict.fromkeys(("e2e", "loss_curves", "profile", "readme_table"), "--bogus"),
+    **dict.fromkeys(("e2e", "loss_curves", "profile", "readme_table", "sampling_probe"), "--bogus"),
     "fit_auto": "the following arguments are required: results",
     "step_phases": "the following arguments are required: parallelism",
 }
