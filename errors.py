@@ -1,10 +1,11 @@
 """Every error type of this repo. Each one's message is one line: what was wrong and what is allowed or what
 to do; the entry points print it after `error: ` and exit with code 2. Also how every command starts
-(as_command): output it cannot write is dropped, never a crash, and Ctrl-C while it starts is one line."""
+(as_command): output it cannot write is dropped, never a crash, and a stop signal while it starts is one line."""
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 
@@ -37,6 +38,19 @@ class CheckpointError(ValueError):
 
 class NonFiniteLogits(ValueError):
     """Generation drew tokens from logits that held NaN or inf (weights that overflow in a low precision)."""
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal (SIGTERM, SIGINT or SIGHUP) that arrived before there was anything to save, raised where the
+    program was, as Ctrl-C raises KeyboardInterrupt (which it is: what catches Ctrl-C catches it too)."""
+
+    def __init__(self, signum: int):
+        self.signum, self.signal_name = signum, signal.Signals(signum).name
+        super().__init__(self.signal_name)
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # a shell's code for death by that signal: 143, 130, 129
 
 
 # ----------------------------------------------------------------------------------------------
@@ -113,7 +127,10 @@ def as_command() -> None:
     seconds). stdout and stderr become QuietStreams, so a log line or a result that cannot be written never stops
     the work; standard streams that were closed when the command started are opened on /dev/null (a file the
     command opens must not become its stdout); and a Ctrl-C that main() does not catch (while torch imports) is one
-    line, `interrupted`, instead of a KeyboardInterrupt traceback."""
+    line, `interrupted`, instead of a KeyboardInterrupt traceback. SIGTERM and SIGHUP, which would end the process
+    without a word, raise Stopped until the command takes them itself, and end it the same way: one line, `stopped
+    by SIGTERM`, then death by that signal (exit code 143 or 129 to a shell). A signal ignored at start (nohup)
+    stays ignored."""
     while True:  # the lowest free descriptor: a closed 0, 1 or 2 is filled, anything above is closed again
         fd = os.open(os.devnull, os.O_RDWR)
         if fd > 2:
@@ -127,12 +144,25 @@ def as_command() -> None:
             setattr(sys, name, QuietStream(stream))
     if sys.excepthook is sys.__excepthook__:
         sys.excepthook = _interrupted_quietly
+    for name in ("SIGTERM", "SIGHUP"):
+        number = getattr(signal, name, None)
+        if number is not None and signal.getsignal(number) is signal.SIG_DFL:
+            signal.signal(number, _raise_stopped)
+
+
+def _raise_stopped(signum, frame):
+    raise Stopped(signum)
 
 
 def _interrupted_quietly(kind, error, trace) -> None:
     """sys.excepthook: a KeyboardInterrupt that nothing caught is one line; the interpreter then ends as Python
-    ends on Ctrl-C, killed by SIGINT (exit code 130 to a shell, which then stops a script too)."""
-    if issubclass(kind, KeyboardInterrupt):
+    ends on Ctrl-C, killed by SIGINT (exit code 130 to a shell, which then stops a script too). A Stopped by
+    another signal ends by that signal instead."""
+    if isinstance(error, Stopped) and error.signum != signal.SIGINT:
+        print(f"stopped by {error.signal_name}", file=sys.stderr, flush=True)
+        signal.signal(error.signum, signal.SIG_DFL)
+        os.kill(os.getpid(), error.signum)
+    elif issubclass(kind, KeyboardInterrupt):
         print("interrupted", file=sys.stderr, flush=True)
     else:
         sys.__excepthook__(kind, error, trace)

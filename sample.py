@@ -39,11 +39,20 @@ import torch
 import kernels  # noqa: F401  (registers flash-attn 3/4, flex_attention and auto's table)
 from configurator import load_config
 from data.tokenizer import load_tokenizer, tokenizer_vocab_size
-from errors import CheckpointError, ConfigError, DataError, NonFiniteLogits, UsageError, silence, stream_failure
+from errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    NonFiniteLogits,
+    Stopped,
+    UsageError,
+    silence,
+    stream_failure,
+)
 from generation import stream
 from generation.loop import check_generation
 from model import GPT, canonical_backend
-from training.runtime import Runtime, StopOnSignals, Stopped, pick_device, pick_dtype
+from training.runtime import Runtime, StopOnSignals, pick_device, pick_dtype
 from weights.hf import load_weights, model_from_checkpoint
 from weights.load import load_checkpoint
 

@@ -17,6 +17,11 @@ first line) in `status`; cells the --budget leaves no time for say so too.
 
 from __future__ import annotations
 
+from errors import as_command
+
+if __name__ == "__main__":  # before torch's seconds of importing: see as_command
+    as_command()
+
 import contextlib
 import functools
 import math
@@ -40,7 +45,6 @@ from bench.grid import (
     run_grid,
 )
 from bench.report import Column, plot_lines
-from errors import as_command
 from model import BACKENDS, AttentionMask, Need, resolve, sdpa_attention, sdpa_kernel_problem
 from training.runtime import synchronize
 
@@ -578,5 +582,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())

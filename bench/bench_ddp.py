@@ -20,6 +20,11 @@ NCCL_NVLS_ENABLE=0 in every launched process. Results: bench/results/<card>-ddp.
 
 from __future__ import annotations
 
+from errors import as_command
+
+if __name__ == "__main__":  # before torch's seconds of importing: see as_command
+    as_command()
+
 import argparse
 import statistics
 import sys
@@ -31,7 +36,6 @@ import torch
 from bench import launch
 from bench.report import DEFAULT_OUT, GPT2_124M, GPT2_VOCAB, TINY, Column, pyplot, results_header, write_results
 from data.common import OneLineParser
-from errors import as_command
 from training.parallel import PARALLELISMS
 
 GPT2_XL = {"n_layer": 48, "n_head": 25, "n_embd": 1600}
@@ -335,5 +339,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())

@@ -18,6 +18,11 @@ peer; then no cache (the whole context every step, as nanoGPT generates).
 
 from __future__ import annotations
 
+from errors import as_command
+
+if __name__ == "__main__":  # before torch's seconds of importing: see as_command
+    as_command()
+
 import sys
 import time
 from dataclasses import dataclass
@@ -28,7 +33,6 @@ import torch
 import generation
 from bench.grid import BenchParser, Grid, fresh_row, number, run_grid
 from bench.report import GPT2_VOCAB, Column, model_shape, plot_lines
-from errors import as_command
 from generation.loop import decode_step_for, generation_attention
 from model import GPT, GPTConfig
 from training.runtime import synchronize
@@ -438,5 +442,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())

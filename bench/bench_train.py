@@ -14,6 +14,11 @@ runs at T <= 1024 only: at T=8192 its (T, T) scores alone would need tens of GiB
 
 from __future__ import annotations
 
+from errors import as_command
+
+if __name__ == "__main__":  # before torch's seconds of importing: see as_command
+    as_command()
+
 import itertools
 import math
 import statistics
@@ -26,7 +31,6 @@ import torch
 
 from bench.grid import BenchParser, Grid, fresh_row, number, run_grid
 from bench.report import GPT2_VOCAB, Column, model_shape, plot_lines
-from errors import as_command
 from train import TrainConfig, TrainState, build_model, build_train_state, train_step
 from training.runtime import model_flops_utilization, peak_flops_for, setup_runtime, synchronize
 
@@ -382,5 +386,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())

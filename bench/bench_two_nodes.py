@@ -11,6 +11,11 @@ Results: bench/results/<card>-two-nodes.{json,md}. NCCL_NVLS_ENABLE=0 in every l
 
 from __future__ import annotations
 
+from errors import as_command
+
+if __name__ == "__main__":  # before torch's seconds of importing: see as_command
+    as_command()
+
 import contextlib
 import random
 import socket
@@ -24,7 +29,6 @@ import torch
 from bench import launch
 from bench.report import DEFAULT_OUT, GPT2_124M, GPT2_VOCAB, TINY, Column, save_results
 from data.common import OneLineParser
-from errors import as_command
 
 COLUMNS = [
     Column("launch", "launch"),
@@ -168,5 +172,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())

@@ -14,6 +14,11 @@ to split the backends over several runs on the same card).
 
 from __future__ import annotations
 
+from errors import as_command
+
+if __name__ == "__main__":  # before torch's seconds of importing: see as_command
+    as_command()
+
 import argparse
 import json
 import re
@@ -27,7 +32,6 @@ from pathlib import Path
 from bench import launch
 from bench.report import DEFAULT_OUT, Column, bench_device, results_header, results_stem, write_results
 from data.common import OneLineParser
-from errors import as_command
 
 BACKENDS = ("auto", "sdpa", "flash_attn_2", "flex_attention", "manual")
 SETTINGS = [  # before the caller's arguments, so theirs win
@@ -124,5 +128,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())

@@ -17,6 +17,11 @@ a sanity check of each path, not benchmarks. A train cell passes when its loss i
 
 from __future__ import annotations
 
+from errors import as_command
+
+if __name__ == "__main__":  # before torch's seconds of importing: see as_command
+    as_command()
+
 import json
 import math
 import os
@@ -29,7 +34,6 @@ from pathlib import Path
 
 from bench import launch
 from data.common import OneLineParser
-from errors import as_command
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_BACKENDS = ("sdpa", "manual", "flex_attention", "flash_attn_2", "flash_attn_3", "flash_attn_4")
@@ -322,5 +326,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())

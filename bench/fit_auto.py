@@ -12,12 +12,16 @@ keep their earlier entries. The table is data: model code reads it, and nothing 
 
 from __future__ import annotations
 
+from errors import as_command
+
+if __name__ == "__main__":  # before torch's seconds of importing: see as_command
+    as_command()
+
 import json
 import sys
 from pathlib import Path
 
 from data.common import OneLineParser
-from errors import as_command
 from kernels.auto import AUTO_TABLE
 from storage.atomic import atomic_path
 
@@ -89,5 +93,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())

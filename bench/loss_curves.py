@@ -10,6 +10,11 @@ again from another seed: the gap between the two seeds is the run-to-run noise t
 
 from __future__ import annotations
 
+from errors import as_command
+
+if __name__ == "__main__":  # before torch's seconds of importing: see as_command
+    as_command()
+
 import statistics
 import sys
 import time
@@ -20,7 +25,6 @@ import torch
 from bench import launch
 from bench.report import DEFAULT_OUT, TINY, Column, pyplot, save_results
 from data.common import OneLineParser
-from errors import as_command
 
 PLAIN = ["--attention_backend=sdpa", "--cross_entropy=plain"]
 RUNS = {"plain": (1337, PLAIN), "default": (1337, []), "plain, seed 2": (2, PLAIN)}  # name: (seed, switches)
@@ -135,5 +139,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())

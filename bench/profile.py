@@ -19,6 +19,11 @@ graphs are meant to remove.
 
 from __future__ import annotations
 
+from errors import as_command
+
+if __name__ == "__main__":  # before torch's seconds of importing: see as_command
+    as_command()
+
 import argparse
 import functools
 import re
@@ -37,7 +42,6 @@ from bench.bench_train import VARIANTS, Case, build_state, case_config
 from bench.grid import free_device_memory
 from bench.report import DEFAULT_OUT, card_slug
 from data.common import OneLineParser
-from errors import as_command
 from model import GPT, GPTConfig
 from train import train_step
 from training.runtime import synchronize
@@ -220,5 +224,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())

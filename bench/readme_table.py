@@ -23,6 +23,11 @@ Targets checked by --check, in every (dtype, docs, head dim, seq len) cell of th
 
 from __future__ import annotations
 
+from errors import as_command
+
+if __name__ == "__main__":  # before torch's seconds of importing: see as_command
+    as_command()
+
 import argparse
 import json
 import math
@@ -31,7 +36,6 @@ import sys
 from pathlib import Path
 
 from data.common import OneLineParser
-from errors import as_command
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = REPO_ROOT / "bench" / "results" / "h100-attention.json"
@@ -359,5 +363,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())

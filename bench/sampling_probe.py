@@ -11,6 +11,11 @@ end to end is bench/results/h100-e2e-sampling*.json (python -m bench.e2e --only 
 
 from __future__ import annotations
 
+from errors import as_command
+
+if __name__ == "__main__":  # before torch's seconds of importing: see as_command
+    as_command()
+
 import contextlib
 import json
 import sys
@@ -22,7 +27,6 @@ import torch
 import kernels  # noqa: F401  (registers flex_attention and the flash-attn backends)
 from bench import report
 from data.common import OneLineParser
-from errors import as_command
 from generation import stream
 from model import GPT, GPTConfig
 
@@ -97,5 +101,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())

@@ -14,6 +14,11 @@ Results: bench/results/<card>-step-phases.{json,md,png}. Run with NCCL_NVLS_ENAB
 
 from __future__ import annotations
 
+from errors import as_command
+
+if __name__ == "__main__":  # before torch's seconds of importing: see as_command
+    as_command()
+
 import os
 import statistics
 import sys
@@ -25,7 +30,6 @@ import torch.distributed as dist
 
 from bench.report import DEFAULT_OUT, GPT2_VOCAB, Column, model_shape, pyplot, save_results
 from data.common import OneLineParser
-from errors import as_command
 
 COLUMNS = [
     Column("parallelism", "parallelism"),
@@ -195,5 +199,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    as_command()  # output that cannot be written is dropped, never a traceback
     sys.exit(main())

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from errors import PeerFailed, UsageError, silence
+from errors import PeerFailed, Stopped, UsageError, silence
 from storage.checkpoint import format_bytes
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -293,19 +293,6 @@ def take_stop_signals(handler) -> dict:
 def give_back_stop_signals(previous: dict) -> None:
     for sig, handler in previous.items():
         signal.signal(sig, handler)
-
-
-class Stopped(KeyboardInterrupt):
-    """A stop signal (SIGTERM, SIGINT or SIGHUP) that arrived before there was anything to save, raised where the
-    program was, as Ctrl-C raises KeyboardInterrupt (which it is: what catches Ctrl-C catches it too)."""
-
-    def __init__(self, signum: int):
-        self.signum, self.signal_name = signum, signal.Signals(signum).name
-        super().__init__(self.signal_name)
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum  # a shell's code for death by that signal: 143, 130, 129
 
 
 class StopOnSignals:

@@ -14,9 +14,13 @@ if not __package__:  # `python data/openwebtext/prepare.py`: the repo's packages
     print("error: run it from the repo root as: python -m data.openwebtext.prepare", file=sys.stderr)
     sys.exit(2)
 
+from errors import as_command
+
+if __name__ == "__main__":  # before torch's seconds of importing: see as_command
+    as_command()
+
 from data.common import run_prepare  # noqa: E402
 from data.hf import hf_prepare_main  # noqa: E402
-from errors import as_command  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -30,5 +34,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    as_command()  # a line that cannot be written (`> /dev/full`, a closed terminal) is dropped, not an error
     sys.exit(run_prepare(main))  # errors: one `error:` line, exit code 2
