@@ -71,13 +71,13 @@ class SampleConfig:
     top_k: int | None = 200  # keep only the k likeliest tokens; None keeps all
     seed: int = 1337  # sampling seed
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
-    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32; bfloat16 on a GPU casts the weights (no autocast)
     attention_backend: str = "auto"  # attention kernel for sampling (see python model.py)
     kv_cache: str = "contiguous"  # none | contiguous | paged: the KV cache decoding reads (see generation/kv_cache.py)
     disable_mps_fix: bool = False  # on MPS, let SDPA decode from the KV cache (explicit masks) despite the NaN risk
     batch_size: int = 1  # samples generated together; above 1, a --start=FILE:path holds one prompt per line
     compile: bool = False  # torch.compile the decode step with CUDA graphs (on CUDA; elsewhere it runs eagerly)
-    cuda_graph: bool = True  # on CUDA, capture the eager decode step once as a CUDA graph (no compile needed)
+    cuda_graph: bool = True  # on CUDA, capture the decode step and the draw once as a CUDA graph (no compile)
     slide: str = "half"  # past block_size: half (re-read the last block_size/2, decode on) | exact (nanoGPT's)
 
     def __post_init__(self):

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -255,3 +256,20 @@ def test_weights_that_do_not_fit_model_config_are_one_line(trained_out, tmp_path
     code, out, err = run_sample(capsys, f"--checkpoint={tmp_path / 'odd.pt'}", "--max_new_tokens=3", "--device=cpu")
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: ")
     assert "transformer.wpe.weight (16, 32) (model_config needs (8, 32))" in err, err
+
+
+def test_bfloat16_sampling_on_a_gpu_casts_the_weights_and_drops_autocast():
+    """On a GPU in bfloat16 the weights are cast once and no autocast wraps the steps (its casts sit inside every
+    decode step); float16 (GPT-2 overflows it) and float32 keep float32 weights, under autocast for float16."""
+    from training.runtime import Runtime
+
+    for dtype, weights, autocast in ((torch.bfloat16, torch.bfloat16, False), (torch.float16, torch.float32, True)):
+        gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+        with warnings.catch_warnings():  # autocast(device_type="cuda") without CUDA says it is disabled
+            warnings.simplefilter("ignore")
+            context = sample.inference_precision(gpt, Runtime(torch.device("cuda"), dtype))  # nothing moves
+        assert {p.dtype for p in gpt.parameters()} == {weights}
+        assert isinstance(context, torch.autocast) == autocast, dtype
+    gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+    sample.inference_precision(gpt, Runtime(torch.device("cpu"), torch.bfloat16))
+    assert {p.dtype for p in gpt.parameters()} == {torch.float32}  # CPU: autocast, as training evaluates
