@@ -60,6 +60,10 @@ class Row:
     figure: float | None
     unit: str
     seconds: float
+    log_tail: str = ""  # a failed cell's last lines of output (the JSON keeps them; the table shows the status)
+
+
+LOG_TAIL_LINES = 40
 
 
 def read_train(log: str) -> tuple[str, float | None, str]:
@@ -84,15 +88,16 @@ def read_sample(log: str) -> tuple[str, float | None, str]:
 def measure(cell: Cell, env: dict) -> Row:
     done = launch.run(cell.command, env, timeout=600)  # stdout and stderr together; 124 past the timeout
     output, seconds = done.output, done.seconds
+    tail = "\n".join(output.splitlines()[-LOG_TAIL_LINES:])  # kept for a cell that fails
     if done.code != 0:
-        return Row(cell.path, cell.settings, done.failure(), None, "", seconds)
+        return Row(cell.path, cell.settings, done.failure(), None, "", seconds, tail)
     fallback = re.search(r"WARNING: (\S+) requested but (.*); falling back to", output)
     if fallback and cell.settings.get("backend") == fallback.group(1):
         return Row(cell.path, cell.settings, f"skipped: {fallback.group(2)[:200]}", None, "", seconds)
     status, figure, unit = {"train": read_train, "sample": read_sample}.get(cell.parse, lambda _: ("ok", None, ""))(
         output
     )
-    return Row(cell.path, cell.settings, status, figure, unit, seconds)
+    return Row(cell.path, cell.settings, status, figure, unit, seconds, "" if status == "ok" else tail)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from bench import bench_two_nodes, compare_backends, grid, launch, readme_table, report, step_phases
+from bench import bench_two_nodes, compare_backends, e2e, grid, launch, readme_table, report, step_phases
 from bench.launch import parse_log_line
 from bench.report import card_slug
 from helpers import REPO as ROOT
@@ -560,3 +560,17 @@ def test_a_probe_stops_at_its_last_step_and_a_timeout_leaves_nothing_running(tmp
     run = launch.run(command, dict(os.environ), timeout=1.5)
     assert run.code == 124 and "timed out after 1.5 s" in run.output and run.seconds < 20
     assert gone(int(pid_file.read_text()))
+
+
+def test_e2e_keeps_the_end_of_a_failed_cells_output_in_the_json(tmp_path):
+    """A failed cell's row is its one-line status in the table, and the JSON keeps the output's last lines (a
+    traceback's cause sits above its last line); a cell that passes keeps none."""
+    crash = "import sys; print('step 1'); print('cause: the capture failed', file=sys.stderr); raise SystemExit(3)"
+    failed = e2e.measure(e2e.Cell("crashes", [sys.executable, "-c", crash], {}, parse="done"), dict(os.environ))
+    passed = e2e.measure(e2e.Cell("passes", [sys.executable, "-c", "print('ok')"], {}, parse="done"), dict(os.environ))
+    assert failed.status != "ok" and "cause: the capture failed" in failed.log_tail and "step 1" in failed.log_tail
+    assert passed.status == "ok" and passed.log_tail == ""
+    path = e2e.write([failed, passed], tmp_path, "cpu", time.perf_counter())
+    rows = json.loads(path.read_text())["rows"]
+    assert rows[0]["log_tail"] == failed.log_tail and rows[1]["log_tail"] == ""
+    assert "step 1" not in path.with_suffix(".md").read_text()
