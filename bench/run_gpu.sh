@@ -54,7 +54,8 @@ for stage in "$@"; do
     tests)
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
         python3 -c 'import kernels, model; model.main()'  # python model.py, with kernels/ registered
-        python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests/ 2>&1 | tail -12
+        # the whole log (tracebacks included) to $OUT, its end here
+        python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests/ 2>&1 | tee "$OUT/gpu-tests.log" | tail -12
         ;;
     smoke)  # every backend name trains a few steps on this GPU (SMOKE_ARGS: extra settings, e.g. the modern block)
         corpus /tmp/smoke_data
