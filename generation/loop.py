@@ -49,8 +49,8 @@ def forward_cached(model: GPT, idx, step: Step, attends: Sequence[Callable]) -> 
 
 def generation_attention(model: GPT, need) -> tuple[Attention, DecodeKernel | None]:
     """The backend generation runs for `need` (auto: the decode order for a KV cache), its decode kernel, and
-    the INFO line saying so. paged_attention runs auto's pick for a paged cache under it. Under auto, prompts are
-    read (prefill) with auto's pick for a forward where that differs from the decode pick."""
+    the INFO line saying so. paged_attention runs auto's pick for a paged cache under it. Under auto, when the
+    decode pick is flex or manual, prompts are read (prefill) with auto's pick for a forward."""
     config = model.config
     order = decode_order(need) if need.kv_cache != "none" else None
     attention = attention_for(config, need, model.logged_lines, order)
@@ -67,9 +67,9 @@ def generation_attention(model: GPT, need) -> tuple[Attention, DecodeKernel | No
         detail += f", paged KV cache: {decode.pages}"
     elif need.kv_cache == "contiguous":
         detail += ", contiguous KV cache"
-    if config.attention_backend in ("auto", "paged_attention") and need.kv_cache != "none":
-        # A prompt (and a slide's window) is read as a forward of many queries reads it, which the decode
-        # order's pick for one query may do slowly (flex recompiles for each new length; manual is O(T^2))
+    if config.attention_backend in ("auto", "paged_attention") and used in ("flex_attention", "manual"):
+        # A prompt (and a slide's window) is read as a forward of many queries reads it: flex would recompile for
+        # each new length, and manual is O(T^2). flash-attn and SDPA read prompts well themselves.
         forward = attention_for(config, dataclasses.replace(need, kv_cache="none", decode_step="eager"), set())
         if forward.resolution.used != used:
             attention = attention._replace(kernel=forward.kernel)

@@ -781,8 +781,7 @@ def test_generation_resolves_for_inference_once_and_keeps_the_training_choice(mo
     original = model.resolve
     monkeypatch.setattr(model, "resolve", lambda *args: resolved.append(args[1]) or original(*args))
     generate(gpt, torch.zeros(1, 1, dtype=torch.long), 5, top_k=1)
-    # once per call, not per token: the decode pick, and under auto the pick for reading prompts (a forward)
-    assert [(need.training, need.kv_cache) for need in resolved] == [(False, "contiguous"), (False, "none")]
+    assert [(need.training, need.kv_cache) for need in resolved] == [(False, "contiguous")], "once, not per token"
     assert gpt.attention is training_choice
     resolved.clear()
     gpt.generate(torch.zeros(1, 1, dtype=torch.long), 5, top_k=1)  # the plain loop runs the model's own choice
