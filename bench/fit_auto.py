@@ -75,8 +75,16 @@ def main(argv=None) -> int:
         results = json.loads(args.results.read_text())
         card = results["header"]["capability"]
         fitted = fit(results)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        print(f"error: {args.results}: {error}", file=sys.stderr)
+    except OSError as error:
+        print(f"error: {args.results}: {error.strerror or error}", file=sys.stderr)
+        return 2
+    except (ValueError, KeyError, TypeError) as error:
+        what = f"no {error} field" if isinstance(error, KeyError) else str(error).splitlines()[0]
+        print(
+            f"error: {args.results} is not an attention results file ({what}); "
+            f"make one with python -m bench.bench_attention",
+            file=sys.stderr,
+        )
         return 2
     if not card or not card.startswith("sm"):
         print(f"error: {args.results} is not from a CUDA card (capability {card!r})", file=sys.stderr)

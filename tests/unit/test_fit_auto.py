@@ -87,11 +87,21 @@ def test_the_committed_table_has_an_entry_auto_reads_for_every_masking_it_fitted
                 assert first(cards, start - 1, head_dim, documents) != entry["first"], (card, masking, head_dim)
 
 
-@pytest.mark.parametrize("content", ["{}", json.dumps({"header": {"capability": None}, "rows": []}), "not json"])
-def test_a_results_file_without_a_card_is_one_line_and_exit_2(tmp_path, capsys, content):
+@pytest.mark.parametrize(
+    "content, says",
+    [
+        ("{}", "is not an attention results file (no 'header' field); make one with python -m bench.bench_attention"),
+        (json.dumps({"header": {"capability": None}, "rows": []}), "is not from a CUDA card (capability None)"),
+        ("not json", "is not an attention results file (Expecting value"),
+        (None, ": No such file or directory"),
+    ],
+)
+def test_a_results_file_without_a_card_is_one_line_and_exit_2(tmp_path, capsys, content, says):
+    """Each way a results file can be wrong is one line that says which, and the table is not written."""
     path = tmp_path / "results.json"
-    path.write_text(content)
+    if content is not None:
+        path.write_text(content)
     assert fit_auto.main([str(path), "--table", str(tmp_path / "table.json")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1
+    assert err.startswith(f"error: {path}") and says in err and err.count("\n") == 1, err
     assert not (tmp_path / "table.json").exists()
