@@ -138,8 +138,7 @@ def stream(
         decode,
         kv_cache,
         functools.partial(next_token, temperature=temperature, top_k=top_k, vocab_size=vocab_size),
-        compile=compile,
-        cuda_graph=decode_step == "graph",
+        decode_step=decode_step,
         page_size=page_size,
         slide=slide,
     )
@@ -212,8 +211,7 @@ class Generation:
         kv_cache: str,
         draw: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
         *,
-        compile: bool = False,
-        cuda_graph: bool = False,
+        decode_step: str = "eager",
         page_size: int | None = None,
         slide: str = "exact",
     ):
@@ -234,21 +232,22 @@ class Generation:
             kernel = attention.kernel
             self.attends = [lambda q, k, v, step, p: kernel(q, k, v, step.chunk_mask, p)] * config.n_layer
         else:
-            dtype, static = model.compute_dtype(device), compile or cuda_graph
+            dtype, static = model.compute_dtype(device), decode_step != "eager"
             self.cache = make_cache(config, prompts, max_new_tokens, kv_cache, decode, device, dtype, static, page_size)
             self.attends = self.cache.attends(attention.kernel, decode.run)
-        self.decode = self.fast_decode(device, compile, cuda_graph)
+        self.decode = self.fast_decode(device, decode_step)
 
-    def fast_decode(self, device: torch.device, compile: bool, cuda_graph: bool) -> Callable | None:
-        """(tokens, positions) -> the next tokens and the nonfinite flag, over the static decode step: compiled
-        (the draw after it), or captured with the draw as one CUDA graph; None: decode steps run eagerly."""
-        if compile:
+    def fast_decode(self, device: torch.device, decode_step: str) -> Callable | None:
+        """(tokens, positions) -> the next tokens and the nonfinite flag, over the static decode step (decode_step,
+        from decode_step_for): compiled (the draw after it), or captured with the draw as one CUDA graph; None:
+        decode steps run eagerly."""
+        if decode_step == "compiled":
             if device.type == "cuda":  # CUDA graphs read these in place; a new call's cache re-records, not recompiles
                 for tensor in self.cache.static_tensors():
                     torch._dynamo.mark_static_address(tensor, guard=False)
             step = compile_step(self.decode_static, device)
             return lambda tokens, positions: self.draw(step(tokens, positions))
-        if cuda_graph and self.cache is not None and device.type == "cuda":
+        if decode_step == "graph":  # on CUDA with a cache only (decode_step_for)
             return GraphedStep(lambda tokens, positions: self.draw(self.decode_static(tokens, positions)), device)
         return None
 
