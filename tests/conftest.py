@@ -59,14 +59,19 @@ def one_thread():
 @pytest.fixture
 def allow_flex_recompiles():
     """Each shape/dtype/mask is a new compile of the one cached flex function; past dynamo's recompile limit
-    (8, which earlier tests may have used up) torch.compile silently falls back to eager. Patched through
-    dynamo's own config.patch: pytest's monkeypatch cannot undo a torch config attribute cleanly."""
+    (8) torch.compile silently falls back to eager flex, which a CUDA graph cannot capture. The test starts
+    from no compiled frames (earlier tests' compiles count toward the limit) and a raised limit. Patched
+    through dynamo's own config.patch: pytest's monkeypatch cannot undo a torch config attribute cleanly."""
     import torch._dynamo
 
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    with config.patch(**{name: max(64, getattr(config, name))}):
-        yield
+    torch._dynamo.reset()
+    try:
+        with config.patch(**{name: max(64, getattr(config, name))}):
+            yield
+    finally:
+        torch._dynamo.reset()
 
 
 @pytest.fixture(scope="session")
