@@ -232,6 +232,7 @@ def parallel_cells(data: Path, work: Path) -> list[Cell]:
     for parallelism in ("ddp", "fsdp"):
         command = ["torchrun", "--standalone", "--nproc_per_node=2", "train.py", f"--data_dir={data}", *MODEL, *TRAIN]
         command += [f"--out_dir={work / parallelism}", f"--parallelism={parallelism}", "--dtype=bfloat16"]
+        command += ["--gradient_accumulation_steps=2"]  # counts micro-steps of all ranks together, as in nanoGPT
         cells.append(Cell(f"torchrun 2 GPUs {parallelism}", command, {"parallelism": parallelism}, gpus=2))
     return cells
 
