@@ -574,3 +574,18 @@ def test_e2e_keeps_the_end_of_a_failed_cells_output_in_the_json(tmp_path):
     rows = json.loads(path.read_text())["rows"]
     assert rows[0]["log_tail"] == failed.log_tail and rows[1]["log_tail"] == ""
     assert "step 1" not in path.with_suffix(".md").read_text()
+
+
+def test_e2e_torchrun_cells_give_each_rank_whole_micro_steps(tmp_path):
+    """The DDP and FSDP cells' settings load as train.py loads them, and their gradient_accumulation_steps (the
+    micro-steps of all ranks together) divides among the cell's ranks, which train.py refuses otherwise."""
+    import train
+    from configurator import load_config
+
+    cells = e2e.parallel_cells(tmp_path / "data", tmp_path)
+    assert [cell.settings["parallelism"] for cell in cells] == ["ddp", "fsdp"]
+    for cell in cells:
+        nproc = int(next(a for a in cell.command if a.startswith("--nproc_per_node=")).split("=")[1])
+        argv = cell.command[cell.command.index("train.py") + 1 :]
+        cfg = load_config(train.TrainConfig(), argv)
+        assert nproc == cell.gpus == 2 and cfg.gradient_accumulation_steps % nproc == 0, cell.path
