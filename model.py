@@ -839,10 +839,11 @@ class GPT(nn.Module):
 
     # -- forward, loss and generation --
 
-    def forward(self, idx, targets=None, doc_ids=None):
+    def forward(self, idx, targets=None, doc_ids=None, positions=None):
         """(logits, loss). Without targets: the last position's logits (B, 1, V) and None. With targets: the mean
         cross-entropy, and the logits (B, T, V), or None where the loss was chunked (cross_entropy; never built whole).
-        doc_ids (B, T): packed documents, attention kept inside each run of equal ids."""
+        doc_ids (B, T): packed documents, attention kept inside each run of equal ids. positions (T,): where idx's
+        tokens sit in their sequences, when idx is a part of them (context parallelism); default 0..T-1."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
@@ -853,7 +854,10 @@ class GPT(nn.Module):
         if doc_ids is not None and not attention.need.documents:
             raise ValueError("packed documents (doc_ids) need setup_attention(..., documents=True) first")
         mask = AttentionMask(T, idx.device, doc_ids)
-        pos = torch.arange(T, device=idx.device) if doc_ids is None else document_positions(doc_ids)  # (T,)|(B, T)
+        if positions is not None:
+            pos = positions
+        else:
+            pos = torch.arange(T, device=idx.device) if doc_ids is None else document_positions(doc_ids)  # (T,)|(B, T)
         x, rope = self.embed(idx, pos)
         x = self.transformer.drop(x)  # (B, T, C)
         recompute_blocks = self.config.activation_checkpointing == "block" and self.training and torch.is_grad_enabled()

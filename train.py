@@ -40,6 +40,7 @@ from data.loader import Batches
 from errors import CheckpointError, ConfigError, DataError, PeerFailed, UsageError, stream_failure
 from model import GPT, GPTConfig
 from storage.checkpoint import BEST, LATEST, checkpoint_names
+from training.context import context_shard, use_context_parallel_attention
 from training.parallel import fused_optimizer_ok, grad_scaler, gradient_sync, place_model, replicated, wrap_model
 from training.preflight import (
     CUDA_GRAPH_MODES,
@@ -141,6 +142,7 @@ class TrainConfig:
     compile_mode: str = "default"  # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
     dist_backend: str = "nccl"  # DDP backend under torchrun: nccl | gloo
     parallelism: str = "ddp"  # under torchrun: ddp (a model copy per GPU) | fsdp (weights and optimizer sharded)
+    context_parallel: int = 1  # under torchrun: ranks that split each sequence, for contexts one GPU cannot hold
     ddp_bucket_cap_mb: float = 100.0  # DDP all-reduces gradients in buckets of this size
     ddp_graph_split: bool = False  # compiled DDP: a graph per bucket, all-reduce overlapping backward (bench/NOTES.md)
     fsdp_reshard_after_forward: bool = True  # FSDP frees gathered weights after forward; False: kept for backward
@@ -211,7 +213,7 @@ def evaluate(model, batches: Batches, cfg: TrainConfig, runtime: Runtime) -> dic
     model.eval()
     result = {}
     for offset, split in enumerate(("train", "val")):
-        generator = torch.Generator().manual_seed((cfg.seed + 7919 * (runtime.rank + 1) + offset) % 2**64)
+        generator = torch.Generator().manual_seed((cfg.seed + 7919 * (runtime.data_rank + 1) + offset) % 2**64)
         total = torch.zeros((), device=runtime.device)
         for _ in range(cfg.eval_iters):
             batch = batches.get(split, generator)  # (x, y) or, packed, (x, y, doc_ids)
@@ -253,7 +255,7 @@ class TrainState:
     @property
     def accum(self) -> int:
         """Micro-steps per optimizer step on this rank."""
-        return self.cfg.gradient_accumulation_steps // self.runtime.world_size
+        return self.cfg.gradient_accumulation_steps // self.runtime.data_ranks
 
 
 @dataclass
@@ -275,6 +277,9 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     attention = model.setup_attention(
         device, runtime.dtype, training=True, seq_len=cfg.block_size, documents=cfg.packed_documents, measure=True
     )
+    shard = context_shard(runtime)
+    if shard is not None:  # before torch.compile, which then traces the context-parallel kernel
+        use_context_parallel_attention(model, shard, cfg.attention_backend, log)
     # float16 needs the GradScaler's loss scaling; other dtypes keep its scale at exactly 1 (clip_and_step)
     scaled = runtime.dtype == torch.float16
     scaler = grad_scaler(
@@ -384,9 +389,10 @@ def setup_or_resume(
             runtime.device,
             seed=cfg.seed,
             vocab_size=vocab_size,
-            rank=runtime.rank,
-            world_size=runtime.world_size,
-            accum=cfg.gradient_accumulation_steps // runtime.world_size,
+            rank=runtime.data_rank,
+            world_size=runtime.data_ranks,
+            accum=cfg.gradient_accumulation_steps // runtime.data_ranks,
+            shard=getattr(context_shard(runtime), "batch", None),  # context parallelism: this rank's part
             packed_documents=cfg.packed_documents,
             document_separator=cfg.document_separator,
         )
@@ -415,10 +421,11 @@ def tokens_per_iter(cfg: TrainConfig) -> int:
 def print_header(cfg: TrainConfig, runtime: Runtime, model: GPT, resume_iter: int | None) -> None:
     settings = " ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items())
     emit("config: " + textwrap.fill(settings, 110, subsequent_indent="  "))
-    accum = cfg.gradient_accumulation_steps // runtime.world_size
+    accum = cfg.gradient_accumulation_steps // runtime.data_ranks
+    split = f", each sequence split over {runtime.context_parallel} ranks" if runtime.context_parallel > 1 else ""
     emit(
         f"parameters: {model.num_params() / 1e6:.2f}M | tokens per iteration: {tokens_per_iter(cfg):,} "
-        f"({runtime.world_size} ranks x {accum} micro-steps x {cfg.batch_size} x {cfg.block_size}) | "
+        f"({runtime.data_ranks} ranks x {accum} micro-steps x {cfg.batch_size} x {cfg.block_size}{split}) | "
         f"device {runtime.device} {str(runtime.dtype).removeprefix('torch.')}"
         + (f" | resuming at iter {resume_iter}" if resume_iter is not None else "")
     )
@@ -636,7 +643,12 @@ def train(cfg: TrainConfig) -> int:
         try:
             cfg = resolve_init_from(cfg)
             runtime = setup_runtime(
-                cfg.device, cfg.dtype, cfg.dist_backend, cfg.gradient_accumulation_steps, timeout_s=cfg.dist_timeout_s
+                cfg.device,
+                cfg.dtype,
+                cfg.dist_backend,
+                cfg.gradient_accumulation_steps,
+                timeout_s=cfg.dist_timeout_s,
+                context_parallel=cfg.context_parallel,
             )
             if runtime.master:
                 logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", force=True)

@@ -84,9 +84,11 @@ class Batches:
         accum: int = 1,
         packed_documents: bool = False,
         document_separator: int | None = None,
+        shard: Callable[[tuple], tuple] | None = None,
     ):
         self.data_dir, self.batch_size, self.block_size, self.device = Path(data_dir), batch_size, block_size, device
         self.rank, self.world_size, self.accum = rank, world_size, accum  # accum: micro-steps per step, this rank
+        self.shard = shard  # context parallelism: whole sequences' arguments -> this rank's part of them
         for split in ("train", "val"):
             open_split(data_dir, split, block_size, vocab_size)  # validates; DataError names the fix
         self.limit = token_limit(read_meta(data_dir), vocab_size)  # every id drawn must be below it
@@ -122,6 +124,8 @@ class Batches:
             x, y = x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
         else:
             x, y = x.to(self.device), y.to(self.device)
+        if self.shard is not None:
+            return self.shard((x, y))
         return (x, y) if self.separator is None else (x, y, document_ids(x, self.separator))
 
     def _check_ids(self, windows: np.ndarray, starts: list[int], path: Path) -> None:

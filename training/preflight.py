@@ -134,6 +134,15 @@ def check_parallelism(cfg) -> None:
         )
     if cfg.parallelism == "fsdp" and cfg.lora_rank:
         raise ValueError("LoRA (lora_rank > 0) trains with parallelism ddp, not fsdp; its frozen base is not sharded")
+    if cfg.context_parallel < 1:
+        raise ValueError(f"context_parallel must be >= 1 (1 turns it off), got {cfg.context_parallel}")
+    if cfg.context_parallel > 1 and cfg.block_size % (2 * cfg.context_parallel):
+        raise ValueError(
+            f"context_parallel={cfg.context_parallel} cuts each sequence into {2 * cfg.context_parallel} equal chunks; "
+            f"block_size ({cfg.block_size}) must be a multiple of {2 * cfg.context_parallel}"
+        )
+    if cfg.context_parallel > 1 and cfg.packed_documents:
+        raise ValueError("context_parallel > 1 trains whole sequences; packed_documents is not supported with it")
     if cfg.ddp_reduce_dtype not in REDUCE_DTYPES:
         raise ValueError(f"unknown ddp_reduce_dtype {cfg.ddp_reduce_dtype!r}; choose one of {', '.join(REDUCE_DTYPES)}")
     if cfg.ddp_reduce_dtype == "bfloat16" and cfg.dist_backend != "nccl":

@@ -34,10 +34,21 @@ class Runtime:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    context_parallel: int = 1  # ranks that split each sequence (training/context.py); they read the same data
+    context_group: object = None  # this rank's group of context_parallel ranks, where that is more than 1
 
     @property
     def ddp(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of the data this rank reads: the ranks of one context-parallel group read the same."""
+        return self.rank // self.context_parallel
+
+    @property
+    def data_ranks(self) -> int:
+        return self.world_size // self.context_parallel
 
     @property
     def master(self) -> bool:
@@ -104,21 +115,30 @@ def setup_runtime(
     dist_backend: str = "nccl",
     gradient_accumulation_steps: int = 1,
     timeout_s: float | None = None,
+    context_parallel: int = 1,
 ) -> Runtime:
     """This process's device and dtype; under torchrun (WORLD_SIZE > 1) also joins the process group, whose
-    collectives give up after timeout_s (None: torch's default)."""
+    collectives give up after timeout_s (None: torch's default), and with context_parallel > 1 the groups of that
+    many consecutive ranks that split each sequence."""
     world_size = env_int("WORLD_SIZE", 1, low=1)
     rank, local_rank = env_int("RANK", 0, low=0), env_int("LOCAL_RANK", 0, low=0)
     if rank >= world_size:
         raise UsageError(f"environment variable RANK={rank} must be below WORLD_SIZE={world_size}")
+    if world_size % context_parallel:
+        raise UsageError(
+            f"context_parallel={context_parallel} needs a multiple of {context_parallel} ranks, but there are "
+            f"{world_size}; start with torchrun --nproc_per_node={context_parallel} (or a multiple of it)"
+        )
+    data_ranks = world_size // context_parallel
     picked = pick_device(device, local_rank)
     if world_size > 1:
         if dist_backend == "nccl" and picked.type != "cuda":
             raise UsageError(f"dist_backend nccl needs CUDA devices (device is {picked.type}); use --dist_backend=gloo")
-        if gradient_accumulation_steps % world_size:
+        if gradient_accumulation_steps % data_ranks:
+            of_data = " reading their own data (ranks / context_parallel)" if context_parallel > 1 else ""
             raise UsageError(
                 f"gradient_accumulation_steps ({gradient_accumulation_steps}) must be a "
-                f"multiple of the number of ranks ({world_size})"
+                f"multiple of the number of ranks{of_data} ({data_ranks})"
             )
         if picked.type == "cuda":
             torch.cuda.set_device(picked)
@@ -132,7 +152,14 @@ def setup_runtime(
     if picked.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 for any float32 matmul left outside autocast
         torch.backends.cudnn.allow_tf32 = True
-    return Runtime(picked, pick_dtype(dtype, picked), rank, local_rank, world_size)
+    runtime = Runtime(picked, pick_dtype(dtype, picked), rank, local_rank, world_size, context_parallel)
+    if context_parallel > 1:  # every rank takes part in making every group
+        groups = [
+            dist.new_group(list(range(first, first + context_parallel)))
+            for first in range(0, world_size, context_parallel)
+        ]
+        runtime.context_group = groups[runtime.data_rank]
+    return runtime
 
 
 def join_process_group(dist_backend: str, timeout_s: float | None = None) -> None:

@@ -431,6 +431,24 @@ BAD_INPUTS = [
         expect=("ddp_reduce_dtype=bfloat16 needs dist_backend=nccl",),
     ),
     case("zero-dist_timeout_s", "--dist_timeout_s=0", expect=("dist_timeout_s must be > 0",)),
+    case("zero-context_parallel", "--context_parallel=0", expect=("context_parallel must be >= 1", "got 0")),
+    case(
+        "context_parallel-uneven-chunks",
+        "--context_parallel=3",
+        "--block_size=16",
+        expect=("6 equal chunks", "block_size (16) must be a multiple of 6"),
+    ),
+    case(
+        "context_parallel-with-documents",
+        "--context_parallel=2",
+        "--packed_documents=true",
+        expect=("packed_documents is not supported",),
+    ),
+    case(
+        "context_parallel-on-one-rank",
+        "--context_parallel=2",
+        expect=("context_parallel=2 needs a multiple of 2 ranks, but there are 1", "--nproc_per_node=2"),
+    ),
     case(
         "unknown-attention_backend",
         "--attention_backend=flash3",
