@@ -7,6 +7,8 @@ trains under DDP and under FSDP.
     python -m bench.bench_ddp --fsdp           # also GPT-2 XL (48 layers, width 1600) under FSDP, same GPU counts
     python -m bench.bench_ddp --largest        # also the deepest width-1600 GPT that trains, DDP and FSDP
     python -m bench.bench_ddp --quick          # CPU, gloo, a tiny model on 1 and 2 processes: checks the script
+    python -m bench.bench_ddp --skip-ddp --gpus 1 2 --context 262144 --context-check 8192
+                                               # context parallelism: T on 1 GPU, 2T split over 2; losses at 8192
     python -m bench.bench_ddp --gpus 1 2 --variant overlap:--ddp_graph_split=true,--ddp_bucket_cap_mb=25
                                                # other DDP settings, scaled by the same 1-GPU run
 
@@ -46,6 +48,7 @@ COLUMNS = [
     Column("settings", "train.py settings"),
     Column("params_m", "params (M)", "{:,.0f}"),
     Column("gpus", "GPUs"),
+    Column("block_size", "T"),
     Column("micro_steps_per_gpu", "micro-steps / GPU"),
     Column("tokens_per_step", "tokens / step", "{:,}"),
     Column("ms_per_iter", "ms / iter", "{:.1f}"),
@@ -53,6 +56,8 @@ COLUMNS = [
     Column("tokens_per_sec_per_gpu", "tok/s per GPU", "{:,.0f}"),
     Column("scaling", "scaling vs 1 GPU", "{:.3f}"),
     Column("mfu", "MFU", "{:.1%}"),
+    Column("mfu_vs_1gpu", "MFU vs 1 GPU", "{:.2f}"),
+    Column("loss_vs_1gpu", "loss - 1 GPU's", "{:+.4f}"),
     Column("mem_gib", "mem GiB", "{:.1f}"),
     Column("status", "status"),
 ]
@@ -63,13 +68,13 @@ def params_millions(shape: dict, vocab_size: int | None, block_size: int) -> flo
     return (((vocab_size or 256) + block_size) * width + shape["n_layer"] * 12 * width * width) / 1e6
 
 
-def run_settings(args, shape: dict, parallelism: str, micro_batch: int, accum_total: int) -> list[str]:
+def run_settings(args, shape: dict, parallelism: str, micro_batch: int, accum_total: int, block_size: int) -> list[str]:
     settings = launch.flags(shape) + [
         f"--data_dir={args.data}",
         f"--parallelism={parallelism}",
         f"--batch_size={micro_batch}",
         f"--gradient_accumulation_steps={accum_total}",
-        f"--block_size={args.block_size}",
+        f"--block_size={block_size}",
         *([f"--vocab_size={args.vocab_size}"] if args.vocab_size else []),
         f"--max_iters={args.iters}",
         f"--lr_decay_iters={args.iters}",
@@ -100,21 +105,26 @@ def measure(
     baseline=None,
     warmup: int | None = None,
     stop_at_iter: int | None = None,
+    block_size: int | None = None,
+    accum_total: int | None = None,
 ) -> dict:
-    """One row: train.py under torchrun on `gpus` processes, its iter lines past `warmup` summed up."""
-    accum_total = max(args.gpus) * args.accum
+    """One row: train.py under torchrun on `gpus` processes, its iter lines past `warmup` summed up. block_size
+    and accum_total (micro-steps over all GPUs): the run's own, else the bench's."""
+    accum_total = accum_total or max(args.gpus) * args.accum
+    block_size = block_size or args.block_size
     row = {
         "run": run,
         "baseline": baseline or run,  # the run whose 1-GPU row scales this one
         "settings": " ".join(settings) or "-",
         "model": model,
-        "params_m": params_millions(shape, args.vocab_size, args.block_size),
+        "params_m": params_millions(shape, args.vocab_size, block_size),
         "gpus": gpus,
+        "block_size": block_size,
         "micro_batch": micro_batch,
-        "micro_steps_per_gpu": accum_total // gpus,
-        "tokens_per_step": accum_total * micro_batch * args.block_size,
+        "micro_steps_per_gpu": max(1, accum_total // gpus),
+        "tokens_per_step": accum_total * micro_batch * block_size,
     }
-    settings = run_settings(args, shape, parallelism, micro_batch, accum_total) + list(settings)
+    settings = run_settings(args, shape, parallelism, micro_batch, accum_total, block_size) + list(settings)
     out_dir = args.work / f"{run}-{model}-{gpus}"
     settings += [f"--out_dir={out_dir}", "--overwrite_out_dir=true"]
     command = launch.train_command(settings, ["--standalone", f"--nproc_per_node={gpus}"])
@@ -142,12 +152,49 @@ def figures(result: launch.Run, warmup: int, gpus: int) -> dict:
 
 
 def add_scaling(rows: list[dict]) -> None:
-    """Per-GPU tok/s over that of the same run and model on one GPU."""
-    single = {(r["run"], r["model"]): r.get("tokens_per_sec") for r in rows if r["gpus"] == 1}
+    """Per-GPU tok/s over that of the same run and model on one GPU; for context-parallel rows, whose sequences
+    are longer than one GPU's, MFU over the one-GPU row's (and, at the same T, the final loss's difference)."""
+    single = {(r["run"], r["model"]): r for r in rows if r["gpus"] == 1 and r.get("tokens_per_sec")}
     for row in rows:
         base = single.get((row["baseline"], row["model"]))
-        if base and row.get("tokens_per_sec"):
-            row["scaling"] = row["tokens_per_sec_per_gpu"] / base
+        if base is None or not row.get("tokens_per_sec") or row["gpus"] == 1:
+            continue
+        if not row["run"].startswith("context"):
+            row["scaling"] = row["tokens_per_sec_per_gpu"] / base["tokens_per_sec"]
+            continue
+        if row.get("mfu") and base.get("mfu"):
+            row["mfu_vs_1gpu"] = row["mfu"] / base["mfu"]
+        if row["block_size"] == base["block_size"]:
+            row["loss_vs_1gpu"] = row["final_loss"] - base["final_loss"]
+
+
+# Context parallelism's sequences take seconds a step: a few compiled steps, the first two (compiling) untimed
+CONTEXT_ITERS = 6
+CONTEXT = (
+    f"--max_iters={CONTEXT_ITERS + 1}",
+    f"--lr_decay_iters={CONTEXT_ITERS + 1}",
+    "--warmup_iters=1",
+    "--log_interval=1",
+    "--activation_checkpointing=block",
+)
+
+
+def context_rows(args, on_row) -> None:
+    """At each --context T: one GPU at T, then each GPU count N > 1 splitting sequences of N x T (context_parallel
+    N), batch 1; at each --context-check T: the same T on one GPU and split over each N, whose losses should agree.
+    Both stop once they log their last step, before the checkpoint."""
+    model, shape = ("tiny", TINY) if args.quick else ("gpt2-124M", GPT2_124M)
+    runs = [("context", t, g, t * g) for t in args.context for g in args.gpus]
+    runs += [("context-check", t, g, t) for t in args.context_check for g in args.gpus]
+    for run, t, gpus, block_size in runs:
+        settings = (*CONTEXT, *([f"--context_parallel={gpus}"] if gpus > 1 else []))
+        name = f"{run} T={t}"
+        on_row(
+            measure(
+                args, name, model, shape, "ddp", gpus, 1, settings,
+                warmup=2, stop_at_iter=CONTEXT_ITERS, block_size=block_size, accum_total=1,
+            )
+        )  # fmt: skip
 
 
 # Whether a model fits, not how fast: a few eager steps (compiling a model of billions of parameters takes minutes);
@@ -188,7 +235,8 @@ def progress(row: dict) -> str:
 def plot(rows: list[dict], path: Path) -> None:
     plt = pyplot()
     figure, (speed, scaling) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for key in dict.fromkeys((r["run"], r["model"]) for r in rows if "largest" not in r["run"]):
+    scaled = [r for r in rows if not r["run"].startswith(("ddp-", "fsdp-", "context"))]  # not largest, not context
+    for key in dict.fromkeys((r["run"], r["model"]) for r in scaled):
         points = sorted((r["gpus"], r) for r in rows if (r["run"], r["model"]) == key and r.get("tokens_per_sec"))
         if not points:
             continue
@@ -240,6 +288,17 @@ def add_options(parser: argparse.ArgumentParser):
     )
     parser.add_argument("--fsdp", action="store_true", help="also GPT-2 XL under FSDP on each GPU count")
     parser.add_argument("--skip-ddp", action="store_true", help="leave out the DDP rows (e.g. only --fsdp)")
+    parser.add_argument(
+        "--context",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="T",
+        help="context parallelism: T on one GPU against N x T split over each of --gpus N",
+    )
+    parser.add_argument(
+        "--context-check", type=int, nargs="+", default=[], metavar="T", help="the same T on one GPU and split over N"
+    )
     add_largest_options(parser)
     parser.add_argument("--quick", action="store_true", help="CPU, gloo, tiny model: checks the script")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per train.py run (900)")
@@ -301,6 +360,11 @@ def save(args, rows: list[dict], start: float) -> list[Path]:
             "largest": "width 1600, 25 heads, micro-batch 1, 4 eager steps (2 timed); stops at the first failure"
             if args.largest
             else "-",
+            "context": f"batch 1, activation_checkpointing=block, {CONTEXT_ITERS} steps (the first 2 untimed); "
+            "context T=t: t on one GPU, N x t split over N (context_parallel); context-check: t on both; "
+            "MFU vs 1 GPU: over the one-GPU row's of the same run"
+            if args.context or args.context_check
+            else "-",
         },
     )
     return write_results(args.out, args.name, header, rows, COLUMNS, plot)
@@ -333,6 +397,7 @@ def main(argv=None) -> int:
     if args.largest:
         for parallelism in args.largest_parallelism:
             largest(args, parallelism, on_row)
+    context_rows(args, on_row)
     for path in save(args, rows, start):
         print(f"wrote {path}")
     return 0
