@@ -1,3 +1,4 @@
 """What train.py wires together: the runtime (runtime.py: device, dtype, ranks under torchrun, stop signals,
-MFU), the model's placement over GPUs (parallel.py: DDP, FSDP), what a run's checkpoint holds and how a run
-continues from one (state.py), and the checks before any step (preflight.py: settings, data, memory, out_dir)."""
+MFU), the model's placement over GPUs (parallel.py: DDP, FSDP; context.py: each sequence split over GPUs),
+what a run's checkpoint holds and how a run continues from one (state.py), and the checks before any step
+(preflight.py: settings, data, memory, out_dir)."""
