@@ -227,12 +227,16 @@ def is_repo_module(module) -> bool:
     return any(isinstance(place, str) and place.startswith(f"{REPO}{os.sep}") for place in places)
 
 
-def run_as_main(script: str, args: list[str], stdout, stderr, path: tuple[str, ...]):
+def run_as_main(script: str, args: list[str], stdout, stderr, path: tuple[str, ...], environ: dict | None = None):
     """In a child of the warm interpreter: what `python <script> args` (or, for `-m name`, `python -m name args`)
     does once torch is imported. The repo's own modules are imported afresh from the script's folder (the repo
     root for -m) and `path` (a fresh interpreter's sys.path), as the command would import them; stdout and stderr
     are unbuffered (PYTHONUNBUFFERED); SIGINT, SIGTERM and SIGHUP are as a fresh interpreter started at a terminal
-    has them (see terminal_signals); the exit code of sys.exit(main()) is the child's."""
+    has them (see terminal_signals); os.environ is `environ` when given (a variable the test set after the warm
+    interpreter started counts, as it would for a fresh child); the exit code of sys.exit(main()) is the child's."""
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
@@ -261,9 +265,12 @@ class WarmProcess:
     subprocess.Popen that the tests use."""
 
     def __init__(self, script: str, args: list[str], stdout_fd: int, stderr_fd: int):
+        if script == "-m":  # ("-m", [name, *args]), as Popen takes it
+            script, args = f"-m {args[0]}", args[1:]
         outputs = [multiprocessing.connection.Connection(os.dup(fd), readable=False) for fd in (stdout_fd, stderr_fd)]
         context, path = warm_context(), fresh_sys_path()
-        self.process = context.Process(target=run_as_main, args=(script, list(args), *outputs, path), name=script)
+        target_args = (script, list(args), *outputs, path, subprocess_env())
+        self.process = context.Process(target=run_as_main, args=target_args, name=script)
         try:
             self.process.start()
         finally:

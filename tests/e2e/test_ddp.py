@@ -1,7 +1,8 @@
 """DDP under torchrun, on CPU with the gloo backend: two ranks train, stop together on SIGTERM with a checkpoint
 of the data stream's position and each rank's RNG, and resume from it; a second launch on the same out_dir meanwhile is
 refused by rank 0 and every rank exits (none waits for the others forever). Three torchrun launches in all: each
-costs three interpreters (torchrun and its two workers), the most expensive thing these tests do."""
+costs two fresh interpreters (its workers, the ranks under test), the most expensive thing these tests do; torchrun
+itself is forked from the warm interpreter (helpers.WarmProcess), which has torch imported already."""
 
 from __future__ import annotations
 
@@ -26,16 +27,19 @@ def ddp_args(data_dir, out_dir, *extra):
     ]
 
 
-def test_sigterm_stops_every_rank_at_the_same_step_and_the_run_resumes(char_data, tmp_path):
+def test_sigterm_stops_every_rank_at_the_same_step_and_the_run_resumes(char_data, tmp_path, warm_interpreter):
     out = tmp_path / "out"
+    # log_interval=1: a few dozen steps fill its pipe, and there it waits instead of taking the CPU from the
+    # second launch
     args = ddp_args(
-        char_data, out, "--max_iters=100000", "--eval_interval=100000", "--log_interval=10", "--eval_on_start=false"
+        char_data, out, "--max_iters=100000", "--eval_interval=100000", "--log_interval=1", "--eval_on_start=false"
     )
-    with Child(TORCHRUN[0], args) as child:
+    with Child(TORCHRUN[0], args, warm=True) as child:
         child.wait_for(lambda line: line.startswith("parameters: "))  # printed once out_dir is claimed
         # While the run holds out_dir (training on, until its pipe is full), a second launch fails on all ranks
         holder = (out / ".lock").read_text().strip()
-        with Child(TORCHRUN[0], ddp_args(char_data, out, "--max_iters=5", "--overwrite_out_dir=true")) as second:
+        second_args = ddp_args(char_data, out, "--max_iters=5", "--overwrite_out_dir=true")
+        with Child(TORCHRUN[0], second_args, warm=True) as second:
             code, refused = second.finish(timeout=120)
         child.wait_for(lambda line: line.startswith("iter 20 |"))
         os.kill(child.pid, signal.SIGTERM)  # torchrun passes it on to both workers
@@ -65,7 +69,7 @@ def test_sigterm_stops_every_rank_at_the_same_step_and_the_run_resumes(char_data
         "--always_save_checkpoint=true",
         "--init_from=resume",
     )
-    with Child(TORCHRUN[0], resume) as child:
+    with Child(TORCHRUN[0], resume, warm=True) as child:
         code, output = child.finish(timeout=180)
     assert code == 0, output
     assert f"resuming at iter {stopped_at}" in output and "checkpoint was saved by" not in output

@@ -3,8 +3,9 @@ steps whatever the number of ranks, micro-steps, launch agents, DDP or FSDP; FSD
 process; a failing rank is named by the others, and torchrun restarts a failed or killed job from its last
 checkpoint.
 
-Each torchrun launch costs several interpreters importing torch, so two launches serve all the assertions, and
-the single-process reference runs in-process."""
+Each torchrun launch costs several interpreters importing torch (its workers; torchrun itself is forked from the
+warm interpreter, helpers.WarmProcess), so few launches serve all the assertions, and the single-process reference
+runs in-process."""
 
 from __future__ import annotations
 
@@ -98,7 +99,9 @@ def reference(char_data, tmp_path_factory):
     return out, losses(stdout.getvalue())
 
 
-def test_fsdp_over_two_launch_agents_trains_like_one_process_and_resumes_on_one(reference, char_data, tmp_path):
+def test_fsdp_over_two_launch_agents_trains_like_one_process_and_resumes_on_one(
+    reference, char_data, tmp_path, warm_interpreter
+):
     """FSDP on 4 ranks, started as the README's two-node launch with both "nodes" on this host: the same losses
     and weights as one process (rank 0 builds the model, the others its shape only, on the meta device); its
     checkpoint samples, and resumes in one process (DCP reshards)."""
@@ -111,7 +114,7 @@ def test_fsdp_over_two_launch_agents_trains_like_one_process_and_resumes_on_one(
         for node_rank in (0, 1):
             launcher = ("--nnodes=2", "--nproc_per_node=2", f"--node_rank={node_rank}", "--rdzv_backend=c10d")
             launcher += (f"--rdzv_endpoint={endpoint}", "--rdzv_id=test")
-            agents.append(stack.enter_context(Child("-m", torchrun(*launcher) + settings)))
+            agents.append(stack.enter_context(Child("-m", torchrun(*launcher) + settings, warm=True)))
         results = [agent.finish(timeout=300) for agent in agents]
     assert [code for code, _ in results] == [0, 0], results
     output = "".join(text for _, text in results)
@@ -140,7 +143,7 @@ def test_fsdp_over_two_launch_agents_trains_like_one_process_and_resumes_on_one(
 
 
 def test_a_failed_or_killed_rank_is_reported_and_the_job_restarts_from_the_last_checkpoint(
-    reference, char_data, tmp_path, monkeypatch
+    reference, char_data, tmp_path, monkeypatch, warm_interpreter
 ):
     """DDP on 2 ranks under --max-restarts=2 and init_from=auto. First rank 1 alone cannot open another file (its
     limit of open files lowered mid-run), so its next batch fails: rank 0, waiting for it in an all-reduce, says
@@ -152,7 +155,7 @@ def test_a_failed_or_killed_rank_is_reported_and_the_job_restarts_from_the_last_
     out = tmp_path / "out"
     args = torchrun("--standalone", "--nproc_per_node=2", "--max-restarts=2")
     args += run_args(char_data, out, "--init_from=auto", f"--max_iters={MAX_ITERS}", "--eval_interval=10")
-    with Child("-m", args) as child:  # its pipe holds a few dozen lines: the job cannot get far ahead of us
+    with Child("-m", args, warm=True) as child:  # its pipe holds a few dozen lines: the job cannot get far ahead of us
         child.wait_for(lambda line: line.startswith("saved ") and "(iter 10," in line)
         rank1 = pid_of_rank(child.pid, 1)
         _, hard = resource.prlimit(rank1, resource.RLIMIT_NOFILE)
@@ -312,14 +315,14 @@ def test_sharded_model_compiles_without_graph_breaks(monkeypatch, gloo_world_of_
     torch.testing.assert_close(results[True], results[False], rtol=0, atol=0)
 
 
-def test_context_parallel_over_two_ranks_trains_like_one_process(reference, char_data, tmp_path):
+def test_context_parallel_over_two_ranks_trains_like_one_process(reference, char_data, tmp_path, warm_interpreter):
     """--context_parallel=2 under torchrun: both ranks read the same sequences, each trains on its half of every
     one (RoPE at the half's own positions), and the run logs the losses and saves the weights of one process
     that reads whole sequences; the header and the INFO line say how attention runs."""
     ref_out, ref_losses = reference
     out = tmp_path / "out"
     settings = run_args(char_data, out, "--context_parallel=2", "--max_iters=10", "--eval_interval=10")
-    with Child("-m", torchrun("--standalone", "--nproc_per_node=2") + settings) as child:
+    with Child("-m", torchrun("--standalone", "--nproc_per_node=2") + settings, warm=True) as child:
         code, output = child.finish(timeout=300)
     assert code == 0, output
     assert "(1 ranks x 4 micro-steps x 4 x 16, each sequence split over 2 ranks)" in output, output
