@@ -20,7 +20,7 @@ from bench import bench_two_nodes, compare_backends, e2e, grid, launch, readme_t
 from bench.launch import parse_log_line
 from bench.report import card_slug
 from helpers import REPO as ROOT
-from helpers import subprocess_env
+from helpers import WarmProcess, subprocess_env
 from train import format_log_line
 
 HEADER_FIELDS = (
@@ -79,10 +79,11 @@ COMPARE_ARGUMENTS = (
 
 
 @pytest.fixture(scope="module")
-def runs(char_data, tmp_path_factory):
+def runs(char_data, tmp_path_factory, warm_interpreter):
     """{name: (exit code, stdout, stderr, out folder)} of `python -m bench.bench_attention --quick`,
     `bench.bench_train --quick`, `bench.step_phases --quick` (one process) and compare_backends.sh (sdpa,
-    manual), as the benches run: modules from the repo root. Started together, each on one CPU thread."""
+    manual), as the benches run: modules from the repo root. Started together, each on one CPU thread; the
+    python -m ones forked from the warm interpreter (helpers.WarmProcess), which has torch imported already."""
     commands = {  # the shortest timings that still time: these tests check rows and statuses, not speed
         "compare": ["bash", "bench/compare_backends.sh", f"--data_dir={char_data}", *COMPARE_ARGUMENTS],
         "attention-quick": ["bench.bench_attention", "--quick", "--warmup-ms", "1", "--rep-ms", "5"],
@@ -92,13 +93,14 @@ def runs(char_data, tmp_path_factory):
     started = {}
     for name, command in commands.items():
         out = tmp_path_factory.mktemp(name)
-        env = subprocess_env()
-        if name == "compare":  # TMPDIR: the script's log folder lands in out, not in /tmp
-            env.update(BACKENDS="sdpa manual", OUT_DIR=str(out), PYTHON=sys.executable, TMPDIR=str(out))
-        else:
-            command = [sys.executable, "-m", *command, "--out", str(out)]
         with open(out / "stdout.txt", "w") as stdout, open(out / "stderr.txt", "w") as stderr:
-            started[name] = (subprocess.Popen(command, cwd=ROOT, env=env, stdout=stdout, stderr=stderr), out)
+            if name == "compare":  # TMPDIR: the script's log folder lands in out, not in /tmp
+                env = subprocess_env()
+                env.update(BACKENDS="sdpa manual", OUT_DIR=str(out), PYTHON=sys.executable, TMPDIR=str(out))
+                process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=stdout, stderr=stderr)
+            else:
+                process = WarmProcess("-m", [*command, "--out", str(out)], stdout.fileno(), stderr.fileno())
+            started[name] = (process, out)
     finished = {}
     try:
         for name, (process, out) in started.items():
