@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -591,3 +592,43 @@ def test_e2e_torchrun_cells_give_each_rank_whole_micro_steps(tmp_path):
         argv = cell.command[cell.command.index("train.py") + 1 :]
         cfg = load_config(train.TrainConfig(), argv)
         assert nproc == cell.gpus == 2 and cfg.gradient_accumulation_steps % nproc == 0, cell.path
+
+
+def test_bench_ddp_context_rows_split_n_times_one_gpus_t_and_compare_mfu_and_loss(monkeypatch):
+    """--context T: one GPU at T, N GPUs at N x T with context_parallel=N; --context-check T: T on both. Scaling
+    compares tok/s per GPU for DDP rows, MFU for context rows, and the final loss where T is the same."""
+    from bench import bench_ddp
+
+    calls = []
+
+    def measure(args, run, model, shape, parallelism, gpus, micro_batch, settings, **options):
+        calls.append((run, gpus, options["block_size"], [s for s in settings if "context_parallel" in s]))
+        return {"run": run}
+
+    monkeypatch.setattr(bench_ddp, "measure", measure)
+    args = types.SimpleNamespace(quick=True, gpus=[1, 2], context=[64], context_check=[32])
+    bench_ddp.context_rows(args, lambda row: None)
+    assert calls == [
+        ("context T=64", 1, 64, []),
+        ("context T=64", 2, 128, ["--context_parallel=2"]),
+        ("context-check T=32", 1, 32, []),
+        ("context-check T=32", 2, 32, ["--context_parallel=2"]),
+    ]
+
+    def row(run, gpus, block_size, tok_s, mfu, loss):
+        return dict(run=run, baseline=run, model="m", gpus=gpus, block_size=block_size, tokens_per_sec=tok_s,
+                    tokens_per_sec_per_gpu=tok_s / gpus, mfu=mfu, final_loss=loss)  # fmt: skip
+
+    rows = [
+        row("ddp", 1, 1024, 100.0, 0.40, 3.0),
+        row("ddp", 2, 1024, 190.0, 0.38, 3.0),
+        row("context T=64", 1, 64, 100.0, 0.50, 3.0),
+        row("context T=64", 2, 128, 120.0, 0.40, 2.9),
+        row("context-check T=32", 1, 32, 100.0, 0.50, 3.0),
+        row("context-check T=32", 2, 32, 90.0, 0.20, 3.001),
+    ]
+    bench_ddp.add_scaling(rows)
+    assert rows[1]["scaling"] == pytest.approx(0.95) and "mfu_vs_1gpu" not in rows[1]
+    assert rows[3]["mfu_vs_1gpu"] == pytest.approx(0.8) and "scaling" not in rows[3] and "loss_vs_1gpu" not in rows[3]
+    assert rows[5]["mfu_vs_1gpu"] == pytest.approx(0.4) and rows[5]["loss_vs_1gpu"] == pytest.approx(0.001)
+    assert not any(key in rows[0] for key in ("scaling", "mfu_vs_1gpu", "loss_vs_1gpu"))
