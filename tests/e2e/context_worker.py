@@ -1,4 +1,4 @@
-"""One rank of test_context.py, started with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT): the
+"""One rank of test_context.py (python -m tests.e2e.context_worker, with RANK, WORLD_SIZE, MASTER_ADDR/PORT): the
 same float64 model and sequences on every rank; the whole sequences' loss and gradients on this rank alone, then
 this rank's shard under context parallelism. Prints one JSON line: the largest relative differences."""
 
