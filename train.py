@@ -277,9 +277,7 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     attention = model.setup_attention(
         device, runtime.dtype, training=True, seq_len=cfg.block_size, documents=cfg.packed_documents, measure=True
     )
-    shard = context_shard(runtime)
-    if shard is not None:  # before torch.compile, which then traces the context-parallel kernel
-        use_context_parallel_attention(model, shard, cfg.attention_backend, log)
+    use_context_parallel_attention(model, runtime, cfg.attention_backend, log)  # before torch.compile traces it
     # float16 needs the GradScaler's loss scaling; other dtypes keep its scale at exactly 1 (clip_and_step)
     scaled = runtime.dtype == torch.float16
     scaler = grad_scaler(

@@ -76,9 +76,12 @@ def context_shard(runtime) -> ContextShard | None:
     return ContextShard(runtime.context_group, runtime.rank % runtime.context_parallel, runtime.context_parallel)
 
 
-def use_context_parallel_attention(model, shard: ContextShard, requested: str, log) -> None:
-    """Give the model the context-parallel kernel in place of the one it resolved, and say so (a WARNING where
-    the user asked for a kernel it replaces)."""
+def use_context_parallel_attention(model, runtime, requested: str, log) -> None:
+    """Under context parallelism, give the model the context-parallel kernel in place of the one it resolved, and
+    say so (a WARNING where the user asked for a kernel it replaces); without it, nothing."""
+    shard = context_shard(runtime)
+    if shard is None:
+        return
     replaced = model.attention.resolution.used
     if requested not in ("auto", "sdpa"):
         log.warning(

@@ -122,24 +122,11 @@ def setup_runtime(
     many consecutive ranks that split each sequence."""
     world_size = env_int("WORLD_SIZE", 1, low=1)
     rank, local_rank = env_int("RANK", 0, low=0), env_int("LOCAL_RANK", 0, low=0)
-    if rank >= world_size:
-        raise UsageError(f"environment variable RANK={rank} must be below WORLD_SIZE={world_size}")
-    if world_size % context_parallel:
-        raise UsageError(
-            f"context_parallel={context_parallel} needs a multiple of {context_parallel} ranks, but there are "
-            f"{world_size}; start with torchrun --nproc_per_node={context_parallel} (or a multiple of it)"
-        )
-    data_ranks = world_size // context_parallel
+    check_ranks(rank, world_size, context_parallel, gradient_accumulation_steps)
     picked = pick_device(device, local_rank)
     if world_size > 1:
         if dist_backend == "nccl" and picked.type != "cuda":
             raise UsageError(f"dist_backend nccl needs CUDA devices (device is {picked.type}); use --dist_backend=gloo")
-        if gradient_accumulation_steps % data_ranks:
-            of_data = " reading their own data (ranks / context_parallel)" if context_parallel > 1 else ""
-            raise UsageError(
-                f"gradient_accumulation_steps ({gradient_accumulation_steps}) must be a "
-                f"multiple of the number of ranks{of_data} ({data_ranks})"
-            )
         if picked.type == "cuda":
             torch.cuda.set_device(picked)
         try:
@@ -160,6 +147,24 @@ def setup_runtime(
         ]
         runtime.context_group = groups[runtime.data_rank]
     return runtime
+
+
+def check_ranks(rank: int, world_size: int, context_parallel: int, gradient_accumulation_steps: int) -> None:
+    """torchrun's rank against its world size, and the world size against the settings that divide it."""
+    if rank >= world_size:
+        raise UsageError(f"environment variable RANK={rank} must be below WORLD_SIZE={world_size}")
+    if world_size % context_parallel:
+        raise UsageError(
+            f"context_parallel={context_parallel} needs a multiple of {context_parallel} ranks, but there are "
+            f"{world_size}; start with torchrun --nproc_per_node={context_parallel} (or a multiple of it)"
+        )
+    data_ranks = world_size // context_parallel
+    if world_size > 1 and gradient_accumulation_steps % data_ranks:
+        of_data = " reading their own data (ranks / context_parallel)" if context_parallel > 1 else ""
+        raise UsageError(
+            f"gradient_accumulation_steps ({gradient_accumulation_steps}) must be a "
+            f"multiple of the number of ranks{of_data} ({data_ranks})"
+        )
 
 
 def join_process_group(dist_backend: str, timeout_s: float | None = None) -> None:
