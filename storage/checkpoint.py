@@ -212,6 +212,15 @@ def checkpoint_file_bytes(tensor_bytes: int, tensors: int, *, ranks: int = 1, ot
     return tensor_bytes + tensors * TENSOR_RECORD_BYTES + ranks * RANK_STATE_BYTES + FIXED_BYTES + other_bytes
 
 
+SHARD_RECORD_BYTES = 4096  # torch.distributed.checkpoint: a rank's record of one tensor, with its .metadata entry
+
+
+def sharded_state_bytes(tensor_bytes: int, tensors: int, ranks: int) -> int:
+    """An upper estimate of a folder of shards (an FSDP run's optimizer state): `tensors` tensors of
+    `tensor_bytes` in all, each a record in every rank's file (measured ~2 KB each), and those files' blocks."""
+    return tensor_bytes + tensors * ranks * SHARD_RECORD_BYTES + (ranks + 1) * BLOCK_BYTES
+
+
 def save_bytes(file_bytes: int) -> int:
     """The free space a save of checkpoint files of file_bytes needs: FILES_PER_SAVE files in whole blocks. (In
     an out_dir that holds best.pt and ckpt.pt, each copy's temporary file replaces one, so the peak is a file

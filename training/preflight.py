@@ -29,6 +29,7 @@ from storage.checkpoint import (
     claim_out_dir,
     format_bytes,
     save_bytes,
+    sharded_state_bytes,
 )
 from training.parallel import PARALLELISMS, REDUCE_DTYPES
 from training.runtime import DIST_BACKENDS, DTYPES, Runtime, available_memory
@@ -238,12 +239,14 @@ def first_save_bytes(cfg, runtime: Runtime, model: GPT) -> int:
     for tensor in checkpoint_entries(model)["model"].values():
         storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
     trained = [p for p in model.parameters() if p.requires_grad]
-    tensor_bytes = sum(storages.values()) + sum(8 * p.numel() + 4 for p in trained)
+    moments = sum(8 * p.numel() + 4 for p in trained)
     other = len(pickle.dumps(dataclasses.asdict(cfg))) + META_BYTES_PER_ID * model.config.vocab_size
-    file_bytes = checkpoint_file_bytes(
-        tensor_bytes, len(storages) + 3 * len(trained), ranks=runtime.world_size, other_bytes=other
-    )
-    return save_bytes(file_bytes)
+    if cfg.parallelism == "fsdp" and runtime.ddp:  # the moments go once to the save's folder of shards, not the files
+        file_bytes = checkpoint_file_bytes(sum(storages.values()), len(storages), ranks=runtime.world_size)
+        return save_bytes(file_bytes + other) + sharded_state_bytes(moments, 3 * len(trained), runtime.world_size)
+    tensors = len(storages) + 3 * len(trained)
+    file_bytes = checkpoint_file_bytes(sum(storages.values()) + moments, tensors, ranks=runtime.world_size)
+    return save_bytes(file_bytes + other)
 
 
 def check_wandb(cfg) -> None:

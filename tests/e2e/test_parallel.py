@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import json
 import os
 import re
 import resource
@@ -74,6 +75,21 @@ def assert_same_weights(saved, expected, atol=1e-6):
         torch.testing.assert_close(saved[name], tensor, rtol=0, atol=atol, msg=name)
 
 
+def assert_the_space_check_covers_one_save(settings: list[str], data_dir, out_dir) -> None:
+    """The free space the start-up check asks of a 4-rank FSDP run covers what its save at iter 10 wrote into a
+    fresh out_dir: ckpt-<iter>.pt, best.pt and ckpt.pt of the weights, and the folder of optimizer shards."""
+    from configurator import load_config
+    from training.preflight import first_save_bytes
+
+    cfg = load_config(train.TrainConfig(), settings)
+    vocab_size = json.loads((data_dir / "meta.json").read_text())["vocab_size"]
+    model = GPT(cfg.model_config(vocab_size=vocab_size))
+    estimate = first_save_bytes(cfg, Runtime(torch.device("cpu"), torch.float32, world_size=4), model)
+    shards = sum(path.stat().st_size for path in (out_dir / "ckpt-0000010.dcp").iterdir())
+    written = 3 * (out_dir / "ckpt-0000010.pt").stat().st_size + shards
+    assert written <= estimate <= 2 * written, (written, estimate)  # a tiny model: mostly fixed overheads
+
+
 def pid_of_rank(launcher_pid: int, rank: int, timeout: float = 60) -> int:
     """The worker of `rank` among a torchrun launcher's children (from their environment)."""
     deadline = time.monotonic() + timeout
@@ -123,6 +139,7 @@ def test_fsdp_over_two_launch_agents_trains_like_one_process_and_resumes_on_one(
     saved = load_checkpoint(out / "ckpt.pt", resume=True)
     assert saved["sharded"] == "ckpt-0000010.dcp" and (out / "ckpt-0000010.dcp").is_dir()
     assert saved["optimizer"] == {} and len(saved["rng"]) == 4  # the optimizer state is in the DCP folder
+    assert_the_space_check_covers_one_save(settings, char_data, out)
     assert_same_weights(saved["model"], load_checkpoint(ref_out / "ckpt-0000010.pt")["model"])
 
     import sample  # what an FSDP run leaves samples like any other run's checkpoint
