@@ -854,11 +854,9 @@ class GPT(nn.Module):
         if doc_ids is not None and not attention.need.documents:
             raise ValueError("packed documents (doc_ids) need setup_attention(..., documents=True) first")
         mask = AttentionMask(T, idx.device, doc_ids)
-        if positions is not None:
-            pos = positions
-        else:
-            pos = torch.arange(T, device=idx.device) if doc_ids is None else document_positions(doc_ids)  # (T,)|(B, T)
-        x, rope = self.embed(idx, pos)
+        if positions is None:
+            positions = torch.arange(T, device=idx.device) if doc_ids is None else document_positions(doc_ids)
+        x, rope = self.embed(idx, positions)  # positions: (T,) or, with documents, (B, T)
         x = self.transformer.drop(x)  # (B, T, C)
         recompute_blocks = self.config.activation_checkpointing == "block" and self.training and torch.is_grad_enabled()
         for block in self.transformer.h:

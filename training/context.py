@@ -30,6 +30,7 @@ class ContextShard:
         self.local_chunks = (rank, 2 * size - 1 - rank)
         gathered = [chunk for r in range(size) for chunk in (r, 2 * size - 1 - r)]  # the all-gather's order
         self.slot_of_chunk = [gathered.index(chunk) for chunk in range(2 * size)]
+        self.positions: dict[tuple[int, torch.device], torch.Tensor] = {}  # this rank's, per length: made once
 
     def split(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's two chunks of `tensor` along `dim` (the sequence), side by side."""
@@ -40,8 +41,10 @@ class ContextShard:
         """The model's arguments for this rank from whole sequences (x, y): its tokens, their targets, no
         documents, and their positions in the sequence."""
         x, y = batch
-        positions = self.split(torch.arange(x.size(1), device=x.device), dim=0)
-        return self.split(x), self.split(y), None, positions
+        key = (x.size(1), x.device)
+        if key not in self.positions:
+            self.positions[key] = self.split(torch.arange(x.size(1), device=x.device), dim=0)
+        return self.split(x), self.split(y), None, self.positions[key]
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """(B, H, 2L, D) chunks of every rank in the group -> (B, H, 2NL, D) in sequence order."""

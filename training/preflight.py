@@ -241,12 +241,13 @@ def first_save_bytes(cfg, runtime: Runtime, model: GPT) -> int:
     trained = [p for p in model.parameters() if p.requires_grad]
     moments = sum(8 * p.numel() + 4 for p in trained)
     other = len(pickle.dumps(dataclasses.asdict(cfg))) + META_BYTES_PER_ID * model.config.vocab_size
-    if cfg.parallelism == "fsdp" and runtime.ddp:  # the moments go once to the save's folder of shards, not the files
-        file_bytes = checkpoint_file_bytes(sum(storages.values()), len(storages), ranks=runtime.world_size)
-        return save_bytes(file_bytes + other) + sharded_state_bytes(moments, 3 * len(trained), runtime.world_size)
-    tensors = len(storages) + 3 * len(trained)
-    file_bytes = checkpoint_file_bytes(sum(storages.values()) + moments, tensors, ranks=runtime.world_size)
-    return save_bytes(file_bytes + other)
+    sharded = cfg.parallelism == "fsdp" and runtime.ddp  # the moments then go once to a folder of shards
+    in_files = (0, 0) if sharded else (moments, 3 * len(trained))
+    file_bytes = checkpoint_file_bytes(
+        sum(storages.values()) + in_files[0], len(storages) + in_files[1], ranks=runtime.world_size
+    )
+    shards = sharded_state_bytes(moments, 3 * len(trained), runtime.world_size) if sharded else 0
+    return save_bytes(file_bytes + other) + shards
 
 
 def check_wandb(cfg) -> None:
