@@ -9,8 +9,10 @@ Generation: prompts of any lengths read once (prefill), then one token per step 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -315,7 +317,7 @@ class GraphedStep:
                 self.step(self.tokens, self.positions)  # writes this step's keys and values: the same again below
         torch.cuda.current_stream(self.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):  # random draws replay with fresh numbers (CUDA graphs' RNG offsets)
+        with no_collection(), torch.cuda.graph(self.graph):  # random draws replay with fresh numbers (RNG offsets)
             self.outputs = self.step(self.tokens, self.positions)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -325,6 +327,20 @@ class GraphedStep:
         self.positions.copy_(positions)
         self.graph.replay()
         return tuple(output.clone() for output in self.outputs)
+
+
+@contextlib.contextmanager
+def no_collection():
+    """No garbage collection inside the block, what is garbage collected first: an earlier generation's graph
+    (held in a reference cycle) freed by a collection during a capture would invalidate the capture."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def compile_step(step: Callable, device: torch.device) -> Callable:

@@ -6,6 +6,7 @@ lengths; the paged cache's pages; the fallbacks; bench_generate.py --quick and s
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import re
@@ -505,6 +506,25 @@ def test_gpu_cuda_graph_decoding_draws_as_eager_decoding_does(backend, cache):
         gpt.transformer.ln_f.weight.fill_(float("nan"))
     with pytest.raises(NonFiniteLogits):
         generate(gpt, prompts, 5, kv_cache=cache, cuda_graph=True)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_survives_a_collection_of_earlier_graphs():
+    """Each generate() captures its own decode graph and leaves the last one in a reference cycle; a garbage
+    collection during the next capture would free it there and invalidate that capture (sample.py's third sample
+    failed so). With collections as frequent as they go, five generations in a row give the eager tokens."""
+    device = gpu_or_skip("sdpa", "contiguous", torch.float32)
+    gpt = tiny_model(block_size=64, n_embd=128).to(device)
+    prompts = [tokens(n, seed=n).to(device) for n in (5, 9)]
+    eager = generate(gpt, prompts, 12, temperature=0, cuda_graph=False)
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)  # a collection at nearly every allocation of a Python object
+    try:
+        for _ in range(5):
+            graphed = generate(gpt, prompts, 12, temperature=0, cuda_graph=True)
+            assert all(torch.equal(a, b) for a, b in zip(graphed, eager))
+    finally:
+        gc.set_threshold(*threshold)
 
 
 def test_logits_that_are_not_finite_raise_once_the_tokens_are_out():
