@@ -7,26 +7,164 @@ attends the keys up to its own positions. The backward of the all-gather sums ea
 back to their owner, so averaging gradients over all ranks (DDP or FSDP, as without context parallelism) gives the
 gradient of the whole sequences' mean loss. Everything else in a step (embeddings, MLPs, the loss) is per token and
 runs on this rank's tokens alone.
+
+A chunk's causal mask is aligned to the lower right (its L queries are the last L positions of the keys it sees),
+which SDPA serves on CUDA only with its slow memory-efficient kernel. So the chunk's keys are split in two: the
+prefix, which every query sees in full (no mask), and the square diagonal block (plain causal); a kernel that also
+returns each query's log-sum-exp computes both, and the two are merged exactly (as ring attention merges its steps).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.distributed import _functional_collectives as funcol
 from torch.nn.attention.bias import causal_lower_right
 
-from model import AttentionMask, repeat_kv
+from model import HALF, AttentionMask, repeat_kv
 
 # differentiable all-gather (its backward a reduce-scatter) that torch.compile traces; renamed in torch 2.9
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+aten = torch.ops.aten
+
+# ---------------------------------------------------------------------------------------------------------------
+# Attention kernels that return each query row's log-sum-exp. All take (B, H, L, D) q and (B, H, S, D) k, v with as
+# many heads, the default scale 1/sqrt(D) (the model's) and no dropout. forward(q, k, v, causal) -> (out, lse, seed,
+# offset), lse as the kernel gives it ((B, H, L); cuDNN's (B, H, L, 1)), seed and offset its dropout's random state
+# (unused without dropout; handed back as autograd would); backward(grad, q, k, v, out, lse, seed, offset, causal)
+# -> (dq, dk, dv).
 
 
+def cpu_flash_forward(q, k, v, causal: bool):
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    return out, lse, None, None
+
+
+def cpu_flash_backward(grad, q, k, v, out, lse, seed, offset, causal: bool):
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, causal)
+
+
+def cudnn_forward(q, k, v, causal: bool):
+    out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal)
+    return out, lse, seed, offset
+
+
+def cudnn_backward(grad, q, k, v, out, lse, seed, offset, causal: bool):
+    # no bias; no cumulative lengths (not varlen): the maximum lengths are the lengths
+    return aten._scaled_dot_product_cudnn_attention_backward(
+        grad, q, k, v, out, lse, seed, offset, None, None, None, q.size(2), k.size(2), 0.0, causal
+    )
+
+
+def flash_forward(q, k, v, causal: bool):
+    out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+    return out, lse, seed, offset
+
+
+def flash_backward(grad, q, k, v, out, lse, seed, offset, causal: bool):
+    return aten._scaled_dot_product_flash_attention_backward(
+        grad, q, k, v, out, lse, None, None, q.size(2), k.size(2), 0.0, causal, seed, offset
+    )
+
+
+class LseKernel(NamedTuple):
+    forward: Callable
+    backward: Callable
+    device: str  # the device type it runs on
+    dtypes: tuple[torch.dtype, ...]
+    head_dims: range | None  # the head dims it takes; None: any
+
+
+LSE_KERNELS = {
+    "cudnn": LseKernel(cudnn_forward, cudnn_backward, "cuda", HALF, range(8, 129, 8)),
+    "flash": LseKernel(flash_forward, flash_backward, "cuda", HALF, range(8, 257, 8)),
+    "cpu_flash": LseKernel(cpu_flash_forward, cpu_flash_backward, "cpu", (*HALF, torch.float32, torch.float64), None),
+}
+AUTO = {"cuda": "cudnn", "cpu": "cpu_flash"}  # what kernel="auto" asks for, per device type
+REFERENCE = "sdpa_lower_right"  # SDPA with a lower-right causal mask: any device, dtype and dropout
+CHUNK_KERNELS = ("auto", REFERENCE, *LSE_KERNELS)
+
+
+def resolve_chunk_kernel(requested: str, device_type: str, dtype: torch.dtype, head_dim: int, dropout_p: float) -> str:
+    """The kernel a chunk's attention runs: `requested` ("auto": cuDNN on CUDA, flash on CPU) where it serves the
+    device, dtype and head dim and there is no dropout (no LSE kernel here has it), else the reference: SDPA with a
+    lower-right causal mask."""
+    name = AUTO.get(device_type, REFERENCE) if requested == "auto" else requested
+    kernel = LSE_KERNELS.get(name)
+    if kernel is None or dropout_p > 0 or device_type != kernel.device:
+        return REFERENCE
+    serves = dtype in kernel.dtypes and (kernel.head_dims is None or head_dim in kernel.head_dims)
+    return name if serves else REFERENCE
+
+
+def merge(out_a, lse_a, out_b, lse_b):
+    """Attention over the keys of both parts from each part's output and log-sum-exp: exact, in float32 or wider.
+    The output comes back in its dtype, the log-sum-exp wide and in the kernel's shape."""
+    wide = torch.promote_types(out_a.dtype, torch.float32)
+    lse = torch.logaddexp(lse_a.to(wide), lse_b.to(wide))
+    weight_a, weight_b = ((part.to(wide) - lse).exp().reshape(*out_a.shape[:-1], 1) for part in (lse_a, lse_b))
+    return (weight_a * out_a.to(wide) + weight_b * out_b.to(wide)).to(out_a.dtype), lse
+
+
+def like(tensor: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
+    """`tensor` with the strides of `layout`: cuDNN's backward wants the output and its gradient laid out alike."""
+    return tensor if tensor.stride() == layout.stride() else torch.empty_like(layout).copy_(tensor)
+
+
+class PrefixAndDiagonal(torch.autograd.Function):
+    """Causal attention of L queries that are the last L positions of the S keys they see: the first S-L keys (the
+    prefix) unmasked, the last L (the diagonal block) causal, each by `kernel` (in LSE_KERNELS), merged. Backward as
+    ring attention's: each part's kernel backward with the merged output and log-sum-exp gives that part's gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kernel: str):
+        ops, prefix = LSE_KERNELS[kernel], k.size(2) - q.size(2)
+        out, lse, *diagonal_rng = ops.forward(q, k[:, :, prefix:], v[:, :, prefix:], True)
+        prefix_rng = [None, None]
+        if prefix:
+            prefix_out, prefix_lse, *prefix_rng = ops.forward(q, k[:, :, :prefix], v[:, :, :prefix], False)
+            merged, lse = merge(out, lse, prefix_out, prefix_lse)
+            out = like(merged, out)
+        ctx.kernel = kernel
+        ctx.save_for_backward(q, k, v, out, lse, *diagonal_rng, *prefix_rng)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, *rng = ctx.saved_tensors
+        ops, prefix = LSE_KERNELS[ctx.kernel], k.size(2) - q.size(2)
+        grad = like(grad, out)
+        dq, dk, dv = ops.backward(grad, q, k[:, :, prefix:], v[:, :, prefix:], out, lse, *rng[:2], True)
+        if prefix:
+            dq_prefix, dk_prefix, dv_prefix = ops.backward(
+                grad, q, k[:, :, :prefix], v[:, :, :prefix], out, lse, *rng[2:], False
+            )
+            dq, dk, dv = dq + dq_prefix, torch.cat([dk_prefix, dk], 2), torch.cat([dv_prefix, dv], 2)
+        return dq, dk, dv, None
+
+
+def attend_chunk(q, k, v, kernel: str = "auto", dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention of a chunk of queries q (B, H, L, D) on the keys up to its own last position, k and v
+    (B, H, S, D) with S >= L: the queries are the last L of those positions (causal aligned to the lower right)."""
+    used = resolve_chunk_kernel(kernel, q.device.type, q.dtype, q.size(-1), dropout_p)
+    if used != REFERENCE:
+        return PrefixAndDiagonal.apply(q, k, v, used)
+    causal = causal_lower_right(q.size(2), k.size(2))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal, dropout_p=dropout_p)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 class ContextShard:
-    """Rank `rank`'s part of every sequence in a context-parallel group of `size` ranks (`group`)."""
+    """Rank `rank`'s part of every sequence in a context-parallel group of `size` ranks (`group`); `kernel` is
+    the chunks' attention (one of CHUNK_KERNELS; see resolve_chunk_kernel)."""
 
-    def __init__(self, group, rank: int, size: int):
-        self.group, self.rank, self.size = group, rank, size
+    def __init__(self, group, rank: int, size: int, kernel: str = "auto"):
+        if kernel not in CHUNK_KERNELS:
+            raise ValueError(f"context-parallel attention kernel {kernel!r}: choose one of {', '.join(CHUNK_KERNELS)}")
+        self.group, self.rank, self.size, self.kernel = group, rank, size, kernel
         self.local_chunks = (rank, 2 * size - 1 - rank)
         gathered = [chunk for r in range(size) for chunk in (r, 2 * size - 1 - r)]  # the all-gather's order
         self.slot_of_chunk = [gathered.index(chunk) for chunk in range(2 * size)]
@@ -56,19 +194,15 @@ class ContextShard:
 
     def attend(self, q, k, v, mask: AttentionMask, dropout_p: float = 0.0) -> torch.Tensor:
         """The model's attention kernel under context parallelism: q, k, v hold this rank's two chunks (B, H, 2L, D);
-        each chunk of queries attends the whole sequence's keys up to its own last position (causal, aligned to
-        the lower right: the chunk's queries are the last L of those keys' positions). SDPA picks its kernel."""
+        each chunk of queries attends the whole sequence's keys up to its own last position (attend_chunk)."""
         length = q.size(2) // 2
         k, v = self.gather(k), self.gather(v)
         outputs = []
         for which, chunk in enumerate(self.local_chunks):
             end = (chunk + 1) * length
             q_chunk = q[:, :, which * length : (which + 1) * length]
-            k_seen, v_seen = repeat_kv(q_chunk, k[:, :, :end], v[:, :, :end])
-            causal = causal_lower_right(length, end)
-            outputs.append(
-                F.scaled_dot_product_attention(q_chunk, k_seen, v_seen, attn_mask=causal, dropout_p=dropout_p)
-            )
+            k_seen, v_seen = repeat_kv(q_chunk, k[:, :, :end], v[:, :, :end])  # outside: autograd sums the repeats
+            outputs.append(attend_chunk(q_chunk, k_seen, v_seen, self.kernel, dropout_p))
         return torch.cat(outputs, dim=2)
 
 
@@ -92,7 +226,9 @@ def use_context_parallel_attention(model, runtime, requested: str, log) -> None:
             f"attention_backend={requested} applies without context parallelism"
         )
     model.attention = model.attention._replace(kernel=shard.attend)
+    config = model.config
+    used = resolve_chunk_kernel(shard.kernel, runtime.device.type, runtime.dtype, config.head_dim, config.dropout)
     log.info(
         f"context parallel: each sequence split over {shard.size} ranks; attention: SDPA over the gathered keys "
-        f"and values (in place of {replaced})"
+        f"and values, {used} per chunk (in place of {replaced})"
     )

@@ -1,6 +1,7 @@
 """One rank of test_context.py (python -m tests.e2e.context_worker, with RANK, WORLD_SIZE, MASTER_ADDR/PORT): the
 same float64 model and sequences on every rank; the whole sequences' loss and gradients on this rank alone, then
-this rank's shard under context parallelism. Prints one JSON line: the largest relative differences."""
+this rank's shard under context parallelism, with each chunk kernel in KERNELS. Prints one JSON line: the largest
+relative differences and the kernel each check ran."""
 
 from __future__ import annotations
 
@@ -10,19 +11,20 @@ import torch
 import torch.distributed as dist
 
 from model import GPT, GPTConfig
-from training.context import ContextShard
+from training.context import ContextShard, resolve_chunk_kernel
 
 BLOCKS = {
     "gpt2": {},
     "modern": dict(rope=True, norm="rmsnorm", mlp="swiglu", n_kv_head=1, qk_norm=True, bias=False),
 }
+KERNELS = ("auto", "sdpa_lower_right")  # auto is the CPU flash kernel on the prefix and diagonal, merged
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def compare(block: str, seed: int, shard: ContextShard) -> dict[str, float]:
+def compare(block: str, seed: int, shard: ContextShard) -> dict:
     torch.manual_seed(seed)  # the same weights and sequences on every rank
     config = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=48, vocab_size=64, attention_backend="manual")
     config = GPTConfig(**{**vars(config), **BLOCKS[block]})
@@ -44,13 +46,16 @@ def compare(block: str, seed: int, shard: ContextShard) -> dict[str, float]:
     return {
         "loss": abs(total.item() / shard.size - loss.item()) / abs(loss.item()),
         "grads": max(relative(g / shard.size, e) for g, e in zip(grads, expected)),
+        "used": resolve_chunk_kernel(shard.kernel, "cpu", torch.float64, config.head_dim, config.dropout),
     }
 
 
 def main() -> None:
     dist.init_process_group("gloo")
-    shard = ContextShard(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
-    worst = {f"{block} seed {seed}": compare(block, seed, shard) for block in BLOCKS for seed in (1, 2)}
+    shards = {
+        kernel: ContextShard(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), kernel) for kernel in KERNELS
+    }
+    worst = {f"{block}, {kernel}": compare(block, 1, shard) for kernel, shard in shards.items() for block in BLOCKS}
     print(json.dumps({"rank": dist.get_rank(), "worst": worst}), flush=True)
     dist.destroy_process_group()
 

@@ -1,0 +1,79 @@
+"""A context-parallel chunk's attention (training/context.py) without a process group: the prefix and diagonal
+parts merged by their log-sum-exps, forward and backward, against `manual` with an explicit lower-right mask; the
+kernel resolver. test_context.py in tests/e2e checks the whole split over two ranks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from model import manual_attention
+from training.context import ContextShard, attend_chunk, resolve_chunk_kernel
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def chunk_inputs(length: int, keys: int, dtype: torch.dtype, heads: int = 3, head_dim: int = 16):
+    """q laid out as the model makes it (a (B, T, H, D) view turned to (B, H, T, D)); k, v as attend slices them
+    from the gathered sequence."""
+    torch.manual_seed(keys)
+    q = torch.randn(2, length, heads, head_dim, dtype=dtype).transpose(1, 2).requires_grad_()
+    k, v = (torch.randn(2, heads, 2 * keys, head_dim, dtype=dtype)[:, :, :keys].requires_grad_() for _ in "kv")
+    return q, k, v
+
+
+def lower_right_manual(q, k, v):
+    """model.manual_attention with the causal mask aligned to the lower right: query i sees keys up to S-L+i."""
+    visible = torch.ones(q.size(2), k.size(2), dtype=torch.bool).tril(k.size(2) - q.size(2))
+    return manual_attention(q, k, v, SimpleNamespace(dense=lambda: visible))
+
+
+@pytest.mark.parametrize("kernel", ["cpu_flash", "sdpa_lower_right"])
+@pytest.mark.parametrize("keys", [8, 24], ids=["chunk 0 (no prefix)", "chunk 2"])
+@pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-12), (torch.float32, 1e-5)], ids=["float64", "float32"])
+def test_a_chunk_attends_as_manual_with_a_lower_right_mask(kernel, keys, dtype, rtol):
+    """A chunk of 8 queries on the 8 keys of chunk 0 or the 24 keys up to the end of chunk 2: output and q, k, v
+    gradients within rtol of manual attention."""
+    q, k, v = chunk_inputs(8, keys, dtype)
+    grad = torch.randn(2, 3, 8, 16, dtype=dtype)
+    got = attend_chunk(q, k, v, kernel)
+    expected = lower_right_manual(q, k, v)
+    assert relative(got, expected) < rtol
+    for got_grad, expected_grad in zip(
+        torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)
+    ):
+        assert relative(got_grad, expected_grad) < rtol
+
+
+@pytest.mark.parametrize("keys", [3, 9], ids=["no prefix", "prefix"])
+def test_the_merged_parts_pass_gradcheck(keys):
+    q, k, v = chunk_inputs(3, keys, torch.float64, heads=2, head_dim=4)
+    assert torch.autograd.gradcheck(lambda q, k, v: attend_chunk(q, k, v, "cpu_flash"), (q, k, v))
+
+
+@pytest.mark.parametrize(
+    "requested, device, dtype, head_dim, dropout, used",
+    [
+        ("auto", "cpu", torch.float64, 8, 0.0, "cpu_flash"),
+        ("auto", "cpu", torch.bfloat16, 64, 0.1, "sdpa_lower_right"),  # none of the LSE kernels has dropout
+        ("auto", "cuda", torch.bfloat16, 64, 0.0, "cudnn"),
+        ("auto", "cuda", torch.float32, 64, 0.0, "sdpa_lower_right"),  # cuDNN and flash take half precision only
+        ("auto", "cuda", torch.bfloat16, 256, 0.0, "sdpa_lower_right"),  # cuDNN: head dim <= 128
+        ("flash", "cuda", torch.float16, 256, 0.0, "flash"),
+        ("flash", "cuda", torch.float16, 60, 0.0, "sdpa_lower_right"),  # flash: a multiple of 8
+        ("flash", "cpu", torch.float16, 64, 0.0, "sdpa_lower_right"),
+        ("auto", "mps", torch.float32, 64, 0.0, "sdpa_lower_right"),
+        ("sdpa_lower_right", "cuda", torch.bfloat16, 64, 0.0, "sdpa_lower_right"),
+    ],
+)
+def test_the_resolver_falls_back_to_sdpa_where_a_kernel_cannot_serve(requested, device, dtype, head_dim, dropout, used):
+    assert resolve_chunk_kernel(requested, device, dtype, head_dim, dropout) == used
+
+
+def test_an_unknown_kernel_is_refused_when_the_shard_is_made():
+    with pytest.raises(ValueError, match="cpu_flash"):
+        ContextShard(None, 0, 2, kernel="flash_attn_3")
