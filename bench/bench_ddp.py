@@ -168,15 +168,9 @@ def add_scaling(rows: list[dict]) -> None:
             row["loss_vs_1gpu"] = row["final_loss"] - base["final_loss"]
 
 
-# Context parallelism's sequences take seconds a step: a few compiled steps, the first two (compiling) untimed
-CONTEXT_ITERS = 6
-CONTEXT = (
-    f"--max_iters={CONTEXT_ITERS + 1}",
-    f"--lr_decay_iters={CONTEXT_ITERS + 1}",
-    "--warmup_iters=1",
-    "--log_interval=1",
-    "--activation_checkpointing=block",
-)
+# Context parallelism's sequences take seconds a step: a few compiled steps (--context-iters), the first two
+# (compiling) untimed
+CONTEXT = ("--warmup_iters=1", "--log_interval=1", "--activation_checkpointing=block")
 
 
 def context_rows(args, on_row) -> None:
@@ -187,12 +181,13 @@ def context_rows(args, on_row) -> None:
     runs = [("context", t, g, t * g) for t in args.context for g in args.gpus]
     runs += [("context-check", t, g, t) for t in args.context_check for g in args.gpus]
     for run, t, gpus, block_size in runs:
-        settings = (*CONTEXT, *([f"--context_parallel={gpus}"] if gpus > 1 else []))
+        steps = (f"--max_iters={args.context_iters + 1}", f"--lr_decay_iters={args.context_iters + 1}")
+        settings = (*CONTEXT, *steps, *([f"--context_parallel={gpus}"] if gpus > 1 else []))
         name = f"{run} T={t}"
         on_row(
             measure(
                 args, name, model, shape, "ddp", gpus, 1, settings,
-                warmup=2, stop_at_iter=CONTEXT_ITERS, block_size=block_size, accum_total=1,
+                warmup=2, stop_at_iter=args.context_iters, block_size=block_size, accum_total=1,
             )
         )  # fmt: skip
 
@@ -267,7 +262,8 @@ def parse_args(argv=None):
     args.log_interval = args.log_interval or (1 if quick else 10)
     args.name = args.name or ("ddp-quick" if quick else "ddp")
     args.block_size, args.vocab_size = (64, None) if quick else (1024, GPT2_VOCAB)  # quick: the corpus's vocabulary
-    args.data = launch.corpus(args.work / "data")
+    longest = max([t * max(args.gpus) for t in args.context] + args.context_check + [args.block_size])
+    args.data = launch.corpus(args.work / "data", longest)
     args.variants = [parse_variant(text, parser) for text in args.variant]
     if args.variant_gpus and not set(args.variant_gpus) <= {g for g in args.gpus if g > 1}:
         parser.error(f"--variant-gpus {args.variant_gpus}: choose among --gpus above 1 ({args.gpus})")
@@ -296,6 +292,7 @@ def add_options(parser: argparse.ArgumentParser):
         metavar="T",
         help="context parallelism: T on one GPU against N x T split over each of --gpus N",
     )
+    parser.add_argument("--context-iters", type=int, default=6, help="steps per context run, the first 2 untimed")
     parser.add_argument(
         "--context-check", type=int, nargs="+", default=[], metavar="T", help="the same T on one GPU and split over N"
     )
@@ -360,7 +357,7 @@ def save(args, rows: list[dict], start: float) -> list[Path]:
             "largest": "width 1600, 25 heads, micro-batch 1, 4 eager steps (2 timed); stops at the first failure"
             if args.largest
             else "-",
-            "context": f"batch 1, activation_checkpointing=block, {CONTEXT_ITERS} steps (the first 2 untimed); "
+            "context": f"batch 1, activation_checkpointing=block, {args.context_iters} steps (the first 2 untimed); "
             "context T=t: t on one GPU, N x t split over N (context_parallel); context-check: t on both; "
             "MFU vs 1 GPU: over the one-GPU row's of the same run"
             if args.context or args.context_check

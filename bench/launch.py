@@ -6,6 +6,7 @@ nothing it started is left running), and its iter lines parsed.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import signal
@@ -85,13 +86,16 @@ def torchrun_env(quick: bool) -> dict:
     return env
 
 
-def corpus(folder: Path) -> Path:
-    """A char-level dataset of this repo's own sources: no network needed on the GPU host."""
+def corpus(folder: Path, longest: int = 0) -> Path:
+    """A char-level dataset of this repo's own sources (no network needed on the GPU host), repeated until its
+    validation split (a tenth) holds sequences of `longest` tokens; one folder per number of copies."""
     from data.common import prepare_text
 
+    text = "".join(p.read_text(errors="replace") for p in sorted(ROOT.glob("**/*.py")) + sorted(ROOT.glob("*.md")))
+    copies = max(4, math.ceil(10 * (longest + 2) / len(text)) + 1)
+    folder = folder if copies == 4 else folder.with_name(f"{folder.name}-{copies}x")
     if not (folder / "meta.json").exists():
-        text = "".join(p.read_text(errors="replace") for p in sorted(ROOT.glob("**/*.py")) + sorted(ROOT.glob("*.md")))
-        prepare_text(text * 4, folder, "char")
+        prepare_text(text * copies, folder, "char")
     return folder
 
 
@@ -137,13 +141,18 @@ class Launch:
         if timer is not None:
             timer.start()
         lines, reached = [], False
-        for line in self.process.stdout:
-            lines.append(line)
-            parsed = parse_log_line(line) if stop_at_iter is not None else None
-            if parsed and parsed["iter"] >= stop_at_iter:
-                reached = True
-                kill_tree(self.pid)
-                break
+        try:
+            for line in self.process.stdout:
+                lines.append(line)
+                parsed = parse_log_line(line) if stop_at_iter is not None else None
+                if parsed and parsed["iter"] >= stop_at_iter:
+                    reached = True
+                    kill_tree(self.pid)
+                    break
+        except BaseException:  # the bench itself stopped (Ctrl-C, SIGTERM): its runs stop too, saying where they were
+            kill_tree(self.pid)
+            print("".join(f"  | {line}" for line in lines[-8:]), end="", file=sys.stderr)
+            raise
         lines += self.process.stdout.readlines()
         self.process.wait()
         timed_out = timer is not None and not timer.is_alive() and not reached

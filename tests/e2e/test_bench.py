@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -606,7 +607,7 @@ def test_bench_ddp_context_rows_split_n_times_one_gpus_t_and_compare_mfu_and_los
         return {"run": run}
 
     monkeypatch.setattr(bench_ddp, "measure", measure)
-    args = types.SimpleNamespace(quick=True, gpus=[1, 2], context=[64], context_check=[32])
+    args = types.SimpleNamespace(quick=True, gpus=[1, 2], context=[64], context_check=[32], context_iters=6)
     bench_ddp.context_rows(args, lambda row: None)
     assert calls == [
         ("context T=64", 1, 64, []),
@@ -632,3 +633,39 @@ def test_bench_ddp_context_rows_split_n_times_one_gpus_t_and_compare_mfu_and_los
     assert rows[3]["mfu_vs_1gpu"] == pytest.approx(0.8) and "scaling" not in rows[3] and "loss_vs_1gpu" not in rows[3]
     assert rows[5]["mfu_vs_1gpu"] == pytest.approx(0.4) and rows[5]["loss_vs_1gpu"] == pytest.approx(0.001)
     assert not any(key in rows[0] for key in ("scaling", "mfu_vs_1gpu", "loss_vs_1gpu"))
+
+
+def test_the_bench_corpus_grows_until_its_validation_split_holds_the_longest_sequence(tmp_path, monkeypatch):
+    """launch.corpus: four copies of the sources by default; for sequences longer than that validation split
+    (a tenth), as many copies as it takes, in a folder of their own."""
+    sources = tmp_path / "repo"
+    sources.mkdir()
+    (sources / "a.py").write_text("x = 1  # some source\n" * 50)  # 1,050 characters
+    monkeypatch.setattr(launch, "ROOT", sources)
+    plain = launch.corpus(tmp_path / "data")
+    longer = launch.corpus(tmp_path / "data", longest=2000)
+    assert plain == tmp_path / "data" and longer != plain
+    val_tokens = [(folder / "val.bin").stat().st_size // 2 for folder in (plain, longer)]  # uint16 ids
+    assert val_tokens[0] < 2002 <= val_tokens[1]
+
+
+def test_a_stopped_bench_leaves_no_run_behind(monkeypatch, capsys):
+    """Ctrl-C or SIGTERM while a run is going: the run and what it started are killed, its last lines printed, and
+    the stop goes on up (the bench ends, as asked)."""
+    child = "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"
+    child += "; print('started', p.pid, flush=True); print('stop here', flush=True); time.sleep(60)"
+
+    def parse(line):
+        if line.startswith("stop here"):
+            raise KeyboardInterrupt  # as SIGTERM raises it (errors.Stopped) where the bench was
+        return None
+
+    monkeypatch.setattr(launch, "parse_log_line", parse)
+    run = launch.Launch([sys.executable, "-c", child])
+    with pytest.raises(KeyboardInterrupt):
+        run.wait(timeout=30, stop_at_iter=1)
+    assert run.process.wait(timeout=10) == -9
+    printed = capsys.readouterr().err
+    grandchild = Path(f"/proc/{printed.split('started ')[1].split()[0]}/stat")
+    time.sleep(0.5)  # SIGKILL is delivered at once; the state changes as it is
+    assert not grandchild.exists() or grandchild.read_text().rsplit(")", 1)[1].split()[0] in "ZX"  # dead or reaped
