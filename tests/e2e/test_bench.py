@@ -669,3 +669,17 @@ def test_a_stopped_bench_leaves_no_run_behind(monkeypatch, capsys):
     grandchild = Path(f"/proc/{printed.split('started ')[1].split()[0]}/stat")
     time.sleep(0.5)  # SIGKILL is delivered at once; the state changes as it is
     assert not grandchild.exists() or grandchild.read_text().rsplit(")", 1)[1].split()[0] in "ZX"  # dead or reaped
+
+
+def test_bench_context_checks_each_chunk_kernel_against_the_reference(tmp_path):
+    """bench_context --quick (CPU, float64): one row per chunk kernel, each with the kernel it runs as; CPU's flash
+    kernel, merged over prefix and diagonal, within 1e-10 of the lower-right-masked reference; results written."""
+    from bench import bench_context
+
+    assert bench_context.main(["--quick", "--out", str(tmp_path), "--ranks", "4", "--rank", "1"]) == 0
+    rows = json.loads((tmp_path / "cpu-context.json").read_text())["rows"]
+    used = {row["kernel"]: row["used"] for row in rows}
+    assert used["auto"] == used["cpu_flash"] == "cpu_flash" and used["cudnn"] == "sdpa_lower_right"
+    assert all(row["status"] == "ok" and row["ms"] > 0 for row in rows)
+    assert 0 < next(row["max_rel_err"] for row in rows if row["kernel"] == "cpu_flash") < 1e-10
+    assert (tmp_path / "cpu-context.md").exists() and (tmp_path / "cpu-context.png").exists()
