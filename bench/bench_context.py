@@ -25,6 +25,7 @@ import time
 import torch
 
 from bench.report import DEFAULT_OUT, Column, pyplot, save_results
+from data.common import OneLineParser
 from training.context import CHUNK_KERNELS, REFERENCE, attend_chunk, resolve_chunk_kernel
 
 COLUMNS = [
@@ -108,7 +109,7 @@ def plot(rows: list[dict], path) -> None:
 
 
 def parse(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--T", type=int, default=32768, help="the whole sequence's length (32768)")
     parser.add_argument("--ranks", type=int, default=2, help="ranks the sequence is split over (2)")
     parser.add_argument("--rank", type=int, default=0, help="the rank measured (0: the first and last chunks)")
