@@ -41,7 +41,16 @@ from errors import CheckpointError, ConfigError, DataError, PeerFailed, UsageErr
 from model import GPT, GPTConfig
 from storage.checkpoint import BEST, LATEST, checkpoint_names
 from training.context import context_shard, use_context_parallel_attention
-from training.parallel import fused_optimizer_ok, grad_scaler, gradient_sync, place_model, replicated, wrap_model
+from training.parallel import (
+    fused_optimizer_ok,
+    grad_scaler,
+    gradient_sync,
+    local_optimizer,
+    place_model,
+    replicated,
+    shard_optimizer,
+    wrap_model,
+)
 from training.preflight import (
     CUDA_GRAPH_MODES,
     check_before_training,
@@ -147,6 +156,7 @@ class TrainConfig:
     ddp_graph_split: bool = False  # compiled DDP: a graph per bucket, all-reduce overlapping backward (bench/NOTES.md)
     fsdp_reshard_after_forward: bool = True  # FSDP frees gathered weights after forward; False: kept for backward
     ddp_reduce_dtype: str = "float32"  # DDP's gradient all-reduce: float32 | bfloat16 (half the traffic; NCCL only)
+    shard_optimizer: bool = False  # DDP: each rank keeps AdamW state for, and steps, 1/N of the weights (ZeRO-1)
     dist_timeout_s: float = 600.0  # a rank waiting this long for the others in a collective gives up
     seed: int = 1337  # seeds the weights and the data stream (the same on every rank); dropout adds the rank
     peak_flops: float | None = None  # per-device peak FLOP/s for MFU; None: look up the GPU's name
@@ -293,10 +303,7 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
         graph_split=cfg.ddp_graph_split,
         reduce_dtype=cfg.ddp_reduce_dtype,
     )
-    betas = (cfg.beta1, cfg.beta2)
-    optimizer = model.configure_optimizers(
-        cfg.weight_decay, cfg.learning_rate, betas, device.type, fused=fused_optimizer_ok(model)
-    )
+    optimizer = build_optimizer(cfg, runtime, model)
     # Under CUDA graphs the compiled backward returns gradients in graph memory, which the next micro-step's replay
     # overwrites; taken as .grad they would be lost to accumulation (pytorch/pytorch#169545). With .grad buffers of
     # our own, every backward adds into them instead.
@@ -310,6 +317,25 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     )
     state.own_grads = own_grads
     return state
+
+
+def build_optimizer(cfg: TrainConfig, runtime: Runtime, model: GPT) -> torch.optim.Optimizer:
+    """The model's AdamW (configure_optimizers); with shard_optimizer under DDP, its state and step split over
+    the ranks (ZeRO-1)."""
+    betas = (cfg.beta1, cfg.beta2)
+    optimizer = model.configure_optimizers(
+        cfg.weight_decay, cfg.learning_rate, betas, runtime.device.type, fused=fused_optimizer_ok(model)
+    )
+    if not cfg.shard_optimizer:
+        return optimizer
+    if not runtime.ddp:
+        log.info("shard_optimizer: one process, nothing to shard; the optimizer steps as usual")
+        return optimizer
+    ranks = runtime.world_size
+    log.info(
+        f"optimizer step sharded over {ranks} ranks (ZeRO-1): each steps ~1/{ranks} of the weights, keeps their state"
+    )
+    return shard_optimizer(optimizer)
 
 
 def train_step(state: TrainState) -> Step:
@@ -347,7 +373,9 @@ def clip_and_step(
     on the device (no host sync). Returns the norm before clipping.
     float16 trains with a loss scale: the GradScaler unscales the gradients, then steps. With any other dtype
     the scale is 1 and a fused AdamW is told of a non-finite norm directly, through the attribute by which the
-    GradScaler itself tells it (found_inf): one pass over all gradients less, per step."""
+    GradScaler itself tells it (found_inf): one pass over all gradients less, per step. Under ZeRO the gradients
+    are whole on every rank (DDP averaged them), so the norm is the global one; the flag goes to this rank's own
+    AdamW, which steps its share of the parameters."""
     if dtype == torch.float16 or not optimizer.defaults.get("fused"):  # param groups agree (keep_kernels)
         scaler.unscale_(optimizer)
         grad_norm = replicated(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
@@ -358,11 +386,12 @@ def clip_and_step(
             optimizer.step()
         return grad_norm
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    optimizer.found_inf = (~torch.isfinite(grad_norm)).float()  # the fused kernel leaves everything as it was
+    fused = local_optimizer(optimizer)  # the fused AdamW itself, which reads found_inf
+    fused.found_inf = (~torch.isfinite(grad_norm)).float()  # the fused kernel leaves everything as it was
     try:
         optimizer.step()
     finally:
-        del optimizer.found_inf
+        del fused.found_inf
     return grad_norm
 
 

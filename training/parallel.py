@@ -5,6 +5,9 @@ Under FSDP only rank 0 needs the whole model in host memory: the other ranks may
 
     torchrun --standalone --nproc_per_node=4 train.py config/train_gpt2_xl_fsdp.py    # parallelism = "fsdp"
 
+Under DDP, shard_optimizer (ZeRO-1, torch's ZeroRedundancyOptimizer) splits the optimizer step instead: each
+rank keeps the AdamW state of, and steps, about 1/N of the parameters, then sends them to the others.
+
 Checkpoints of an FSDP run: rank 0 writes ckpt.pt as always, with the full weights (gathered to its CPU), so
 sample.py, export and fine-tuning read it like any other; the optimizer state, sharded, goes to a
 torch.distributed.checkpoint (DCP) folder beside it, ckpt-<iter>.dcp, that ckpt.pt names. DCP reshards on
@@ -14,6 +17,7 @@ load, so a run saved on 4 ranks resumes on 2, or on 1 process.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import shutil
 import warnings
@@ -25,7 +29,7 @@ from torch import nn
 
 from errors import UsageError
 from storage.atomic import fsync_dir, tmp_path_for
-from training.runtime import Runtime
+from training.runtime import Runtime, synchronize
 
 PARALLELISMS = ("ddp", "fsdp")
 REDUCE_DTYPES = ("float32", "bfloat16")  # of DDP's gradient all-reduce
@@ -151,6 +155,52 @@ def fused_optimizer_ok(model: nn.Module) -> bool:
     """Whether the fused AdamW kernel may run: not beside the ShardedGradScaler, whose one-element inf flag the
     fused kernel subtracts from its scalar step counts and fails on CUDA (torch 2.11); foreach kernels there."""
     return not is_sharded(model)
+
+
+# ----------------------------------------------------------------------------------------------
+# The optimizer step sharded over DDP's ranks (ZeRO-1)
+
+
+def shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """torch's ZeroRedundancyOptimizer around an optimizer that has not stepped yet: the same class, param groups
+    and settings. Each rank keeps the state of, and steps, about 1/N of the parameters (whole tensors), then
+    broadcasts them; DDP still averages every gradient on every rank, so clipping over all of them is unchanged.
+    Its param_groups reach each rank's own optimizer at every step (the learning rate). The parameters stay where
+    they are (parameters_as_bucket_view off): on, each would become a view of one flat tensor per rank, and the
+    checkpoint's weights would share those tensors' storage."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    accepted = inspect.signature(type(optimizer)).parameters  # defaults has more: AdamW's decoupled_weight_decay
+    settings = {key: value for key, value in optimizer.defaults.items() if key in accepted}
+    groups = [dict(group) for group in optimizer.param_groups]
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **settings)
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's state and runs its step: under ZeRO the one of this rank's share of
+    the parameters; else the optimizer itself."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def gather_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Under ZeRO, every rank's share of the optimizer state to rank 0, whose state_dict() then holds all of it in
+    the plain optimizer's layout; a collective, so every rank calls it. Other optimizers hold theirs already."""
+    if local_optimizer(optimizer) is not optimizer:
+        optimizer.consolidate_state_dict(to=0)
+        synchronize(device)  # its copies to the CPU are non-blocking: done before torch.save reads them
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    """A plain optimizer's state dict (any number of ranks saved it); under ZeRO each rank takes its share."""
+    if local_optimizer(optimizer) is optimizer:
+        optimizer.load_state_dict(state_dict)
+        return
+    optimizer.load_state_dict({**state_dict, "state": dict(state_dict["state"])})  # it blanks the others' entries
+    # ZeRO also keeps every entry in its own `state`, which its steps never read: a second copy of this rank's
+    # share, and None for the other ranks', which its state_dict() would save where their owner holds no state
+    optimizer.state.clear()
 
 
 def gradient_sync(model: nn.Module, train_model: nn.Module, enabled: bool):

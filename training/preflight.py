@@ -135,6 +135,8 @@ def check_parallelism(cfg) -> None:
         )
     if cfg.parallelism == "fsdp" and cfg.lora_rank:
         raise ValueError("LoRA (lora_rank > 0) trains with parallelism ddp, not fsdp; its frozen base is not sharded")
+    if cfg.parallelism == "fsdp" and cfg.shard_optimizer:
+        raise ValueError("shard_optimizer=true is for parallelism ddp; parallelism fsdp shards the optimizer already")
     if cfg.context_parallel < 1:
         raise ValueError(f"context_parallel must be >= 1 (1 turns it off), got {cfg.context_parallel}")
     if cfg.context_parallel > 1 and cfg.block_size % (2 * cfg.context_parallel):

@@ -17,7 +17,15 @@ import torch.distributed as dist
 from data.loader import Batches
 from errors import CheckpointError
 from storage.checkpoint import LATEST, capture_rng, restore_rng, save_checkpoint
-from training.parallel import full_model_state, is_sharded, load_sharded_optimizer, save_sharded_optimizer
+from training.parallel import (
+    full_model_state,
+    gather_optimizer_state,
+    is_sharded,
+    load_optimizer_state,
+    load_sharded_optimizer,
+    local_optimizer,
+    save_sharded_optimizer,
+)
 from training.preflight import checkpoint_path
 from training.runtime import agree
 from weights.lora import checkpoint_entries
@@ -29,12 +37,13 @@ def keep_kernels(optimizer: torch.optim.Optimizer) -> None:
     """Give the param groups back this run's AdamW kernel (fused or foreach, as in the optimizer's defaults),
     which loading a state dict replaces by the saving run's: an FSDP run's foreach AdamW must not come back into
     a run whose fused one the GradScaler, or clip_and_step, drives. The fused kernel keeps its step counts on the
-    parameters' device."""
+    parameters' device. Under ZeRO this rank's own optimizer holds the state, and takes the wrapper's groups."""
     kernel = {key: optimizer.defaults.get(key) for key in ("fused", "foreach")}
-    for group in optimizer.param_groups:
+    local = local_optimizer(optimizer)
+    for group in (*optimizer.param_groups, *local.param_groups):
         group.update(kernel)
     if kernel["fused"]:
-        for param, param_state in optimizer.state.items():
+        for param, param_state in local.state.items():
             if "step" in param_state:
                 param_state["step"] = param_state["step"].to(param.device, torch.float32)
 
@@ -52,7 +61,7 @@ def restore_progress(state, batches: Batches, checkpoint: dict) -> None:
                 f"{path} was saved without FSDP, its optimizer state unsharded; resume it with --parallelism=ddp"
             )
         else:
-            state.optimizer.load_state_dict(checkpoint["optimizer"])
+            load_optimizer_state(state.optimizer, checkpoint["optimizer"])  # ZeRO: this rank's share
         keep_kernels(state.optimizer)
         state.scaler.load_state_dict(checkpoint["scaler"])
         batches.restore(checkpoint["data"] if "data" in checkpoint else ranks[0]["data"])
@@ -76,8 +85,8 @@ def restore_progress(state, batches: Batches, checkpoint: dict) -> None:
 
 def write_checkpoint(state, batches: Batches, meta: dict, is_best: bool) -> Path:
     """Write a checkpoint from rank 0, with the data stream's position and every rank's RNG (and under FSDP
-    the sharded optimizer state, from every rank); returns out_dir/ckpt.pt. A failed save (a full disk, ...)
-    is a CheckpointError on every rank."""
+    the sharded optimizer state, from every rank; under ZeRO rank 0 gathers it, in the plain layout); returns
+    out_dir/ckpt.pt. A failed save (a full disk, ...) is a CheckpointError on every rank."""
     cfg, runtime = state.cfg, state.runtime
     ranks = [{"rng": capture_rng()}]
     if runtime.ddp:
@@ -93,6 +102,7 @@ def write_checkpoint(state, batches: Batches, meta: dict, is_best: bool) -> Path
         if cfg.parallelism == "fsdp" and runtime.ddp:
             sharded = f"ckpt-{state.iter_num:07d}.dcp"
             save_sharded_optimizer(state.model, state.optimizer, Path(cfg.out_dir) / sharded, runtime)
+        gather_optimizer_state(state.optimizer, runtime.device)  # ZeRO: every rank's share to rank 0
     except (OSError, RuntimeError) as failure:  # DCP's CheckpointException is a RuntimeError
         reason = str(failure).strip().splitlines()[0][:200] if str(failure).strip() else type(failure).__name__
         error = CheckpointError(f"could not save iter {state.iter_num}: {reason}; {LATEST} is unchanged")

@@ -198,6 +198,55 @@ def test_a_failed_or_killed_rank_is_reported_and_the_job_restarts_from_the_last_
     assert_same_weights(final, load_checkpoint(ref_out / f"ckpt-{MAX_ITERS:07d}.pt")["model"])
 
 
+def assert_plain_adamw_layout(saved: dict, expected: dict) -> None:
+    """The optimizer state of a checkpoint as a plain AdamW's: the same param groups (settings and parameter
+    indices), the same parameters with state, each with the same entries, and values as close as the weights."""
+    assert saved.keys() == expected.keys() == {"state", "param_groups"}
+    assert saved["param_groups"] == expected["param_groups"]
+    assert list(saved["state"]) == list(expected["state"])
+    for index, entries in expected["state"].items():
+        assert saved["state"][index].keys() == entries.keys(), index
+        for name, tensor in entries.items():
+            torch.testing.assert_close(saved["state"][index][name], tensor, rtol=1e-4, atol=1e-6, msg=f"{index} {name}")
+
+
+def test_sharded_optimizer_trains_like_one_process_and_its_checkpoints_resume_either_way(
+    reference, char_data, tmp_path, warm_interpreter
+):
+    """--shard_optimizer=true (ZeRO-1) under DDP on 2 ranks resumes the one-process run's iter-5 checkpoint (a plain
+    AdamW's state, split over the ranks), logs that run's losses, and saves its weights and optimizer state in a
+    plain AdamW's layout; a checkpoint of it then resumes in one process without sharding, and goes on the same."""
+    ref_out, ref_losses = reference
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copyfile(ref_out / "ckpt-0000005.pt", out / "ckpt.pt")
+    settings = run_args(char_data, out, "--init_from=auto", "--shard_optimizer=true", "--max_iters=15")
+    settings += ["--eval_interval=5"]
+    with Child("-m", torchrun("--standalone", "--nproc_per_node=2") + settings, warm=True) as child:
+        code, output = child.finish(timeout=300)
+    assert code == 0, output
+    assert "resuming at iter 5" in output and "(2 ranks x 2 micro-steps x 4 x 16)" in output, output
+    assert "INFO: optimizer step sharded over 2 ranks (ZeRO-1)" in output, output
+    assert_same_losses(losses(output), {it: ref_losses[it] for it in range(6, 16)})
+    for it in (10, 15):
+        saved = load_checkpoint(out / f"ckpt-{it:07d}.pt", resume=True)
+        expected = load_checkpoint(ref_out / f"ckpt-{it:07d}.pt", resume=True)
+        assert_same_weights(saved["model"], expected["model"])
+        assert_plain_adamw_layout(saved["optimizer"], expected["optimizer"])
+
+    # Back to iter 10 (a rollback), then on in one process, unsharded
+    shutil.copyfile(out / "ckpt-0000010.pt", out / "ckpt.pt")
+    stdout = io.StringIO()
+    with one_torch_thread(), contextlib.redirect_stdout(stdout):
+        code = train.main(run_args(char_data, out, "--init_from=auto", "--max_iters=15", "--eval_interval=5"))
+    assert code == 0, stdout.getvalue()
+    assert "resuming at iter 10" in stdout.getvalue()
+    assert_same_losses(losses(stdout.getvalue()), {it: ref_losses[it] for it in range(11, 16)})
+    assert_same_weights(
+        load_checkpoint(out / "ckpt.pt")["model"], load_checkpoint(ref_out / "ckpt-0000015.pt")["model"]
+    )
+
+
 @pytest.fixture(autouse=True)
 def _gloo_only():
     if not torch.distributed.is_available():
@@ -281,6 +330,32 @@ def test_ddp_wrapping_follows_the_settings(monkeypatch, gloo_world_of_one):
     assert hooks == []
     parallel.wrap_model(GPT(tiny_config()), runtime, use_compile=False, reduce_dtype="bfloat16")
     assert hooks == [bf16_compress_hook]
+
+
+def test_a_sharded_optimizer_skips_a_non_finite_step_and_takes_a_finite_one_as_adamw(gloo_world_of_one):
+    """clip_and_step drives ZeRO's fused AdamW as a plain one: a non-finite gradient norm reaches the AdamW inside
+    (found_inf), which leaves every weight as it was; a finite step moves the weights as a plain AdamW's does."""
+    weights = {}
+    for sharded in (False, True):
+        torch.manual_seed(0)
+        model = GPT(tiny_config())
+        optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.99), "cpu")
+        optimizer = parallel.shard_optimizer(optimizer) if sharded else optimizer
+        scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+        before = [p.detach().clone() for p in model.parameters()]
+        for poison in (True, False):
+            idx = torch.randint(0, tiny_config().vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+            model(idx, idx)[1].backward()
+            if poison:
+                next(model.parameters()).grad[0, 0] = float("nan")
+            norm = train.clip_and_step(optimizer, scaler, model, 1.0, torch.float32)
+            assert bool(torch.isfinite(norm)) is not poison
+            if poison:
+                torch.testing.assert_close(list(model.parameters()), before, rtol=0, atol=0)
+            optimizer.zero_grad()
+        assert not hasattr(parallel.local_optimizer(optimizer), "found_inf")
+        weights[sharded] = [p.detach() for p in model.parameters()]
+    torch.testing.assert_close(weights[True], weights[False], rtol=0, atol=0)
 
 
 def test_fsdp_keeps_gathered_weights_for_backward_only_when_asked(monkeypatch, gloo_world_of_one):

@@ -418,6 +418,12 @@ BAD_INPUTS = [
     case("unknown-parallelism", "--parallelism=zero3", expect=("zero3", "ddp, fsdp")),
     case("fsdp-with-lora", "--parallelism=fsdp", "--lora_rank=4", expect=("LoRA", "parallelism ddp")),
     case(
+        "fsdp-with-shard_optimizer",
+        "--parallelism=fsdp",
+        "--shard_optimizer=true",
+        expect=("shard_optimizer=true is for parallelism ddp",),
+    ),
+    case(
         "fsdp-with-cuda-graphs",
         "--parallelism=fsdp",
         "--compile_mode=reduce-overhead",
