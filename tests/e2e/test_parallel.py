@@ -51,6 +51,21 @@ def run_args(data_dir, out_dir, *extra) -> list[str]:
     )
 
 
+def resume_in_one_process(char_data, out, reference, start: int, stop: int) -> None:
+    """Roll `out` back to its checkpoint of iter `start` and train on to `stop` in this process: the reference
+    run's losses and final weights."""
+    ref_out, ref_losses = reference
+    shutil.copyfile(out / f"ckpt-{start:07d}.pt", out / "ckpt.pt")
+    stdout = io.StringIO()
+    with one_torch_thread(), contextlib.redirect_stdout(stdout):
+        code = train.main(run_args(char_data, out, "--init_from=auto", f"--max_iters={stop}", "--eval_interval=5"))
+    assert code == 0, stdout.getvalue()
+    assert f"resuming at iter {start}" in stdout.getvalue()
+    assert_same_losses(losses(stdout.getvalue()), {it: ref_losses[it] for it in range(start + 1, stop + 1)})
+    expected = load_checkpoint(ref_out / f"ckpt-{stop:07d}.pt")["model"]
+    assert_same_weights(load_checkpoint(out / "ckpt.pt")["model"], expected)
+
+
 def torchrun(*launcher: str) -> list[str]:
     """Child's arguments after `python -m`: torchrun with these options, then train.py's arguments."""
     return ["torch.distributed.run", *launcher, "train.py"]
@@ -148,15 +163,7 @@ def test_fsdp_over_two_launch_agents_trains_like_one_process_and_resumes_on_one(
     assert model.lm_head.weight is model.transformer.wte.weight
 
     # Back to iter 5 (a rollback), then on in one process: the optimizer state of 4 ranks, resharded
-    shutil.copyfile(out / "ckpt-0000005.pt", out / "ckpt.pt")
-    stdout = io.StringIO()
-    with one_torch_thread(), contextlib.redirect_stdout(stdout):
-        code = train.main(run_args(char_data, out, "--init_from=auto", "--max_iters=10", "--eval_interval=5"))
-    assert code == 0, stdout.getvalue()
-    assert "resuming at iter 5" in stdout.getvalue()
-    assert_same_losses(losses(stdout.getvalue()), {it: ref_losses[it] for it in range(6, 11)})
-    resumed = load_checkpoint(out / "ckpt.pt")["model"]
-    assert_same_weights(resumed, load_checkpoint(ref_out / "ckpt-0000010.pt")["model"])
+    resume_in_one_process(char_data, out, reference, 5, 10)
 
 
 def test_a_failed_or_killed_rank_is_reported_and_the_job_restarts_from_the_last_checkpoint(
@@ -235,16 +242,7 @@ def test_sharded_optimizer_trains_like_one_process_and_its_checkpoints_resume_ei
         assert_plain_adamw_layout(saved["optimizer"], expected["optimizer"])
 
     # Back to iter 10 (a rollback), then on in one process, unsharded
-    shutil.copyfile(out / "ckpt-0000010.pt", out / "ckpt.pt")
-    stdout = io.StringIO()
-    with one_torch_thread(), contextlib.redirect_stdout(stdout):
-        code = train.main(run_args(char_data, out, "--init_from=auto", "--max_iters=15", "--eval_interval=5"))
-    assert code == 0, stdout.getvalue()
-    assert "resuming at iter 10" in stdout.getvalue()
-    assert_same_losses(losses(stdout.getvalue()), {it: ref_losses[it] for it in range(11, 16)})
-    assert_same_weights(
-        load_checkpoint(out / "ckpt.pt")["model"], load_checkpoint(ref_out / "ckpt-0000015.pt")["model"]
-    )
+    resume_in_one_process(char_data, out, reference, 10, 15)
 
 
 @pytest.fixture(autouse=True)
