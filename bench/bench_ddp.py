@@ -11,6 +11,8 @@ trains under DDP and under FSDP.
                                                # context parallelism: T on 1 GPU, 2T split over 2; losses at 8192
     python -m bench.bench_ddp --gpus 1 2 --variant overlap:--ddp_graph_split=true,--ddp_bucket_cap_mb=25
                                                # other DDP settings, scaled by the same 1-GPU run
+    python -m bench.bench_ddp --skip-ddp --fsdp --gpus 1 2 --accum 2 --variant mb16:--batch_size=16
+                                               # GPT-2 XL under FSDP, also at micro-batch 16 (same tokens a step)
 
 Each run is train.py itself under torchrun (--log_interval=10: a log line waits for the GPU); its figures are
 train.py's own iter lines (bench.launch.parse_log_line) after the first --warmup iterations, medians over the
@@ -307,7 +309,8 @@ def add_options(parser: argparse.ArgumentParser):
         action="append",
         default=[],
         metavar="NAME:--key=value[,--key=value]",
-        help="a DDP row set with these train.py settings on each GPU count > 1, scaled by the plain 1-GPU run",
+        help="rows with these train.py settings (--batch_size keeps the tokens a step) on each GPU count > 1, for "
+        "each family run (DDP 124M; with --fsdp, GPT-2 XL), scaled by its plain 1-GPU run",
     )
     parser.add_argument("--variant-gpus", type=int, nargs="+", help="GPU counts of the --variant rows (all > 1)")
     parser.add_argument("extra", nargs="*", help="more train.py --key=value settings for every run (after --)")
@@ -329,6 +332,21 @@ def add_largest_options(parser: argparse.ArgumentParser):
         choices=PARALLELISMS,
         default=list(PARALLELISMS),
         help="which of them --largest probes (default both)",
+    )
+
+
+def variant_row(args, run: str, model: str, shape: dict, parallelism: str, gpus: int, micro_batch: int, settings):
+    """A --variant row, scaled by its family's plain 1-GPU run: the same tokens per optimizer step, also where the
+    variant sets its own --batch_size (the micro-steps then make up the difference)."""
+    accum_total = max(args.gpus) * args.accum
+    tokens = accum_total * micro_batch
+    for setting in settings:
+        if setting.startswith("--batch_size="):
+            micro_batch = int(setting.partition("=")[2])
+            accum_total = max(gpus, tokens // micro_batch)
+    settings = [s for s in settings if not s.startswith("--batch_size=")]
+    return measure(
+        args, run, model, shape, parallelism, gpus, micro_batch, settings, parallelism, accum_total=accum_total
     )
 
 
@@ -387,10 +405,13 @@ def main(argv=None) -> int:
         micro_batch = args.micro_batch if model != "gpt2-xl-1.5B" else max(1, args.micro_batch // 2)
         for gpus in args.gpus:
             on_row(measure(args, parallelism, model, shape, parallelism, gpus, micro_batch))
-    for name, settings in args.variants:
-        for gpus in args.variant_gpus or [g for g in args.gpus if g > 1]:
-            run = f"ddp {name}"
-            on_row(measure(args, run, small[0], small[1], "ddp", gpus, args.micro_batch, settings, "ddp"))
+    for parallelism, model, shape in runs:
+        micro_batch = args.micro_batch if model != "gpt2-xl-1.5B" else max(1, args.micro_batch // 2)
+        for name, settings in args.variants:
+            for gpus in args.variant_gpus or [g for g in args.gpus if g > 1]:
+                on_row(
+                    variant_row(args, f"{parallelism} {name}", model, shape, parallelism, gpus, micro_batch, settings)
+                )
     if args.largest:
         for parallelism in args.largest_parallelism:
             largest(args, parallelism, on_row)

@@ -683,3 +683,25 @@ def test_bench_context_checks_each_chunk_kernel_against_the_reference(tmp_path):
     assert all(row["status"] == "ok" and row["ms"] > 0 for row in rows)
     assert 0 < next(row["max_rel_err"] for row in rows if row["kernel"] == "cpu_flash") < 1e-10
     assert (tmp_path / "cpu-context.md").exists() and (tmp_path / "cpu-context.png").exists()
+
+
+def test_bench_ddp_variants_keep_the_tokens_of_a_step_for_each_family(monkeypatch):
+    """--variant rows for DDP and, with --fsdp, GPT-2 XL: each scaled by its own family's 1-GPU run; a variant's
+    --batch_size keeps the tokens a step (fewer micro-steps) and leaves the train.py settings."""
+    from bench import bench_ddp
+
+    calls = []
+
+    def measure(args, run, model, shape, parallelism, gpus, micro_batch, settings, baseline=None, **options):
+        calls.append((run, model, gpus, micro_batch, options.get("accum_total"), list(settings), baseline))
+        return {"run": run}
+
+    monkeypatch.setattr(bench_ddp, "measure", measure)
+    args = types.SimpleNamespace(gpus=[1, 2], accum=2)
+    shape = bench_ddp.GPT2_XL
+    bench_ddp.variant_row(args, "fsdp mb16", "xl", shape, "fsdp", 2, 8, ["--batch_size=16", "--compile=true"])
+    bench_ddp.variant_row(args, "ddp plain", "small", shape, "ddp", 2, 16, ["--ddp_graph_split=true"])
+    assert calls == [
+        ("fsdp mb16", "xl", 2, 16, 2, ["--compile=true"], "fsdp"),  # 4 x 8 sequences a step = 2 x 16
+        ("ddp plain", "small", 2, 16, 4, ["--ddp_graph_split=true"], "ddp"),
+    ]
