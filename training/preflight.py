@@ -302,23 +302,33 @@ def parameter_count(config: GPTConfig) -> int:
     return config.vocab_size * width + positions + config.n_layer * (attention + mlp + 2 * norm(width)) + norm(width)
 
 
+def state_bytes_per_param(cfg, ranks: int) -> float:
+    """What each rank holds per parameter: float32 weights, and to train, their gradients and AdamW's two moments
+    (16 bytes); FSDP holds 1/N of all of it, ZeRO-1 (shard_optimizer) 1/N of the moments."""
+    if cfg.parallelism == "fsdp":
+        return (4 if cfg.eval_only else 16) / ranks
+    if cfg.eval_only:
+        return 4
+    return 8 + 8 / ranks if cfg.shard_optimizer else 16
+
+
 def check_memory(cfg, vocab_size: int, runtime: Runtime) -> None:
     """Refuse, before allocating anything, a run whose weights, optimizer state and activations cannot fit in
     the device's memory (a lower bound of what it needs)."""
     model_config = cfg.model_config(vocab_size=vocab_size)
     params = parameter_count(model_config)
-    bytes_per_param = 4 if cfg.eval_only else 16  # float32 weights (+ gradients, AdamW's two moments)
-    # per token: the logits and their gradient (unless chunked), and a floor of floats per layer and width kept
-    # for backward (8; fewer when activations are recomputed)
-    logits = 0 if model_config.chunks_loss(cfg.batch_size * cfg.block_size) else 2 * vocab_size
+    bytes_per_param = state_bytes_per_param(cfg, runtime.world_size)
+    # per token of this rank (context parallelism: its share of each sequence): the logits and their gradient
+    # (unless chunked), and a floor of floats per layer and width kept for backward (8; fewer when recomputed)
+    tokens = cfg.batch_size * cfg.block_size // cfg.context_parallel
+    logits = 0 if model_config.chunks_loss(tokens) else 2 * vocab_size
     kept = {"none": 8, "mlp": 4, "block": 1}[cfg.activation_checkpointing]
-    activation_bytes = cfg.batch_size * cfg.block_size * 4 * (logits + kept * cfg.n_layer * cfg.n_embd)
-    shards = runtime.world_size if cfg.parallelism == "fsdp" else 1  # FSDP: each rank holds 1/N of the state
-    need = params * bytes_per_param // shards + activation_bytes
+    activation_bytes = tokens * 4 * (logits + kept * cfg.n_layer * cfg.n_embd)
+    need = int(params * bytes_per_param) + activation_bytes
     available, where = available_memory(runtime.device)
     if available and need > available:
         raise UsageError(
-            f"this run needs at least {format_bytes(need)} of memory ({params:,} parameters x {bytes_per_param} "
+            f"this run needs at least {format_bytes(need)} of memory ({params:,} parameters x {bytes_per_param:.3g} "
             f"bytes, and {format_bytes(activation_bytes)} of activations for batch_size={cfg.batch_size} x "
             f"block_size={cfg.block_size}) but {where}; use a smaller model (n_layer, n_embd, vocab_size) or batch_size"
         )

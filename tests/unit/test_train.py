@@ -470,3 +470,31 @@ def test_an_fsdp_runs_space_check_counts_the_optimizer_state_once():
     fsdp = first_save_bytes(TrainConfig(parallelism="fsdp", block_size=64), runtime, model)
     ddp = first_save_bytes(TrainConfig(parallelism="ddp", block_size=64), runtime, model)
     assert 5 * weights < fsdp < 5.2 * weights and 9 * weights < ddp < 9.2 * weights, (weights, fsdp, ddp)
+
+
+def test_the_memory_check_counts_what_each_rank_holds(monkeypatch):
+    """check_memory asks for each rank's share: 16 bytes a parameter alone or under DDP, 1/N of them under FSDP,
+    1/N of AdamW's 8 under ZeRO-1, 4 to evaluate; and the activations of this rank's tokens (under context
+    parallelism its 1/N share of each sequence), as its refusal says."""
+    from errors import UsageError
+    from training import preflight
+    from training.preflight import check_memory, state_bytes_per_param
+    from training.runtime import Runtime
+
+    sizes = [(TrainConfig(), 16), (TrainConfig(parallelism="fsdp"), 4), (TrainConfig(shard_optimizer=True), 10)]
+    sizes += [(TrainConfig(eval_only=True), 4), (TrainConfig(parallelism="fsdp", eval_only=True), 1)]
+    assert [state_bytes_per_param(cfg, 4) for cfg, _ in sizes] == [size for _, size in sizes]
+    assert state_bytes_per_param(TrainConfig(shard_optimizer=True), 1) == 16
+
+    def activations(cfg, runtime) -> str:  # what the refusal says of them, with 1 byte free
+        with pytest.raises(UsageError, match="needs at least") as refusal:
+            check_memory(cfg, 256, runtime)
+        return re.search(r"and (\S+ \S+) of activations", str(refusal.value)).group(1)
+
+    monkeypatch.setattr(preflight, "available_memory", lambda device: (1, "the test's device has 1 byte"))
+    cfg = TrainConfig(n_layer=2, n_head=4, n_embd=256, block_size=65536, batch_size=1, activation_checkpointing="none")
+    one = Runtime(torch.device("cpu"), torch.float32)
+    split = Runtime(torch.device("cpu"), torch.float32, world_size=2, context_parallel=2)
+    # 65,536 tokens x 4 bytes x (8 x 2 layers x 256 + the logits and their gradient, 2 x 256): 1.125 GiB
+    assert activations(cfg, one) == "1.1 GiB"
+    assert activations(dataclasses.replace(cfg, context_parallel=2), split) == "576.0 MiB"  # half the tokens
