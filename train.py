@@ -61,6 +61,7 @@ from training.preflight import (
     resolve_init_from,
     with_weights_shape,
 )
+from training.profiling import StepProfiler
 from training.runtime import (
     Runtime,
     StopFlags,
@@ -161,6 +162,7 @@ class TrainConfig:
     seed: int = 1337  # seeds the weights and the data stream (the same on every rank); dropout adds the rank
     peak_flops: float | None = None  # per-device peak FLOP/s for MFU; None: look up the GPU's name
     max_bad_steps: int = 5  # stop after this many consecutive steps with non-finite loss or gradients
+    profile_steps: int = 0  # > 0: torch.profiler over this many steps (after 6) on every rank, reports in out_dir
 
     def __post_init__(self):
         check_config(self)
@@ -696,21 +698,23 @@ def train_loop(state: TrainState, batches: Batches, meta: dict, wandb) -> int:
     """Steps, evaluations and checkpoints until the run ends; its exit code."""
     cfg = state.cfg
     throughput = Throughput(state)
-    while True:
-        if evaluation_due(state):
-            with throughput.paused():
-                if not evaluate_and_maybe_save(state, batches, meta, wandb):
-                    return 1
-        if state.iter_num >= cfg.max_iters or cfg.eval_only:
-            return 0
-        step = train_step(state)
-        throughput.step_done(state.iter_num)
-        if step.bad_streak and too_many_bad_steps(state, step.bad_streak):
-            return 1
-        if state.iter_num % cfg.log_interval == 0 or step.stop_requested:
-            log_step(state, step, throughput, wandb)
-        if step.stop_requested:
-            return save_and_exit_on_signal(state, batches, meta)
+    with StepProfiler(cfg.profile_steps, cfg.out_dir, state.runtime.rank, state.runtime.device) as profiler:
+        while True:
+            if evaluation_due(state):
+                with throughput.paused():
+                    if not evaluate_and_maybe_save(state, batches, meta, wandb):
+                        return 1
+            if state.iter_num >= cfg.max_iters or cfg.eval_only:
+                return 0
+            step = train_step(state)
+            throughput.step_done(state.iter_num)
+            profiler.step()
+            if step.bad_streak and too_many_bad_steps(state, step.bad_streak):
+                return 1
+            if state.iter_num % cfg.log_interval == 0 or step.stop_requested:
+                log_step(state, step, throughput, wandb)
+            if step.stop_requested:
+                return save_and_exit_on_signal(state, batches, meta)
 
 
 def start_wandb(cfg: TrainConfig):

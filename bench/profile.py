@@ -26,10 +26,8 @@ if __name__ == "__main__":  # before torch's seconds of importing: see as_comman
 
 import argparse
 import functools
-import re
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -44,59 +42,8 @@ from bench.report import DEFAULT_OUT, card_slug
 from data.common import OneLineParser
 from model import GPT, GPTConfig
 from train import train_step
+from training.profiling import summarize, top_table
 from training.runtime import synchronize
-
-KINDS = [  # (kind, pattern on the kernel name), first match wins
-    ("attention", r"flash|fmha|attention|sdpa|cudnn.*(fprop|bprop)|FlashAttn"),
-    ("matmul", r"gemm|matmul|cutlass|xmma|nvjet|cublas|aten::(addmm|mm|bmm)$"),
-    ("optimizer", r"adam|multi_tensor|foreach|norm_kernel|lerp"),
-    ("communication", r"nccl|allreduce|all_reduce"),
-    ("compiled pointwise/reduction", r"triton"),
-    ("copy/fill", r"copy|memcpy|memset|fill|cat|elementwise_kernel"),
-]
-
-
-def kind_of(name: str) -> str:
-    for kind, pattern in KINDS:
-        if re.search(pattern, name, re.IGNORECASE):
-            return kind
-    return "other"
-
-
-def summarize(prof, steps: int, wall_ms: float, on_gpu: bool, top: int, unit: str) -> list[str]:
-    """Markdown lines: wall and busy time per `unit`, time per kernel kind, the top kernels."""
-    kernels = [e for e in prof.key_averages() if (e.device_type.name == "CUDA") == on_gpu]
-    time_of = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
-    by_kind = defaultdict(float)
-    for event in kernels:
-        by_kind[kind_of(event.key)] += time_of(event) / 1000 / steps
-    busy = sum(by_kind.values())
-    lines = [
-        f"wall {wall_ms:.3f} ms/{unit}; {'GPU' if on_gpu else 'CPU op'} time {busy:.3f} ms/{unit} "
-        f"({busy / wall_ms:.0%} of wall)",
-        "",
-        f"| kind | ms/{unit} | share |",
-        "|---|---:|---:|",
-    ]
-    for kind, ms in sorted(by_kind.items(), key=lambda item: -item[1]):
-        lines.append(f"| {kind} | {ms:.3f} | {ms / busy:.1%} |")
-    return lines + [""] + top_table("top kernels", kernels, time_of, steps, top, unit, with_kind=True)
-
-
-def top_table(title: str, events, time_of, steps: int, top: int, unit: str, with_kind: bool = False) -> list[str]:
-    """Markdown rows of the `top` events by time_of (microseconds over `steps`): ms and calls per `unit`."""
-    kind_column = " kind |" if with_kind else ""
-    lines = [
-        f"| {title} |{kind_column} ms/{unit} | calls/{unit} |",
-        "|---|" + ("---|" if with_kind else "") + "---:|---:|",
-    ]
-    for event in sorted(events, key=time_of, reverse=True)[:top]:
-        name = event.key if len(event.key) <= 90 else event.key[:87] + "..."
-        kind = f" {kind_of(event.key)} |" if with_kind else ""
-        lines.append(
-            f"| `{name.replace('|', '/')}` |{kind} {time_of(event) / 1000 / steps:.3f} | {event.count / steps:.1f} |"
-        )
-    return lines
 
 
 def profiled(device: torch.device, steps: int, step) -> tuple[object, float]:

@@ -76,7 +76,7 @@ def check_numbers(cfg) -> None:
     for name in positive:
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
-    for name in ("max_iters", "warmup_iters", "lr_decay_iters"):
+    for name in ("max_iters", "warmup_iters", "lr_decay_iters", "profile_steps"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     if cfg.vocab_size is not None and cfg.vocab_size < 1:

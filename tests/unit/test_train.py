@@ -5,6 +5,7 @@ subprocesses only where a real process is the point."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import runpy
@@ -498,3 +499,34 @@ def test_the_memory_check_counts_what_each_rank_holds(monkeypatch):
     # 65,536 tokens x 4 bytes x (8 x 2 layers x 256 + the logits and their gradient, 2 x 256): 1.125 GiB
     assert activations(cfg, one) == "1.1 GiB"
     assert activations(dataclasses.replace(cfg, context_parallel=2), split) == "576.0 MiB"  # half the tokens
+
+
+def test_profile_steps_reports_where_the_steps_time_goes(char_data, tmp_path, capsys):
+    """--profile_steps=2 on CPU: after the 6 steps the profiler waits and warms up on, steps 7 and 8 recorded;
+    out_dir gets this rank's report (wall time, time by kind) and a gzipped Chrome trace; training goes on."""
+    import gzip
+
+    out = tmp_path / "out"
+    code = train.main(tiny_args(char_data, out, "--max_iters=10", "--eval_interval=10", "--profile_steps=2"))
+    assert code == 0, capsys.readouterr().err
+    report = (out / "profile-rank0.md").read_text()
+    assert report.startswith("# rank 0: steps 7..8 of this run") and "ms/step" in report, report
+    assert "| kind | ms/step | share |" in report
+    trace = json.loads(gzip.decompress((out / "profile-rank0.json.gz").read_bytes()))
+    assert trace["traceEvents"]
+    assert "profile of 2 steps" in capsys.readouterr().out
+
+
+def test_communication_counts_as_hidden_where_a_compute_kernel_runs_beside_it():
+    """exposed_communication over (name, start, end) kernels: the all-gather from 0 to 10 has a matmul beside it
+    from 5 to 20, the all-reduce from 30 to 40 nothing: 20 of communication, 15 of it not hidden."""
+    from training.profiling import exposed_communication, union_length
+
+    kernels = [
+        ("ncclDevKernel_AllGather_RING_LL", 0.0, 10.0),
+        ("sm90_xmma_gemm_bf16", 5.0, 20.0),
+        ("triton_poi_fused_add_0", 12.0, 14.0),
+        ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 30.0, 40.0),
+    ]
+    assert exposed_communication(kernels) == (20.0, 15.0)
+    assert union_length([(0, 2), (1, 3), (5, 6)]) == 4 and union_length([]) == 0
