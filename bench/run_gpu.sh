@@ -10,6 +10,7 @@
 #   bash bench/run_gpu.sh ddp                 # 1, 2, 4 GPUs: DDP scaling, GPT-2 XL under FSDP, the largest model
 #   bash bench/run_gpu.sh twonodes            # 4 GPUs: two torchrun agents (--nnodes=2) against one launch
 #   bash bench/run_gpu.sh phases              # 4 GPUs: one step phase by phase, DDP and FSDP (PHASE_GPUS=2: 2)
+#   bash bench/run_gpu.sh context zero fsdpxl # 2+ GPUs: context parallelism; DDP with ZeRO-1; GPT-2 XL under FSDP
 #
 # On a GPU machine without network, the flash packages can come with the repo, in either form:
 # - .whl/flash_attn-*.whl: a flash-attn 2 wheel built for that machine's torch, CUDA and Python, installed
@@ -114,6 +115,26 @@ for stage in "$@"; do
         ;;
     ddp)  # the same global batch on 1 2 4 GPUs (GPT-2 124M, DDP), GPT-2 XL under FSDP, the largest GPT that trains
         NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --gpus ${DDP_GPUS:-1 2 4} ${DDP_FLAGS:---fsdp --largest} | tail -24
+        ;;
+    context)  # context parallelism: T=262144 on 1 GPU against 524288 over 2, then the losses of both at 8192
+        NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name context --skip-ddp --gpus 2 1 \
+            --context 262144 --context-iters 4 --context-check 8192 --timeout "${RUN_TIMEOUT:-500}" | tail -8
+        ;;
+    zero)  # DDP at one micro-step of 16 x 1024 tokens per GPU, plain against the optimizer step sharded (ZeRO-1)
+        NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name ddp-zero1 --gpus ${DDP_GPUS:-1 2 4} --accum 1 \
+            --variant zero1:--shard_optimizer=true | tail -10
+        ;;
+    fsdpxl)  # GPT-2 XL: 1 GPU at 8 x 4 micro-steps against FSDP (as is, micro-batch 16, no reshard), no recompute;
+        # then one profiled FSDP run (each rank's report under $OUT/fsdp-xl-profile)
+        NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name fsdp-xl --skip-ddp --fsdp --gpus ${DDP_GPUS:-1 2} \
+            --accum 2 --variant mb16:--batch_size=16 --variant noreshard:--fsdp_reshard_after_forward=false \
+            -- --activation_checkpointing=none | tail -10
+        corpus /tmp/char-corpus
+        NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node="${PROFILE_GPUS:-2}" train.py config/train_gpt2_xl_fsdp.py \
+            --data_dir=/tmp/char-corpus --vocab_size=50304 --out_dir=/tmp/fsdp-xl-profile --overwrite_out_dir=true \
+            --max_iters=10 --eval_interval=1000 --eval_on_start=false --log_interval=1 --gradient_accumulation_steps=4 \
+            --activation_checkpointing=none --profile_steps=3 2>&1 | tail -6
+        mkdir -p "$OUT/fsdp-xl-profile" && cp /tmp/fsdp-xl-profile/profile-rank*.md "$OUT/fsdp-xl-profile/"
         ;;
     twonodes)  # the README's two-node launch on one host: 2 torchrun agents x 2 GPUs against one 4-GPU launch
         NCCL_NVLS_ENABLE=0 python3 -m bench.bench_two_nodes --out "$OUT" | tail -6
