@@ -3,7 +3,8 @@ Every path a user takes, end to end on this machine's GPU(s), with small models 
 sources): train.py per backend x {plain, packed documents} x {compiled, eager}; a resume after a stop;
 sample.py per KV cache x {eager, compiled} x {inside block_size, sliding past it} x {1 prompt, 4 of mixed
 lengths}; LoRA train -> sample -> merge in bf16; a Hugging Face GPT-2 folder in -> sample, and export ->
-transformers loads it; DDP and FSDP under torchrun where there are 2 GPUs.
+transformers loads it; under torchrun where there are 2 GPUs, DDP, FSDP, DDP with the optimizer step sharded
+(and profiled), and context parallelism.
 
     python -m bench.e2e                        # all cells; bench/results/<card>-e2e.json and .md
     python -m bench.e2e --only train --jobs 4  # cells whose path starts with "train"
@@ -227,13 +228,22 @@ def speed_cells(work: Path) -> list[Cell]:
     return cells
 
 
+PARALLEL = {  # torchrun cell: its settings (DDP the default)
+    "ddp": [],
+    "fsdp": ["--parallelism=fsdp"],
+    "ddp shard_optimizer, profiled": ["--shard_optimizer=true", "--profile_steps=2"],
+    "context_parallel": ["--context_parallel=2"],
+}
+
+
 def parallel_cells(data: Path, work: Path) -> list[Cell]:
     cells = []
-    for parallelism in ("ddp", "fsdp"):
+    for name, settings in PARALLEL.items():
+        out_dir = work / re.sub(r"\W+", "-", name)
         command = ["torchrun", "--standalone", "--nproc_per_node=2", "train.py", f"--data_dir={data}", *MODEL, *TRAIN]
-        command += [f"--out_dir={work / parallelism}", f"--parallelism={parallelism}", "--dtype=bfloat16"]
+        command += [f"--out_dir={out_dir}", "--dtype=bfloat16", *settings]
         command += ["--gradient_accumulation_steps=2"]  # counts micro-steps of all ranks together, as in nanoGPT
-        cells.append(Cell(f"torchrun 2 GPUs {parallelism}", command, {"parallelism": parallelism}, gpus=2))
+        cells.append(Cell(f"torchrun 2 GPUs {name}", command, {"settings": " ".join(settings) or "-"}, gpus=2))
     return cells
 
 

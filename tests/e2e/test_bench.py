@@ -581,18 +581,23 @@ def test_e2e_keeps_the_end_of_a_failed_cells_output_in_the_json(tmp_path):
 
 
 def test_e2e_torchrun_cells_give_each_rank_whole_micro_steps(tmp_path):
-    """The DDP and FSDP cells' settings load as train.py loads them, and their gradient_accumulation_steps (the
-    micro-steps of all ranks together) divides among the cell's ranks, which train.py refuses otherwise."""
+    """The torchrun cells (DDP, FSDP, DDP with the optimizer sharded and a profile, context parallelism): their
+    settings load as train.py loads them and pass its checks, their gradient_accumulation_steps (the micro-steps
+    of all ranks together) divides among the cell's ranks, and each writes to its own out_dir."""
     import train
     from configurator import load_config
 
     cells = e2e.parallel_cells(tmp_path / "data", tmp_path)
-    assert [cell.settings["parallelism"] for cell in cells] == ["ddp", "fsdp"]
+    configs = {cell.path: load_config(train.TrainConfig(), cell.command[cell.command.index("train.py") + 1 :])
+               for cell in cells}  # fmt: skip
+    shapes = [(c.parallelism, c.shard_optimizer, c.profile_steps, c.context_parallel) for c in configs.values()]
+    assert shapes == [("ddp", False, 0, 1), ("fsdp", False, 0, 1), ("ddp", True, 2, 1), ("ddp", False, 0, 2)]
+    assert len({cfg.out_dir for cfg in configs.values()}) == len(cells)
     for cell in cells:
         nproc = int(next(a for a in cell.command if a.startswith("--nproc_per_node=")).split("=")[1])
-        argv = cell.command[cell.command.index("train.py") + 1 :]
-        cfg = load_config(train.TrainConfig(), argv)
+        cfg = configs[cell.path]
         assert nproc == cell.gpus == 2 and cfg.gradient_accumulation_steps % nproc == 0, cell.path
+        assert cfg.block_size % (2 * cfg.context_parallel) == 0, cell.path
 
 
 def test_bench_ddp_context_rows_split_n_times_one_gpus_t_and_compare_mfu_and_loss(monkeypatch):
