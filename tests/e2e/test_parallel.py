@@ -227,21 +227,20 @@ def test_sharded_optimizer_trains_like_one_process_and_its_checkpoints_resume_ei
     out = tmp_path / "out"
     out.mkdir()
     shutil.copyfile(ref_out / "ckpt-0000005.pt", out / "ckpt.pt")
-    settings = run_args(char_data, out, "--init_from=auto", "--shard_optimizer=true", "--max_iters=15")
+    settings = run_args(char_data, out, "--init_from=auto", "--shard_optimizer=true", "--max_iters=10")
     settings += ["--eval_interval=5"]
     with Child("-m", torchrun("--standalone", "--nproc_per_node=2") + settings, warm=True) as child:
         code, output = child.finish(timeout=300)
     assert code == 0, output
     assert "resuming at iter 5" in output and "(2 ranks x 2 micro-steps x 4 x 16)" in output, output
     assert "INFO: optimizer step sharded over 2 ranks (ZeRO-1)" in output, output
-    assert_same_losses(losses(output), {it: ref_losses[it] for it in range(6, 16)})
-    for it in (10, 15):
-        saved = load_checkpoint(out / f"ckpt-{it:07d}.pt", resume=True)
-        expected = load_checkpoint(ref_out / f"ckpt-{it:07d}.pt", resume=True)
-        assert_same_weights(saved["model"], expected["model"])
-        assert_plain_adamw_layout(saved["optimizer"], expected["optimizer"])
+    assert_same_losses(losses(output), {it: ref_losses[it] for it in range(6, 11)})
+    saved = load_checkpoint(out / "ckpt-0000010.pt", resume=True)
+    expected = load_checkpoint(ref_out / "ckpt-0000010.pt", resume=True)
+    assert_same_weights(saved["model"], expected["model"])
+    assert_plain_adamw_layout(saved["optimizer"], expected["optimizer"])
 
-    # Back to iter 10 (a rollback), then on in one process, unsharded
+    # On from its iter-10 checkpoint in one process, unsharded
     resume_in_one_process(char_data, out, reference, 10, 15)
 
 
