@@ -127,7 +127,8 @@ for stage in "$@"; do
     fsdpxl)  # GPT-2 XL: 1 GPU at 8 x 4 micro-steps against FSDP (as is, micro-batch 16, no reshard), no recompute;
         # then one profiled FSDP run (each rank's report under $OUT/fsdp-xl-profile)
         NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name fsdp-xl --skip-ddp --fsdp --gpus ${DDP_GPUS:-1 2} \
-            --accum 2 --variant mb16:--batch_size=16 --variant noreshard:--fsdp_reshard_after_forward=false \
+            --iters 30 --warmup 10 --accum 2 \
+            --variant mb16:--batch_size=16 --variant noreshard:--fsdp_reshard_after_forward=false \
             -- --activation_checkpointing=none | tail -10
         corpus /tmp/char-corpus
         NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node="${PROFILE_GPUS:-2}" train.py config/train_gpt2_xl_fsdp.py \
