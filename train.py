@@ -267,7 +267,7 @@ class TrainState:
     @property
     def accum(self) -> int:
         """Micro-steps per optimizer step on this rank."""
-        return self.cfg.gradient_accumulation_steps // self.runtime.data_ranks
+        return self.runtime.micro_steps(self.cfg.gradient_accumulation_steps)
 
 
 @dataclass
@@ -420,7 +420,7 @@ def setup_or_resume(
             vocab_size=vocab_size,
             rank=runtime.data_rank,
             world_size=runtime.data_ranks,
-            accum=cfg.gradient_accumulation_steps // runtime.data_ranks,
+            accum=runtime.micro_steps(cfg.gradient_accumulation_steps),
             shard=getattr(context_shard(runtime), "batch", None),  # context parallelism: this rank's part
             packed_documents=cfg.packed_documents,
             document_separator=cfg.document_separator,
@@ -450,7 +450,7 @@ def tokens_per_iter(cfg: TrainConfig) -> int:
 def print_header(cfg: TrainConfig, runtime: Runtime, model: GPT, resume_iter: int | None) -> None:
     settings = " ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items())
     emit("config: " + textwrap.fill(settings, 110, subsequent_indent="  "))
-    accum = cfg.gradient_accumulation_steps // runtime.data_ranks
+    accum = runtime.micro_steps(cfg.gradient_accumulation_steps)
     split = f", each sequence split over {runtime.context_parallel} ranks" if runtime.context_parallel > 1 else ""
     emit(
         f"parameters: {model.num_params() / 1e6:.2f}M | tokens per iteration: {tokens_per_iter(cfg):,} "

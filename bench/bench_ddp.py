@@ -401,16 +401,18 @@ def main(argv=None) -> int:
     runs = ([] if args.skip_ddp else [("ddp", *small)]) + ([("fsdp", "gpt2-xl-1.5B", GPT2_XL)] if args.fsdp else [])
     if args.quick and args.fsdp:
         runs[-1] = ("fsdp", *small)
+    micro_batch = {model: args.micro_batch if model != "gpt2-xl-1.5B" else max(1, args.micro_batch // 2)
+                   for _, model, _ in runs}  # fmt: skip
     for parallelism, model, shape in runs:
-        micro_batch = args.micro_batch if model != "gpt2-xl-1.5B" else max(1, args.micro_batch // 2)
         for gpus in args.gpus:
-            on_row(measure(args, parallelism, model, shape, parallelism, gpus, micro_batch))
+            on_row(measure(args, parallelism, model, shape, parallelism, gpus, micro_batch[model]))
     for parallelism, model, shape in runs:
-        micro_batch = args.micro_batch if model != "gpt2-xl-1.5B" else max(1, args.micro_batch // 2)
         for name, settings in args.variants:
             for gpus in args.variant_gpus or [g for g in args.gpus if g > 1]:
                 on_row(
-                    variant_row(args, f"{parallelism} {name}", model, shape, parallelism, gpus, micro_batch, settings)
+                    variant_row(
+                        args, f"{parallelism} {name}", model, shape, parallelism, gpus, micro_batch[model], settings
+                    )
                 )
     if args.largest:
         for parallelism in args.largest_parallelism:

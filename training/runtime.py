@@ -50,6 +50,10 @@ class Runtime:
     def data_ranks(self) -> int:
         return self.world_size // self.context_parallel
 
+    def micro_steps(self, gradient_accumulation_steps: int) -> int:
+        """This rank's micro-steps per optimizer step; the setting counts those of all ranks reading their own data."""
+        return gradient_accumulation_steps // self.data_ranks
+
     @property
     def master(self) -> bool:
         return self.rank == 0
