@@ -11,6 +11,7 @@
 #   bash bench/run_gpu.sh twonodes            # 4 GPUs: two torchrun agents (--nnodes=2) against one launch
 #   bash bench/run_gpu.sh phases              # 4 GPUs: one step phase by phase, DDP and FSDP (PHASE_GPUS=2: 2)
 #   bash bench/run_gpu.sh context zero fsdpxl # 2+ GPUs: context parallelism; DDP with ZeRO-1; GPT-2 XL under FSDP
+#   bash bench/run_gpu.sh chunks              # 1 GPU: context parallelism's chunk kernels alone at T=524288
 #
 # On a GPU machine without network, the flash packages can come with the repo, in either form:
 # - .whl/flash_attn-*.whl: a flash-attn 2 wheel built for that machine's torch, CUDA and Python, installed
@@ -116,6 +117,13 @@ for stage in "$@"; do
     ddp)  # the same global batch on 1 2 4 GPUs (GPT-2 124M, DDP), GPT-2 XL under FSDP, the largest GPT that trains
         NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --gpus ${DDP_GPUS:-1 2 4} ${DDP_FLAGS:---fsdp --largest} | tail -24
         ;;
+    chunks)  # one GPU: rank 0's chunk attention at the context stage's T=524288, each LSE kernel in its own
+        # process under a timeout, so a kernel that hangs at these lengths names itself
+        for kernel in cudnn flash; do
+            timeout "${KERNEL_TIMEOUT:-240}" python3 -m bench.bench_context --T 524288 --kernels "$kernel" --repeats 3 \
+                --name "context-kernels-$kernel" --out "$OUT" | tail -3 || echo "bench_context --kernels $kernel: exit $?"
+        done
+        ;;
     context)  # context parallelism: T=262144 on 1 GPU against 524288 over 2, then the losses of both at 8192
         NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name context --skip-ddp --gpus 2 1 \
             --context 262144 --context-iters 4 --context-check 8192 --timeout "${RUN_TIMEOUT:-500}" | tail -8
@@ -144,6 +152,6 @@ for stage in "$@"; do
         NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc_per_node="${PHASE_GPUS:-4}" \
             -m bench.step_phases --out "$OUT" ddp fsdp | grep -E "^(ddp|fsdp|wrote)"
         ;;
-    *) echo "unknown stage $stage; stages: tests smoke scan attention float16 train compare generate speed profile long curves ddp twonodes phases"; exit 2 ;;
+    *) echo "unknown stage $stage; stages: tests smoke scan attention float16 train compare generate speed profile long curves ddp twonodes phases chunks context zero fsdpxl"; exit 2 ;;
     esac
 done
