@@ -42,7 +42,6 @@ from model import GPT, GPTConfig
 from storage.checkpoint import BEST, LATEST, checkpoint_names
 from training.context import context_shard, use_context_parallel_attention
 from training.parallel import (
-    fused_optimizer_ok,
     grad_scaler,
     gradient_sync,
     local_optimizer,
@@ -156,6 +155,7 @@ class TrainConfig:
     ddp_bucket_cap_mb: float = 100.0  # DDP all-reduces gradients in buckets of this size
     ddp_graph_split: bool = False  # compiled DDP: a graph per bucket, all-reduce overlapping backward (bench/NOTES.md)
     fsdp_reshard_after_forward: bool = True  # FSDP frees gathered weights after forward; False: kept for backward
+    fsdp_blocks_per_unit: int = 1  # FSDP gathers and reduces this many consecutive blocks at once (fewer hooks)
     ddp_reduce_dtype: str = "float32"  # DDP's gradient all-reduce: float32 | bfloat16 (half the traffic; NCCL only)
     shard_optimizer: bool = False  # DDP: each rank keeps AdamW state for, and steps, 1/N of the weights (ZeRO-1)
     dist_timeout_s: float = 600.0  # a rank waiting this long for the others in a collective gives up
@@ -285,7 +285,13 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     """Place the model, resolve its attention for this device and dtype (before torch.compile, which then
     sees one backend), and build the compiled and DDP-wrapped (or FSDP-sharded) views, optimizer, GradScaler."""
     device = runtime.device
-    model = place_model(model, runtime, cfg.parallelism, reshard_after_forward=cfg.fsdp_reshard_after_forward)
+    model = place_model(
+        model,
+        runtime,
+        cfg.parallelism,
+        reshard_after_forward=cfg.fsdp_reshard_after_forward,
+        blocks_per_unit=cfg.fsdp_blocks_per_unit,
+    )
     attention = model.setup_attention(
         device, runtime.dtype, training=True, seq_len=cfg.block_size, documents=cfg.packed_documents, measure=True
     )
@@ -325,9 +331,7 @@ def build_optimizer(cfg: TrainConfig, runtime: Runtime, model: GPT) -> torch.opt
     """The model's AdamW (configure_optimizers); with shard_optimizer under DDP, its state and step split over
     the ranks (ZeRO-1)."""
     betas = (cfg.beta1, cfg.beta2)
-    optimizer = model.configure_optimizers(
-        cfg.weight_decay, cfg.learning_rate, betas, runtime.device.type, fused=fused_optimizer_ok(model)
-    )
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, betas, runtime.device.type)
     if not cfg.shard_optimizer:
         return optimizer
     if not runtime.ddp:
@@ -377,7 +381,8 @@ def clip_and_step(
     the scale is 1 and a fused AdamW is told of a non-finite norm directly, through the attribute by which the
     GradScaler itself tells it (found_inf): one pass over all gradients less, per step. Under ZeRO the gradients
     are whole on every rank (DDP averaged them), so the norm is the global one; the flag goes to this rank's own
-    AdamW, which steps its share of the parameters."""
+    AdamW, which steps its share of the parameters. Under FSDP the norm, and so the flag, is a DTensor replicated
+    over the ranks, which the fused kernel takes beside the sharded parameters."""
     if dtype == torch.float16 or not optimizer.defaults.get("fused"):  # param groups agree (keep_kernels)
         scaler.unscale_(optimizer)
         grad_norm = replicated(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
@@ -387,14 +392,14 @@ def clip_and_step(
         elif torch.isfinite(grad_norm):  # no GradScaler for this device type: check on the host
             optimizer.step()
         return grad_norm
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)  # under FSDP a DTensor, as the flag
     fused = local_optimizer(optimizer)  # the fused AdamW itself, which reads found_inf
     fused.found_inf = (~torch.isfinite(grad_norm)).float()  # the fused kernel leaves everything as it was
     try:
         optimizer.step()
     finally:
         del fused.found_inf
-    return grad_norm
+    return replicated(grad_norm)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -36,14 +36,20 @@ REDUCE_DTYPES = ("float32", "bfloat16")  # of DDP's gradient all-reduce
 
 
 def place_model(
-    model: nn.Module, runtime: Runtime, parallelism: str, *, reshard_after_forward: bool = True
+    model: nn.Module,
+    runtime: Runtime,
+    parallelism: str,
+    *,
+    reshard_after_forward: bool = True,
+    blocks_per_unit: int = 1,
 ) -> nn.Module:
     """The model on its device; under FSDP each rank's shard only, so a model too large for one GPU fits.
     Under FSDP the weights are rank 0's: the other ranks may have built the model on the meta device (train.py
     does), so that only rank 0 holds and initializes the whole model in host memory."""
     if runtime.ddp and parallelism == "fsdp":
         weights = model.state_dict() if runtime.master else {}
-        shard_model(model, runtime, reshard_after_forward=reshard_after_forward)  # moves each shard to the device
+        # moves each shard to the device
+        shard_model(model, runtime, reshard_after_forward=reshard_after_forward, blocks_per_unit=blocks_per_unit)
         if any(param.is_meta for param in model.parameters()):
             model.to_empty(device=runtime.device)
         spread_from_rank0(model, weights)
@@ -96,19 +102,25 @@ def wrap_model(
     return eval_model, train_model
 
 
-def shard_model(model: nn.Module, runtime: Runtime, *, reshard_after_forward: bool = True) -> None:
-    """fully_shard each Block, then the root, which holds the rest: wte and lm_head (one tied tensor, sharded
-    once), wpe, ln_f. On CUDA the gathered weights are in the run's dtype and gradients are reduced in float32.
-    reshard_after_forward=False keeps each block's gathered weights from its forward to its backward (one
-    all-gather a step instead of two, for the memory of the whole unsharded model: ZeRO-2 rather than 3)."""
+def shard_model(
+    model: nn.Module, runtime: Runtime, *, reshard_after_forward: bool = True, blocks_per_unit: int = 1
+) -> None:
+    """fully_shard each Block (or each run of `blocks_per_unit` consecutive blocks, gathered and reduced as one
+    unit: fewer, larger collectives and less host work per block, for more gathered weights at a time), then the
+    root, which holds the rest: wte and lm_head (one tied tensor, sharded once), wpe, ln_f. On CUDA the gathered
+    weights are in the run's dtype and gradients are reduced in float32. reshard_after_forward=False keeps each
+    unit's gathered weights from its forward to its backward (one all-gather a step instead of two, for the
+    memory of the whole unsharded model: ZeRO-2 rather than 3)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if runtime.dtype == torch.float16:
         raise UsageError("parallelism fsdp trains in bfloat16 or float32, not float16; use --dtype=bfloat16")
     low_precision = runtime.dtype if runtime.device.type == "cuda" else None
     policy = MixedPrecisionPolicy(param_dtype=low_precision, reduce_dtype=torch.float32)
-    for block in model.transformer.h:
-        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    blocks = list(model.transformer.h)
+    for first in range(0, len(blocks), blocks_per_unit):
+        unit = blocks[first : first + blocks_per_unit]
+        fully_shard(unit if len(unit) > 1 else unit[0], mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
 
 
@@ -149,12 +161,6 @@ def grad_scaler(model: nn.Module, device_type: str, *, init_scale: float, enable
         warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1", category=UserWarning)
         return ShardedGradScaler(device_type, init_scale=init_scale, enabled=enabled)
     return torch.amp.GradScaler(device_type, init_scale=init_scale, enabled=enabled)
-
-
-def fused_optimizer_ok(model: nn.Module) -> bool:
-    """Whether the fused AdamW kernel may run: not beside the ShardedGradScaler, whose one-element inf flag the
-    fused kernel subtracts from its scalar step counts and fails on CUDA (torch 2.11); foreach kernels there."""
-    return not is_sharded(model)
 
 
 # ----------------------------------------------------------------------------------------------

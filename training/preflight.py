@@ -72,6 +72,7 @@ def check_numbers(cfg) -> None:
         "n_head",
         "n_embd",
         "max_bad_steps",
+        "fsdp_blocks_per_unit",
     )
     for name in positive:
         if getattr(cfg, name) < 1:

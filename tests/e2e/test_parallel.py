@@ -376,6 +376,54 @@ def test_fsdp_keeps_gathered_weights_for_backward_only_when_asked(monkeypatch, g
     torch.testing.assert_close(results[True], results[False], rtol=0, atol=0)
 
 
+def test_fsdp_gathers_runs_of_blocks_as_one_unit_with_the_same_loss_and_gradients(gloo_world_of_one):
+    """fsdp_blocks_per_unit=2 over 3 blocks: blocks 0 and 1 are one FSDP unit (one state, one all-gather of both
+    blocks' weights), block 2 its own; the loss and gradients are those of one unit per block."""
+    runtime = Runtime(torch.device("cpu"), torch.float32, world_size=2)  # shards; one process here
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for blocks_per_unit in (1, 2):
+        torch.manual_seed(0)
+        model = parallel.place_model(GPT(tiny_config(n_layer=3)), runtime, "fsdp", blocks_per_unit=blocks_per_unit)
+        states = [block._get_fsdp_state() for block in model.transformer.h]
+        assert (states[0] is states[1], states[1] is states[2]) == (blocks_per_unit == 2, False)
+        _, loss = model(idx, idx)
+        loss.backward()
+        results[blocks_per_unit] = (loss.detach(), [parallel.replicated(p.grad) for p in model.parameters()])
+    torch.testing.assert_close(results[2], results[1], rtol=0, atol=0)
+
+
+def test_fsdp_steps_with_the_fused_adamw_as_one_process(gloo_world_of_one):
+    """Under FSDP, clip_and_step hands the fused AdamW its DTensor gradient norm as the non-finite flag: a
+    non-finite norm leaves every shard as it was, a finite step moves the weights as one process's fused AdamW
+    does, and the norm comes back a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    weights = {}
+    for world_size in (1, 2):  # 2: sharded (one process here)
+        torch.manual_seed(0)
+        runtime = Runtime(torch.device("cpu"), torch.float32, world_size=world_size)
+        model = parallel.place_model(GPT(tiny_config()), runtime, "fsdp")
+        optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.99), "cpu")
+        assert optimizer.defaults["fused"]
+        scaler = parallel.grad_scaler(model, "cpu", init_scale=1.0, enabled=True)
+        before = [parallel.replicated(p.detach()).clone() for p in model.parameters()]
+        for poison in (True, False):
+            model(idx, idx)[1].backward()
+            if poison:
+                grad = next(model.parameters()).grad
+                (grad.to_local() if isinstance(grad, DTensor) else grad)[0, 0] = float("nan")
+            norm = train.clip_and_step(optimizer, scaler, model, 1.0, torch.float32)
+            assert not isinstance(norm, DTensor) and bool(torch.isfinite(norm)) is not poison
+            if poison:
+                after = [parallel.replicated(p.detach()) for p in model.parameters()]
+                torch.testing.assert_close(after, before, rtol=0, atol=0)
+            optimizer.zero_grad()
+        weights[world_size] = [parallel.replicated(p.detach()) for p in model.parameters()]
+    torch.testing.assert_close(weights[2], weights[1], rtol=0, atol=0)
+
+
 def test_sharded_model_compiles_without_graph_breaks(monkeypatch, gloo_world_of_one):
     """Under FSDP, torch.compile takes each block and the head apart from the loop over blocks, whose FSDP hooks
     would make it skip the whole forward (it cannot take a graph break inside a loop): no graph break, two
