@@ -16,7 +16,7 @@ trains under DDP and under FSDP.
 
 Each run is train.py itself under torchrun (--log_interval=10: a log line waits for the GPU); its figures are
 train.py's own iter lines (bench.launch.parse_log_line) after the first --warmup iterations, medians over the
-rest. Every run has the same tokens per optimizer step: gradient_accumulation_steps = (GPUs of the largest run) x
+rest; a run is stopped once it logs its last iteration, before its checkpoint. Every run has the same tokens per optimizer step: gradient_accumulation_steps = (GPUs of the largest run) x
 --accum, split over the GPUs. The data is a char corpus of this repo's sources with GPT-2's vocabulary size (no
 download).
 NCCL_NVLS_ENABLE=0 in every launched process. Results: bench/results/<card>-ddp.{json,md,png}.
@@ -130,7 +130,8 @@ def measure(
     out_dir = args.work / f"{run}-{model}-{gpus}"
     settings += [f"--out_dir={out_dir}", "--overwrite_out_dir=true"]
     command = launch.train_command(settings, ["--standalone", f"--nproc_per_node={gpus}"])
-    result = launch.run(command, launch.torchrun_env(args.quick), args.timeout, stop_at_iter)
+    # stopped once it logs its last step: its checkpoint (minutes for GPT-2 XL) is not what is measured
+    result = launch.run(command, launch.torchrun_env(args.quick), args.timeout, stop_at_iter or args.iters)
     return {**row, **figures(result, args.warmup if warmup is None else warmup, gpus)}
 
 
