@@ -42,9 +42,20 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def device_events(events, on_gpu: bool) -> list:
+    """The GPU's kernels (on_gpu) or the host's ops among profiler events. Not the ranges that annotate the GPU's
+    timeline (ProfilerStep#N over each whole step, "nccl:..." over each collective): counted as kernels they
+    would fill every step and hide every gap."""
+    return [
+        event
+        for event in events
+        if (event.device_type.name == "CUDA") == on_gpu and not getattr(event, "is_user_annotation", False)
+    ]
+
+
 def summarize(prof, steps: int, wall_ms: float, on_gpu: bool, top: int, unit: str) -> list[str]:
     """Markdown lines: wall and busy time per `unit`, time per kernel kind, the top kernels."""
-    kernels = [e for e in prof.key_averages() if (e.device_type.name == "CUDA") == on_gpu]
+    kernels = device_events(prof.key_averages(), on_gpu)
     time_of = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
     by_kind = defaultdict(float)
     for event in kernels:
@@ -157,8 +168,7 @@ class StepProfiler:
         if self.device.type == "cuda":
             kernels = [
                 (event.name, event.time_range.start, event.time_range.end)
-                for event in prof.events()
-                if event.device_type.name == "CUDA"
+                for event in device_events(prof.events(), on_gpu=True)
             ]
             total, exposed = exposed_communication(kernels)
             lines += summarize(prof, self.steps, wall_ms, True, 25, "step")

@@ -517,6 +517,30 @@ def test_profile_steps_reports_where_the_steps_time_goes(char_data, tmp_path, ca
     assert "profile of 2 steps" in capsys.readouterr().out
 
 
+def test_the_gpu_profile_counts_kernels_not_the_ranges_that_annotate_its_timeline():
+    """device_events keeps the GPU's kernels and drops its user annotations (ProfilerStep#N spans the whole step:
+    counted as a kernel, the GPU would look busy all the time, and no communication exposed); the host's ops apart."""
+    from types import SimpleNamespace
+
+    from training.profiling import device_events
+
+    def event(name, device, annotation=False):
+        return SimpleNamespace(name=name, device_type=SimpleNamespace(name=device), is_user_annotation=annotation)
+
+    events = [
+        event("ProfilerStep#7", "CUDA", annotation=True),
+        event("nccl:_reduce_scatter_base", "CUDA", annotation=True),
+        event("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "CUDA"),
+        event("sm90_xmma_gemm_bf16", "CUDA"),
+        event("aten::mm", "CPU"),
+    ]
+    assert [e.name for e in device_events(events, on_gpu=True)] == [
+        "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL",
+        "sm90_xmma_gemm_bf16",
+    ]
+    assert [e.name for e in device_events(events, on_gpu=False)] == ["aten::mm"]
+
+
 def test_communication_counts_as_hidden_where_a_compute_kernel_runs_beside_it():
     """exposed_communication over (name, start, end) kernels: the all-gather from 0 to 10 has a matmul beside it
     from 5 to 20, the all-reduce from 30 to 40 nothing: 20 of communication, 15 of it not hidden."""
