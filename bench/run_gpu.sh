@@ -132,17 +132,17 @@ for stage in "$@"; do
         NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name ddp-zero1 --gpus ${DDP_GPUS:-1 2 4} --accum 1 \
             --variant zero1:--shard_optimizer=true | tail -10
         ;;
-    fsdpxl)  # GPT-2 XL: 1 GPU at 8 x 4 micro-steps against FSDP (as is, micro-batch 16, no reshard), no recompute;
-        # then one profiled FSDP run (each rank's report under $OUT/fsdp-xl-profile)
+    fsdpxl)  # GPT-2 XL: 1 GPU at 8 x 4 micro-steps against FSDP: one unit per block, 8 blocks a unit, and
+        # config/train_gpt2_xl_fsdp.py's settings; then that config profiled (each rank's report under $OUT/fsdp-xl-profile)
         NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name fsdp-xl --skip-ddp --fsdp --gpus ${DDP_GPUS:-1 2} \
-            --iters 30 --warmup 10 --accum 2 \
-            --variant mb16:--batch_size=16 --variant noreshard:--fsdp_reshard_after_forward=false \
+            --iters 16 --warmup 6 --log-interval 2 --accum 2 --timeout 300 --variant unit8:--fsdp_blocks_per_unit=8 \
+            --variant shipped:--batch_size=16,--fsdp_reshard_after_forward=false,--fsdp_blocks_per_unit=8 \
             -- --activation_checkpointing=none | tail -10
         corpus /tmp/char-corpus
         NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node="${PROFILE_GPUS:-2}" train.py config/train_gpt2_xl_fsdp.py \
             --data_dir=/tmp/char-corpus --vocab_size=50304 --out_dir=/tmp/fsdp-xl-profile --overwrite_out_dir=true \
-            --max_iters=10 --eval_interval=1000 --eval_on_start=false --log_interval=1 --gradient_accumulation_steps=4 \
-            --activation_checkpointing=none --profile_steps=3 2>&1 | tail -6
+            --max_iters=9 --eval_interval=1000 --eval_on_start=false --log_interval=1 \
+            --gradient_accumulation_steps="${PROFILE_GPUS:-2}" --profile_steps=2 2>&1 | tail -6
         mkdir -p "$OUT/fsdp-xl-profile" && cp /tmp/fsdp-xl-profile/profile-rank*.md "$OUT/fsdp-xl-profile/"
         ;;
     twonodes)  # the README's two-node launch on one host: 2 torchrun agents x 2 GPUs against one 4-GPU launch
