@@ -17,8 +17,8 @@ trains under DDP and under FSDP.
 Each run is train.py itself under torchrun (--log_interval=10: a log line waits for the GPU); its figures are
 train.py's own iter lines (bench.launch.parse_log_line) after the first --warmup iterations, medians over the
 rest; a run is stopped once it logs its last iteration, before its checkpoint. Every run has the same tokens per
-optimizer step: gradient_accumulation_steps = (GPUs of the largest run) x --accum, split over the GPUs. The data is a char corpus of this repo's sources with GPT-2's vocabulary size (no
-download).
+optimizer step: gradient_accumulation_steps = (GPUs of the largest run) x --accum, split over the GPUs. The data
+is a char corpus of this repo's sources with GPT-2's vocabulary size (no download).
 NCCL_NVLS_ENABLE=0 in every launched process. Results: bench/results/<card>-ddp.{json,md,png}.
 """
 
