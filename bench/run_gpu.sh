@@ -128,9 +128,11 @@ for stage in "$@"; do
         NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name context --skip-ddp --gpus 2 1 \
             --context 262144 --context-iters 4 --context-check 8192 --timeout "${RUN_TIMEOUT:-500}" | tail -8
         ;;
-    zero)  # DDP at one micro-step of 16 x 1024 tokens per GPU, plain against the optimizer step sharded (ZeRO-1)
+    zero)  # DDP at one micro-step of 16 x 1024 tokens per GPU, plain against the optimizer step sharded: ZeRO-1,
+        # and FSDP without resharding in units of 4 blocks (gradients reduce-scattered under backward, weights gathered)
         NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name ddp-zero1 --gpus ${DDP_GPUS:-1 2 4} --accum 1 \
-            --variant zero1:--shard_optimizer=true | tail -10
+            --variant zero1:--shard_optimizer=true \
+            --variant fsdp-unit4:--parallelism=fsdp,--fsdp_blocks_per_unit=4,--fsdp_reshard_after_forward=false | tail -10
         ;;
     fsdpxl)  # GPT-2 XL: 1 GPU at 8 x 4 micro-steps against FSDP: one unit per block, 8 blocks a unit, and
         # config/train_gpt2_xl_fsdp.py's settings; then that config profiled (each rank's report under $OUT/fsdp-xl-profile)
