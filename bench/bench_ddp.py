@@ -5,6 +5,8 @@ trains under DDP and under FSDP.
     python -m bench.bench_ddp                  # GPT-2 124M, T=1024, micro-batch 16, DDP on 1 2 4 GPUs
     python -m bench.bench_ddp --gpus 1 2 4 8
     python -m bench.bench_ddp --fsdp           # also GPT-2 XL (48 layers, width 1600) under FSDP, same GPU counts
+    python -m bench.bench_ddp --skip-ddp --fsdp --fsdp-model gpt2-6.7B --gpus 4 --micro-batch 8
+                                               # a 6.7B GPT-2 (width 4096, 32 layers) under FSDP, micro-batch 4
     python -m bench.bench_ddp --largest        # also the deepest width-1600 GPT that trains, DDP and FSDP
     python -m bench.bench_ddp --quick          # CPU, gloo, a tiny model on 1 and 2 processes: checks the script
     python -m bench.bench_ddp --skip-ddp --gpus 1 2 --context 262144 --context-check 8192
@@ -43,6 +45,10 @@ from data.common import OneLineParser
 from training.parallel import PARALLELISMS
 
 GPT2_XL = {"n_layer": 48, "n_head": 25, "n_embd": 1600}
+FSDP_MODELS = {  # --fsdp-model: GPT-2 XL, or a GPT-2 of width 4096 and 32 layers that one 80 GB GPU cannot train
+    "gpt2-xl-1.5B": GPT2_XL,
+    "gpt2-6.7B": {"n_layer": 32, "n_head": 32, "n_embd": 4096},
+}
 LARGEST_LAYERS = (48, 96, 192, 384, 768)  # width 1600: about 1.5B, 3B, 6B, 12B, 24B parameters
 COLUMNS = [
     Column("run", "run"),
@@ -286,6 +292,9 @@ def add_options(parser: argparse.ArgumentParser):
         "sync to every step",
     )
     parser.add_argument("--fsdp", action="store_true", help="also GPT-2 XL under FSDP on each GPU count")
+    parser.add_argument(
+        "--fsdp-model", choices=list(FSDP_MODELS), default="gpt2-xl-1.5B", help="the --fsdp model (gpt2-xl-1.5B)"
+    )
     parser.add_argument("--skip-ddp", action="store_true", help="leave out the DDP rows (e.g. only --fsdp)")
     parser.add_argument(
         "--context",
@@ -399,11 +408,12 @@ def main(argv=None) -> int:
         save(args, rows, start)
 
     small = ("tiny", TINY) if args.quick else ("gpt2-124M", GPT2_124M)
-    runs = ([] if args.skip_ddp else [("ddp", *small)]) + ([("fsdp", "gpt2-xl-1.5B", GPT2_XL)] if args.fsdp else [])
-    if args.quick and args.fsdp:
-        runs[-1] = ("fsdp", *small)
-    micro_batch = {model: args.micro_batch if model != "gpt2-xl-1.5B" else max(1, args.micro_batch // 2)
-                   for _, model, _ in runs}  # fmt: skip
+    large = small if args.quick else (args.fsdp_model, FSDP_MODELS[args.fsdp_model])
+    runs = ([] if args.skip_ddp else [("ddp", *small)]) + ([("fsdp", *large)] if args.fsdp else [])
+    # the FSDP models at half the micro-batch
+    micro_batch = {
+        model: args.micro_batch if model == small[0] else max(1, args.micro_batch // 2) for _, model, _ in runs
+    }
     for parallelism, model, shape in runs:
         for gpus in args.gpus:
             on_row(measure(args, parallelism, model, shape, parallelism, gpus, micro_batch[model]))

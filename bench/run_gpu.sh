@@ -12,6 +12,7 @@
 #   bash bench/run_gpu.sh phases              # 4 GPUs: one step phase by phase, DDP and FSDP (PHASE_GPUS=2: 2)
 #   bash bench/run_gpu.sh context zero fsdpxl # 2+ GPUs: context parallelism; DDP with ZeRO-1; GPT-2 XL under FSDP
 #   bash bench/run_gpu.sh chunks              # 1 GPU: context parallelism's chunk kernels alone at T=524288
+#   bash bench/run_gpu.sh big                 # 4 GPUs: a 6.7B GPT-2 under FSDP
 #
 # On a GPU machine without network, the flash packages can come with the repo, in either form:
 # - .whl/flash_attn-*.whl: a flash-attn 2 wheel built for that machine's torch, CUDA and Python, installed
@@ -147,6 +148,14 @@ for stage in "$@"; do
             --gradient_accumulation_steps="${PROFILE_GPUS:-2}" --profile_steps=2 2>&1 | tail -6
         mkdir -p "$OUT/fsdp-xl-profile" && cp /tmp/fsdp-xl-profile/profile-rank*.md "$OUT/fsdp-xl-profile/"
         ;;
+    big)  # 4 GPUs: a GPT-2 of width 4096 and 32 layers (6.7B), which one GPU cannot train, under FSDP at micro-batch 4;
+        # 2 blocks a unit, then 4 without resharding (OMP threads for rank 0's initialization of the model on its CPU)
+        OMP_NUM_THREADS=16 NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name fsdp-6.7b --skip-ddp --fsdp \
+            --fsdp-model gpt2-6.7B --gpus ${BIG_GPUS:-4} --micro-batch 8 --accum 2 --iters 12 --warmup 4 --log-interval 2 \
+            --timeout 500 --variant unit2:--fsdp_blocks_per_unit=2 \
+            --variant unit4-noreshard:--fsdp_blocks_per_unit=4,--fsdp_reshard_after_forward=false \
+            -- --activation_checkpointing=none | tail -6
+        ;;
     twonodes)  # the README's two-node launch on one host: 2 torchrun agents x 2 GPUs against one 4-GPU launch
         NCCL_NVLS_ENABLE=0 python3 -m bench.bench_two_nodes --out "$OUT" | tail -6
         ;;
@@ -154,6 +163,6 @@ for stage in "$@"; do
         NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc_per_node="${PHASE_GPUS:-4}" \
             -m bench.step_phases --out "$OUT" ddp fsdp | grep -E "^(ddp|fsdp|wrote)"
         ;;
-    *) echo "unknown stage $stage; stages: tests smoke scan attention float16 train compare generate speed profile long curves ddp twonodes phases chunks context zero fsdpxl"; exit 2 ;;
+    *) echo "unknown stage $stage; stages: tests smoke scan attention float16 train compare generate speed profile long curves ddp twonodes phases chunks context zero fsdpxl big"; exit 2 ;;
     esac
 done

@@ -690,6 +690,31 @@ def test_bench_context_checks_each_chunk_kernel_against_the_reference(tmp_path):
     assert (tmp_path / "cpu-context.md").exists() and (tmp_path / "cpu-context.png").exists()
 
 
+def test_bench_ddp_fsdp_model_picks_the_sharded_models_shape_at_half_the_micro_batch(monkeypatch, tmp_path):
+    """--fsdp-model gpt2-6.7B: the FSDP rows train a GPT-2 of width 4096 and 32 layers (6.65B parameters with its vocabulary) at half
+    the --micro-batch, as GPT-2 XL's do; the default stays GPT-2 XL."""
+    from bench import bench_ddp, launch
+
+    calls = []
+
+    def measure(args, run, model, shape, parallelism, gpus, micro_batch, *rest, **options):
+        calls.append((model, shape, gpus, micro_batch, round(bench_ddp.params_millions(shape, 50304, 1024))))
+        return {"run": run, "model": model, "gpus": gpus, "status": "ok", "wall_s": 0, "tokens_per_sec": 1.0,
+                "tokens_per_sec_per_gpu": 1.0}  # fmt: skip
+
+    monkeypatch.setattr(bench_ddp, "measure", measure)
+    monkeypatch.setattr(bench_ddp, "save", lambda *args: [])
+    monkeypatch.setattr(launch, "corpus", lambda folder, longest: folder)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    common = ["--skip-ddp", "--fsdp", "--gpus", "4", "--micro-batch", "8", "--work", str(tmp_path)]
+    assert bench_ddp.main([*common, "--fsdp-model", "gpt2-6.7B"]) == 0
+    assert bench_ddp.main(common) == 0
+    assert calls == [
+        ("gpt2-6.7B", {"n_layer": 32, "n_head": 32, "n_embd": 4096}, 4, 4, 6653),
+        ("gpt2-xl-1.5B", bench_ddp.GPT2_XL, 4, 4, 1557),
+    ]
+
+
 def test_bench_ddp_variants_keep_the_tokens_of_a_step_for_each_family(monkeypatch):
     """--variant rows for DDP and, with --fsdp, GPT-2 XL: each scaled by its own family's 1-GPU run; a variant's
     --batch_size keeps the tokens a step (fewer micro-steps) and leaves the train.py settings."""
