@@ -691,8 +691,8 @@ def test_bench_context_checks_each_chunk_kernel_against_the_reference(tmp_path):
 
 
 def test_bench_ddp_fsdp_model_picks_the_sharded_models_shape_at_half_the_micro_batch(monkeypatch, tmp_path):
-    """--fsdp-model gpt2-6.7B: the FSDP rows train a GPT-2 of width 4096 and 32 layers (6.65B parameters with its vocabulary) at half
-    the --micro-batch, as GPT-2 XL's do; the default stays GPT-2 XL."""
+    """--fsdp-model gpt2-6.7B: the FSDP rows train a GPT-2 of width 4096 and 32 layers (6.65B parameters with its
+    vocabulary) at half the --micro-batch, as GPT-2 XL's do; the default stays GPT-2 XL."""
     from bench import bench_ddp, launch
 
     calls = []
