@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 
 
 class OneLineError(ValueError):
@@ -130,7 +131,7 @@ def as_command() -> None:
     line, `interrupted`, instead of a KeyboardInterrupt traceback. SIGTERM and SIGHUP, which would end the process
     without a word, raise Stopped until the command takes them itself, and end it the same way: one line, `stopped
     by SIGTERM`, then death by that signal (exit code 143 or 129 to a shell). A signal ignored at start (nohup)
-    stays ignored."""
+    stays ignored; one whose exception Python would drop (raised inside a weakref callback) is sent again."""
     while True:  # the lowest free descriptor: a closed 0, 1 or 2 is filled, anything above is closed again
         fd = os.open(os.devnull, os.O_RDWR)
         if fd > 2:
@@ -144,6 +145,8 @@ def as_command() -> None:
             setattr(sys, name, QuietStream(stream))
     if sys.excepthook is sys.__excepthook__:
         sys.excepthook = _interrupted_quietly
+    if sys.unraisablehook is sys.__unraisablehook__:
+        sys.unraisablehook = _resend_lost_signal
     for name in ("SIGTERM", "SIGHUP"):
         number = getattr(signal, name, None)
         if number is not None and signal.getsignal(number) is signal.SIG_DFL:
@@ -152,6 +155,21 @@ def as_command() -> None:
 
 def _raise_stopped(signum, frame):
     raise Stopped(signum)
+
+
+def _resend_lost_signal(unraisable) -> None:
+    """sys.unraisablehook: a signal's exception raised where Python can only print and drop it (a weakref
+    callback, such as the import system's module-lock cleanup while torch imports, or a __del__) would lose the
+    signal; it is sent again instead, to land in ordinary code. Anything else is printed as Python prints it."""
+    error = unraisable.exc_value
+    if not isinstance(error, KeyboardInterrupt):
+        sys.__unraisablehook__(unraisable)
+        return
+    signum = error.signum if isinstance(error, Stopped) else signal.SIGINT
+    # sent by another thread once this hook has returned: sent from here, it would be handled (and dropped) here
+    resend = threading.Timer(0.01, os.kill, (os.getpid(), signum))
+    resend.daemon = True
+    resend.start()
 
 
 def _interrupted_quietly(kind, error, trace) -> None:

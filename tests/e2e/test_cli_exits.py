@@ -205,6 +205,30 @@ START_UP = {  # the moment of start-up, and the function of train's namespace du
 }
 
 
+@pytest.mark.parametrize("stop, said", [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "stopped by SIGTERM")])
+def test_a_stop_signal_inside_a_weakref_callback_is_not_lost(stop, said):
+    """The race behind an import's lost Ctrl-C: a signal whose exception is raised inside a weakref callback (the
+    import system's module-lock cleanup is one), where Python only prints it as "Exception ignored" and goes on.
+    Under as_command the signal is sent again and ends the process as anywhere else: one line, death by it."""
+    code = f"""
+import os, signal, time, weakref
+from errors import as_command
+as_command()
+class Thing: pass
+def callback(ref):
+    os.kill(os.getpid(), {int(stop)})
+    for _ in range(1000): pass  # the handler runs here, inside the callback
+thing = Thing()
+ref = weakref.ref(thing, callback)
+del thing
+time.sleep(10)
+print("went on")
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert (done.returncode, done.stderr.splitlines(), done.stdout) == (-stop, [said], "")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=lambda sig: sig.name)
 @pytest.mark.parametrize("moment", START_UP)
 def test_a_signal_during_start_up_is_one_line_and_leaves_out_dir_as_it_was(
