@@ -135,7 +135,7 @@ def test_fsdp_over_two_launch_agents_trains_like_one_process_and_resumes_on_one(
 ):
     """FSDP on 4 ranks, started as the README's two-node launch with both "nodes" on this host: the same losses
     and weights as one process (rank 0 builds the model, the others its shape only, on the meta device); its
-    checkpoint samples, and resumes in one process (DCP reshards)."""
+    checkpoint samples, and resumes under FSDP on 2 ranks and in one process (DCP reshards)."""
     ref_out, ref_losses = reference
     out, endpoint = tmp_path / "out", f"127.0.0.1:{free_port()}"
     settings = run_args(char_data, out, "--parallelism=fsdp", "--activation_checkpointing=block", "--max_iters=10")
@@ -162,7 +162,17 @@ def test_fsdp_over_two_launch_agents_trains_like_one_process_and_resumes_on_one(
     model, _, _, _ = sample.load_model(sample.SampleConfig(out_dir=str(out), device="cpu"), torch.device("cpu"))
     assert model.lm_head.weight is model.transformer.wte.weight
 
-    # Back to iter 5 (a rollback), then on in one process: the optimizer state of 4 ranks, resharded
+    # Back to iter 5, then on under FSDP on 2 ranks: the 4 ranks' optimizer state resharded over 2
+    shutil.copyfile(out / "ckpt-0000005.pt", out / "ckpt.pt")
+    settings = run_args(char_data, out, "--parallelism=fsdp", "--init_from=auto")
+    with Child(
+        "-m", torchrun("--standalone", "--nproc_per_node=2") + settings + ["--max_iters=10"], warm=True
+    ) as child:
+        code, output = child.finish(timeout=300)
+    assert code == 0 and "resuming at iter 5" in output, output
+    assert_same_losses(losses(output), {it: ref_losses[it] for it in range(6, 11)})
+
+    # Back to iter 5 again, then on in one process: the optimizer state of 4 ranks, unsharded
     resume_in_one_process(char_data, out, reference, 5, 10)
 
 
