@@ -921,16 +921,14 @@ class GPT(nn.Module):
         T = seq_len or c.block_size
         return 6 * self.num_params() + 12 * c.n_layer * c.n_head * c.head_dim * T
 
-    def configure_optimizers(
-        self, weight_decay: float, learning_rate: float, betas, device_type: str, *, fused: bool = True
-    ):
+    def configure_optimizers(self, weight_decay: float, learning_rate: float, betas, device_type: str):
         """AdamW; weight decay on matrices and embeddings (>= 2-D) only, the fused kernel on CUDA and CPU."""
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        fused = fused and device_type in ("cuda", "cpu") and "fused" in inspect.signature(torch.optim.AdamW).parameters
+        fused = device_type in ("cuda", "cpu") and "fused" in inspect.signature(torch.optim.AdamW).parameters
         return torch.optim.AdamW(groups, lr=learning_rate, betas=tuple(betas), **({"fused": True} if fused else {}))
 
     def crop_block_size(self, block_size: int):
