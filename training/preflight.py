@@ -325,11 +325,15 @@ def check_memory(cfg, vocab_size: int, runtime: Runtime) -> None:
     logits = 0 if model_config.chunks_loss(tokens) else 2 * vocab_size
     kept = {"none": 8, "mlp": 4, "block": 1}[cfg.activation_checkpointing]
     activation_bytes = tokens * 4 * (logits + kept * cfg.n_layer * cfg.n_embd)
-    need = int(params * bytes_per_param) + activation_bytes
+    # FSDP without resharding keeps every unit's gathered weights, in the run's dtype, from forward to backward
+    kept_whole = cfg.parallelism == "fsdp" and runtime.ddp and not cfg.fsdp_reshard_after_forward
+    gathered_bytes = params * runtime.dtype.itemsize if kept_whole else 0
+    need = int(params * bytes_per_param) + gathered_bytes + activation_bytes
     available, where = available_memory(runtime.device)
     if available and need > available:
+        gathered = f", {format_bytes(gathered_bytes)} of weights gathered for backward" if gathered_bytes else ""
         raise UsageError(
             f"this run needs at least {format_bytes(need)} of memory ({params:,} parameters x {bytes_per_param:.3g} "
-            f"bytes, and {format_bytes(activation_bytes)} of activations for batch_size={cfg.batch_size} x "
+            f"bytes{gathered}, and {format_bytes(activation_bytes)} of activations for batch_size={cfg.batch_size} x "
             f"block_size={cfg.block_size}) but {where}; use a smaller model (n_layer, n_embd, vocab_size) or batch_size"
         )

@@ -475,9 +475,11 @@ def test_an_fsdp_runs_space_check_counts_the_optimizer_state_once():
 
 def test_the_memory_check_counts_what_each_rank_holds(monkeypatch):
     """check_memory asks for each rank's share: 16 bytes a parameter alone or under DDP, 1/N of them under FSDP,
-    1/N of AdamW's 8 under ZeRO-1, 4 to evaluate; and the activations of this rank's tokens (under context
-    parallelism its 1/N share of each sequence), as its refusal says."""
+    1/N of AdamW's 8 under ZeRO-1, 4 to evaluate; FSDP without resharding the gathered weights too; and the
+    activations of this rank's tokens (under context parallelism its 1/N share of each sequence), as its refusal
+    says."""
     from errors import UsageError
+    from storage.checkpoint import format_bytes
     from training import preflight
     from training.preflight import check_memory, state_bytes_per_param
     from training.runtime import Runtime
@@ -499,6 +501,15 @@ def test_the_memory_check_counts_what_each_rank_holds(monkeypatch):
     # 65,536 tokens x 4 bytes x (8 x 2 layers x 256 + the logits and their gradient, 2 x 256): 1.125 GiB
     assert activations(cfg, one) == "1.1 GiB"
     assert activations(dataclasses.replace(cfg, context_parallel=2), split) == "576.0 MiB"  # half the tokens
+
+    # FSDP without resharding also keeps every unit's gathered weights: float32 here, 4 bytes a parameter
+    ranks = Runtime(torch.device("cpu"), torch.float32, world_size=2)
+    gathered = format_bytes(4 * preflight.parameter_count(cfg.model_config(vocab_size=256)))
+    for reshard in (True, False):
+        sharded = dataclasses.replace(cfg, parallelism="fsdp", fsdp_reshard_after_forward=reshard)
+        with pytest.raises(UsageError, match="needs at least") as refusal:
+            check_memory(sharded, 256, ranks)
+        assert (f", {gathered} of weights gathered for backward" in str(refusal.value)) is not reshard
 
 
 def test_profile_steps_reports_where_the_steps_time_goes(char_data, tmp_path, capsys):
