@@ -125,15 +125,26 @@ for stage in "$@"; do
                 --name "context-kernels-$kernel" --out "$OUT" | tail -3 || echo "bench_context --kernels $kernel: exit $?"
         done
         ;;
-    context)  # context parallelism: T=262144 on 1 GPU against 524288 over 2, then the losses of both at 8192
-        NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name context --skip-ddp --gpus 2 1 \
-            --context 262144 --context-iters 4 --context-check 8192 --timeout "${RUN_TIMEOUT:-500}" | tail -8
+    context)  # context parallelism: T=262144 on 1 GPU against 524288 over 2, then the losses of both at 8192. The
+        # 2-GPU run's first step compiles for minutes; on 3+ GPUs the one-GPU side runs at the same time on GPU 2
+        # (its own files, context-1gpu)
+        if [ "$(nvidia-smi -L | wc -l)" -ge 3 ]; then
+            CUDA_VISIBLE_DEVICES=2 NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --work /tmp/context-1gpu \
+                --name context-1gpu --skip-ddp --gpus 1 --context 262144 --context-iters 4 --context-check 8192 \
+                --timeout "${RUN_TIMEOUT:-540}" > /tmp/context-1gpu.log 2>&1 &
+            CUDA_VISIBLE_DEVICES=0,1 NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name context --skip-ddp \
+                --gpus 2 --context 262144 --context-iters 4 --context-check 8192 --timeout "${RUN_TIMEOUT:-540}" | tail -8
+            wait && tail -4 /tmp/context-1gpu.log
+        else
+            NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name context --skip-ddp --gpus 2 1 \
+                --context 262144 --context-iters 4 --context-check 8192 --timeout "${RUN_TIMEOUT:-540}" | tail -8
+        fi
         ;;
-    zero)  # DDP at one micro-step of 16 x 1024 tokens per GPU, plain against the optimizer step sharded: ZeRO-1,
-        # and FSDP without resharding in units of 4 blocks (gradients reduce-scattered under backward, weights gathered)
+    zero)  # DDP at one micro-step of 16 x 1024 tokens per GPU, plain against the optimizer step sharded (ZeRO-1) and
+        # against the compiled graph cut per 25 MB bucket, so all-reduces overlap backward (also with bf16 all-reduces)
         NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name ddp-zero1 --gpus ${DDP_GPUS:-1 2 4} --accum 1 \
-            --variant zero1:--shard_optimizer=true \
-            --variant fsdp-unit4:--parallelism=fsdp,--fsdp_blocks_per_unit=4,--fsdp_reshard_after_forward=false | tail -10
+            --variant zero1:--shard_optimizer=true --variant split25:--ddp_graph_split=true,--ddp_bucket_cap_mb=25 \
+            --variant split25-bf16:--ddp_graph_split=true,--ddp_bucket_cap_mb=25,--ddp_reduce_dtype=bfloat16 | tail -12
         ;;
     fsdpxl)  # GPT-2 XL: 1 GPU at 8 x 4 micro-steps against FSDP: one unit per block, 8 blocks a unit, and
         # config/train_gpt2_xl_fsdp.py's settings; then that config profiled (each rank's report under $OUT/fsdp-xl-profile)
