@@ -159,11 +159,12 @@ for stage in "$@"; do
             --gradient_accumulation_steps="${PROFILE_GPUS:-2}" --profile_steps=2 2>&1 | tail -6
         mkdir -p "$OUT/fsdp-xl-profile" && cp /tmp/fsdp-xl-profile/profile-rank*.md "$OUT/fsdp-xl-profile/"
         ;;
-    big)  # 4 GPUs: a GPT-2 of width 4096 and 32 layers (6.7B), which one GPU cannot train, under FSDP at micro-batch 4;
-        # 2 blocks a unit, then 4 without resharding (OMP threads for rank 0's initialization of the model on its CPU)
+    big)  # 4 GPUs: a GPT-2 of width 4096 and 32 layers (6.7B), which one GPU cannot train, under FSDP at micro-batch 4
+        # (--micro-batch 8 is the 124M's; the large model gets half): one unit per block, then 4 blocks a unit without
+        # resharding; two runs within one 600 s call (OMP threads for rank 0's initialization of the model on its CPU)
         OMP_NUM_THREADS=16 NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name fsdp-6.7b --skip-ddp --fsdp \
             --fsdp-model gpt2-6.7B --gpus ${BIG_GPUS:-4} --micro-batch 8 --accum 2 --iters 12 --warmup 4 --log-interval 2 \
-            --timeout 500 --variant unit2:--fsdp_blocks_per_unit=2 \
+            --timeout "${RUN_TIMEOUT:-280}" \
             --variant unit4-noreshard:--fsdp_blocks_per_unit=4,--fsdp_reshard_after_forward=false \
             -- --activation_checkpointing=none | tail -6
         ;;
