@@ -85,6 +85,11 @@ def check_numbers(cfg) -> None:
     for name in ("ddp_bucket_cap_mb", "dist_timeout_s"):
         if not getattr(cfg, name) > 0:
             raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
+    if cfg.ddp_graph_split and cfg.ddp_bucket_cap_mb < 1:  # else torch's DDPOptimizer asserts mid-compile
+        raise ValueError(
+            "ddp_graph_split=true cuts the compiled graph at DDP's buckets, the first of which holds 1 MB: "
+            f"ddp_bucket_cap_mb must be >= 1 with it, got {cfg.ddp_bucket_cap_mb}"
+        )
     if cfg.peak_flops is not None and not cfg.peak_flops > 0:
         raise ValueError(f"peak_flops must be > 0, got {cfg.peak_flops}")
     if not 0 <= cfg.seed < 2**64:

@@ -398,6 +398,12 @@ BAD_INPUTS = [
     case("zero-n_layer", "--n_layer=0", expect=("n_layer must be >= 1",)),
     case("zero-max_bad_steps", "--max_bad_steps=0", expect=("max_bad_steps must be >= 1",)),
     case("zero-fsdp_blocks_per_unit", "--fsdp_blocks_per_unit=0", expect=("fsdp_blocks_per_unit must be >= 1",)),
+    case(
+        "graph_split-bucket-under-1MB",
+        "--ddp_graph_split=true",
+        "--ddp_bucket_cap_mb=0.5",
+        expect=("ddp_bucket_cap_mb must be >= 1 with it, got 0.5",),
+    ),
     case("negative-profile_steps", "--profile_steps=-1", expect=("profile_steps must be >= 0",)),
     case("zero-keep_last_k", "--keep_last_k=0", expect=("keep_last_k must be >= 1",)),
     case("zero-vocab_size", "--vocab_size=0", expect=("vocab_size must be >= 1",)),
