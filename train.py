@@ -149,6 +149,7 @@ class TrainConfig:
     )
     compile: bool | None = None  # torch.compile the model; None: on for CUDA, off elsewhere
     compile_mode: str = "default"  # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
+    compile_blocks: bool = False  # compile each block and the head apart: compiles faster; DDP all-reduces in backward
     dist_backend: str = "nccl"  # DDP backend under torchrun: nccl | gloo
     parallelism: str = "ddp"  # under torchrun: ddp (a model copy per GPU) | fsdp (weights and optimizer sharded)
     context_parallel: int = 1  # under torchrun: ranks that split each sequence, for contexts one GPU cannot hold
@@ -307,6 +308,7 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
         runtime,
         use_compile=use_compile,
         compile_mode=cfg.compile_mode,
+        per_block=cfg.compile_blocks,
         bucket_cap_mb=cfg.ddp_bucket_cap_mb,
         graph_split=cfg.ddp_graph_split,
         reduce_dtype=cfg.ddp_reduce_dtype,

@@ -127,24 +127,26 @@ for stage in "$@"; do
         ;;
     context)  # context parallelism: T=262144 on 1 GPU against 524288 over 2, then the losses of both at 8192. The
         # 2-GPU run's first step compiles for minutes; on 3+ GPUs the one-GPU side runs at the same time on GPU 2
-        # (its own files, context-1gpu)
+        # (its own files, context-1gpu). CONTEXT_EXTRA: train.py settings for both (e.g. --compile_blocks=true)
         if [ "$(nvidia-smi -L | wc -l)" -ge 3 ]; then
             CUDA_VISIBLE_DEVICES=2 NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --work /tmp/context-1gpu \
                 --name context-1gpu --skip-ddp --gpus 1 --context 262144 --context-iters 4 --context-check 8192 \
-                --timeout "${RUN_TIMEOUT:-540}" > /tmp/context-1gpu.log 2>&1 &
+                --timeout "${RUN_TIMEOUT:-540}" -- ${CONTEXT_EXTRA:-} > /tmp/context-1gpu.log 2>&1 &
             CUDA_VISIBLE_DEVICES=0,1 NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name context --skip-ddp \
-                --gpus 2 --context 262144 --context-iters 4 --context-check 8192 --timeout "${RUN_TIMEOUT:-540}" | tail -8
+                --gpus 2 --context 262144 --context-iters 4 --context-check 8192 --timeout "${RUN_TIMEOUT:-540}" \
+                -- ${CONTEXT_EXTRA:-} | tail -8
             wait && tail -4 /tmp/context-1gpu.log
         else
             NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name context --skip-ddp --gpus 2 1 \
-                --context 262144 --context-iters 4 --context-check 8192 --timeout "${RUN_TIMEOUT:-540}" | tail -8
+                --context 262144 --context-iters 4 --context-check 8192 --timeout "${RUN_TIMEOUT:-540}" \
+                -- ${CONTEXT_EXTRA:-} | tail -8
         fi
         ;;
-    zero)  # DDP at one micro-step of 16 x 1024 tokens per GPU, plain against the optimizer step sharded (ZeRO-1) and
-        # against the compiled graph cut per 25 MB bucket, so all-reduces overlap backward (also with bf16 all-reduces)
+    zero)  # DDP at one micro-step of 16 x 1024 tokens per GPU, plain against the optimizer step sharded (ZeRO-1), and
+        # all-reduces overlapping backward: the compiled graph cut per 25 MB bucket, or each block compiled apart
         NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name ddp-zero1 --gpus ${DDP_GPUS:-1 2 4} --accum 1 \
             --variant zero1:--shard_optimizer=true --variant split25:--ddp_graph_split=true,--ddp_bucket_cap_mb=25 \
-            --variant split25-bf16:--ddp_graph_split=true,--ddp_bucket_cap_mb=25,--ddp_reduce_dtype=bfloat16 | tail -12
+            --variant blocks:--compile_blocks=true | tail -12
         ;;
     fsdpxl)  # GPT-2 XL: 1 GPU at 8 x 4 micro-steps against FSDP: one unit per block, 8 blocks a unit, and
         # config/train_gpt2_xl_fsdp.py's settings; then that config profiled (each rank's report under $OUT/fsdp-xl-profile)

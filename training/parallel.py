@@ -64,22 +64,29 @@ def wrap_model(
     *,
     use_compile: bool,
     compile_mode: str = "default",
+    per_block: bool = False,
     bucket_cap_mb: float = 100.0,
     graph_split: bool = False,
     reduce_dtype: str = "float32",
 ) -> tuple[nn.Module, nn.Module]:
-    """(eval_model, train_model) of a model placed by place_model: compiled when use_compile (a sharded model
-    unit by unit), and wrapped in DDP under torchrun unless sharded. Build the optimizer after place_model: FSDP
-    replaces the parameters.
+    """(eval_model, train_model) of a model placed by place_model: compiled when use_compile (whole, or block by
+    block with per_block, as a sharded model always is), and wrapped in DDP under torchrun unless sharded. Build
+    the optimizer after place_model: FSDP replaces the parameters.
+    per_block: one compiled graph per block, reused by all blocks (one compile, not n_layer), and a backward
+    node per block, so DDP all-reduces each bucket as soon as its blocks' backward is done.
     graph_split: torch.compile cuts the graph at DDP's bucket boundaries, so each bucket's all-reduce starts
     while the rest of backward runs; off, backward is one graph (fusion across the whole model) and every
     all-reduce waits for its end. reduce_dtype bfloat16: each bucket is all-reduced in bf16 (PyTorch's
     bf16_compress_hook, NCCL only) and written back in float32, for half the traffic."""
     if is_sharded(model):  # place_model sharded it: FSDP, under torchrun
         if use_compile:
-            compile_shard_units(model, compile_mode)
+            compile_blocks(model, compile_mode)
         return model, model
-    eval_model = torch.compile(model, mode=compile_mode) if use_compile else model
+    if use_compile and per_block:
+        compile_blocks(model, compile_mode)
+        eval_model = model
+    else:
+        eval_model = torch.compile(model, mode=compile_mode) if use_compile else model
     if not runtime.ddp:
         return eval_model, eval_model
     from torch.nn.parallel import DistributedDataParallel
@@ -135,11 +142,12 @@ def spread_from_rank0(model: nn.Module, weights: dict) -> None:
         dist.broadcast(buffer, src=0)
 
 
-def compile_shard_units(model: nn.Module, compile_mode: str) -> None:
-    """torch.compile a sharded model piece by piece: each block's forward, and the root's head (ln_f, lm_head,
-    loss). Compiled whole, its loop over blocks meets FSDP's hooks, graph breaks that torch.compile cannot take
-    inside a loop: it skips GPT.forward's frame, and the head, with its loss over the whole vocabulary, runs
-    eagerly (bench/NOTES.md). The hooks stay outside, eager."""
+def compile_blocks(model: nn.Module, compile_mode: str) -> None:
+    """torch.compile a model piece by piece: each block's forward (one compiled graph that every block reuses),
+    and the head (ln_f, lm_head, loss); the embeddings and the loop over blocks stay eager. A sharded model is
+    always compiled so: compiled whole, its loop over blocks meets FSDP's hooks, graph breaks that torch.compile
+    cannot take inside a loop: it skips GPT.forward's frame, and the head, with its loss over the whole
+    vocabulary, runs eagerly (bench/NOTES.md). The hooks stay outside, eager."""
     for block in model.transformer.h:
         block.forward = torch.compile(block.forward, mode=compile_mode)
     model.head = torch.compile(model.head, mode=compile_mode)

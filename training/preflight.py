@@ -139,6 +139,11 @@ def check_parallelism(cfg) -> None:
             f"compile_mode={cfg.compile_mode} replays CUDA graphs, which parallelism fsdp does not train with; "
             "use default or max-autotune-no-cudagraphs"
         )
+    if cfg.compile_blocks and cfg.compile_mode in CUDA_GRAPH_MODES:
+        raise ValueError(
+            f"compile_mode={cfg.compile_mode} replays CUDA graphs of the whole model; compile_blocks=true compiles "
+            "each block apart: use default or max-autotune-no-cudagraphs with it"
+        )
     if cfg.parallelism == "fsdp" and cfg.lora_rank:
         raise ValueError("LoRA (lora_rank > 0) trains with parallelism ddp, not fsdp; its frozen base is not sharded")
     if cfg.parallelism == "fsdp" and cfg.shard_optimizer:

@@ -399,6 +399,12 @@ BAD_INPUTS = [
     case("zero-max_bad_steps", "--max_bad_steps=0", expect=("max_bad_steps must be >= 1",)),
     case("zero-fsdp_blocks_per_unit", "--fsdp_blocks_per_unit=0", expect=("fsdp_blocks_per_unit must be >= 1",)),
     case(
+        "compile_blocks-cuda-graphs",
+        "--compile_blocks=true",
+        "--compile_mode=reduce-overhead",
+        expect=("compile_blocks=true compiles each block apart", "default or max-autotune-no-cudagraphs"),
+    ),
+    case(
         "graph_split-bucket-under-1MB",
         "--ddp_graph_split=true",
         "--ddp_bucket_cap_mb=0.5",
