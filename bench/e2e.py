@@ -3,8 +3,8 @@ Every path a user takes, end to end on this machine's GPU(s), with small models 
 sources): train.py per backend x {plain, packed documents} x {compiled, eager}; a resume after a stop;
 sample.py per KV cache x {eager, compiled} x {inside block_size, sliding past it} x {1 prompt, 4 of mixed
 lengths}; LoRA train -> sample -> merge in bf16; a Hugging Face GPT-2 folder in -> sample, and export ->
-transformers loads it; under torchrun where there are 2 GPUs, DDP, FSDP, DDP with the optimizer step sharded
-(and profiled), and context parallelism.
+transformers loads it; under torchrun where there are 2 GPUs, DDP (also with each block compiled apart), FSDP,
+DDP with the optimizer step sharded (and profiled), and context parallelism.
 
     python -m bench.e2e                        # all cells; bench/results/<card>-e2e.json and .md
     python -m bench.e2e --only train --jobs 4  # cells whose path starts with "train"
@@ -230,6 +230,7 @@ def speed_cells(work: Path) -> list[Cell]:
 
 PARALLEL = {  # torchrun cell: its settings (DDP the default)
     "ddp": [],
+    "ddp compile_blocks": ["--compile_blocks=true"],
     "fsdp": ["--parallelism=fsdp"],
     "ddp shard_optimizer, profiled": ["--shard_optimizer=true", "--profile_steps=2"],
     "context_parallel": ["--context_parallel=2"],
