@@ -8,8 +8,9 @@ Checkpoints that survive a kill, load without running code, and never overwrite 
 - Every file is written to a temporary name in the same folder (`.<name>.tmp.<pid>`), flushed, fsynced and
   renamed over the old one: a kill at any moment leaves the previous checkpoint whole.
 - `out_dir/ckpt-0001000.pt` per save; `ckpt.pt` (latest) and `best.pt` (lowest val loss) are copies of it,
-  files of their own, so `cp ckpt-0000500.pt ckpt.pt` (a rollback) changes nothing else. Rotation and the
-  clean-up of a killed writer's temporary files touch only these names, never a user's own files.
+  files of their own, so `cp ckpt-0000500.pt ckpt.pt` (a rollback) changes nothing else. Where the filesystem
+  clones files (XFS, Btrfs) the copies are copy-on-write clones: no bytes written, as safe as a copy. Rotation
+  and the clean-up of a killed writer's temporary files touch only these names, never a user's own files.
 - An FSDP run (training/parallel.py) also writes its sharded optimizer state as a torch.distributed.checkpoint folder,
   `ckpt-<iter>.dcp`, renamed into place once complete and before the files that name it; it goes when its
   `ckpt-<iter>.pt` is rotated away. ckpt.pt itself holds the full weights, so it loads like any other.
@@ -46,6 +47,8 @@ NUMBERED = re.compile(r"ckpt-\d{7,}\.pt")  # f"ckpt-{iter_num:07d}.pt"
 SHARDED = re.compile(r"ckpt-\d{7,}\.dcp")  # an FSDP run's optimizer state (a DCP folder) beside ckpt-<iter>.pt
 LOCK = ".lock"
 PROBE = "write-probe"  # written (as .write-probe.tmp.<pid>) and deleted at start-up: is out_dir writable?
+CLONE_PROBE = "clone-probe"  # the probe cloned (as .clone-probe.tmp.<pid>): does its filesystem clone files?
+FICLONE = 0x40049409  # Linux ioctl (linux/fs.h): the target shares the source's blocks, copy-on-write
 
 # What a checkpoint holds: key -> type. RESUME_KEYS are needed only to continue a run (--init_from=resume).
 REQUIRED_KEYS = {"model": dict, "model_config": dict, "meta": dict}
@@ -94,10 +97,13 @@ class OutDir:
         self.release()
 
 
-def claim_out_dir(out_dir, *, continuing: bool, overwrite: bool, first_save_bytes: int = 0) -> OutDir:
+def claim_out_dir(
+    out_dir, *, continuing: bool, overwrite: bool, first_save_bytes: int = 0, cloned_save_bytes: int | None = None
+) -> OutDir:
     """Create out_dir, prove it writable, and lock it for this run. `continuing`: the run resumes the checkpoints
     there; otherwise existing checkpoints are refused unless `overwrite`. A disk with less free space than
-    first_save_bytes (see save_bytes) is refused too. CheckpointError (one line) on failure."""
+    first_save_bytes (see save_bytes) is refused too, or than cloned_save_bytes where its filesystem clones
+    files (the copies then take no space). CheckpointError (one line) on failure."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"out_dir {out_dir} exists and is not a folder")
@@ -110,7 +116,7 @@ def claim_out_dir(out_dir, *, continuing: bool, overwrite: bool, first_save_byte
             if not folder.is_dir():
                 folder.mkdir()
                 created.append(folder)
-        _probe(out_dir)
+        clones = _probe(out_dir)
         hold = OutDir(out_dir, _lock(out_dir / LOCK), created)
     except OSError as error:
         _remove_if_empty(created)
@@ -129,6 +135,8 @@ def claim_out_dir(out_dir, *, continuing: bool, overwrite: bool, first_save_byte
             f"or choose another --out_dir"
         )
     free = free_bytes(out_dir)
+    if clones and cloned_save_bytes is not None:
+        first_save_bytes = cloned_save_bytes
     if free is not None and first_save_bytes > free:
         hold.release()
         raise CheckpointError(
@@ -138,19 +146,22 @@ def claim_out_dir(out_dir, *, continuing: bool, overwrite: bool, first_save_byte
     return hold
 
 
-def _probe(out_dir: Path) -> None:
-    """A real write, fsynced: a read-only or full filesystem fails here, before training, not at the first save."""
-    probe = tmp_path_for(out_dir / PROBE)
+def _probe(out_dir: Path) -> bool:
+    """A real write, fsynced: a read-only or full filesystem fails here, before training, not at the first save.
+    Returns whether the filesystem clones files (see clone_or_copy)."""
+    probe, clone = tmp_path_for(out_dir / PROBE), tmp_path_for(out_dir / CLONE_PROBE)
     try:
         with open(probe, "wb") as f:
             f.write(b"can this run write here?\n")
             f.flush()
             os.fsync(f.fileno())
+        return clone_or_copy(probe, clone)
     except OSError as error:
         error.filename = error.filename or str(probe)  # a failed write names no file by itself
         raise
     finally:
         probe.unlink(missing_ok=True)
+        clone.unlink(missing_ok=True)
 
 
 def _lock(path: Path) -> int:
@@ -221,11 +232,11 @@ def sharded_state_bytes(tensor_bytes: int, tensors: int, ranks: int) -> int:
     return tensor_bytes + tensors * ranks * SHARD_RECORD_BYTES + (ranks + 1) * BLOCK_BYTES
 
 
-def save_bytes(file_bytes: int) -> int:
-    """The free space a save of checkpoint files of file_bytes needs: FILES_PER_SAVE files in whole blocks. (In
-    an out_dir that holds best.pt and ckpt.pt, each copy's temporary file replaces one, so the peak is a file
-    less; the check asks for the larger need of a fresh out_dir.)"""
-    return FILES_PER_SAVE * (-(-file_bytes // BLOCK_BYTES) * BLOCK_BYTES)
+def save_bytes(file_bytes: int, files: int = FILES_PER_SAVE) -> int:
+    """The free space a save of checkpoint files of file_bytes needs: FILES_PER_SAVE files in whole blocks (one
+    where the copies are clones). (In an out_dir that holds best.pt and ckpt.pt, each copy's temporary file
+    replaces one, so the peak is a file less; the check asks for the larger need of a fresh out_dir.)"""
+    return files * (-(-file_bytes // BLOCK_BYTES) * BLOCK_BYTES)
 
 
 def free_bytes(out_dir) -> int | None:
@@ -253,9 +264,24 @@ def atomic_save(obj, path: Path) -> None:
             raise
 
 
+def clone_or_copy(source: Path, target: Path) -> bool:
+    """Make target a copy of source: a copy-on-write clone where the filesystem makes them (XFS, Btrfs: instant,
+    no bytes written, and a later write to either file, a `cp` onto it too, leaves the other as it was), else a
+    byte copy. Returns whether it cloned."""
+    try:
+        import fcntl  # POSIX only
+
+        with open(source, "rb") as src, open(target, "wb") as dst:
+            fcntl.ioctl(dst.fileno(), FICLONE, src.fileno())
+        return True
+    except (ImportError, OSError):  # not Linux, or a filesystem that does not clone (ext4, tmpfs, NFS, ...)
+        shutil.copyfile(source, target)
+        return False
+
+
 def _atomic_copy(source: Path, target: Path) -> None:
     with atomic_path(target) as tmp:
-        shutil.copyfile(source, tmp)
+        clone_or_copy(source, tmp)
 
 
 def save_checkpoint(state: dict, out_dir, iter_num: int, keep_last_k: int, is_best: bool) -> Path:
@@ -296,7 +322,7 @@ def _remove_leftovers(out_dir: Path) -> None:
         target = tmp_target(path.name)
         if target is not None and SHARDED.fullmatch(target) and path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
-        elif target is not None and (is_checkpoint_name(target) or target == PROBE):
+        elif target is not None and (is_checkpoint_name(target) or target in (PROBE, CLONE_PROBE)):
             path.unlink(missing_ok=True)
 
 

@@ -23,6 +23,7 @@ from data.loader import ensure_dataset
 from errors import UsageError
 from model import GPT, GPTConfig
 from storage.checkpoint import (
+    FILES_PER_SAVE,
     LATEST,
     check_same_tokenizer,
     checkpoint_file_bytes,
@@ -233,21 +234,28 @@ def claim_run_out_dir(cfg, runtime: Runtime, model: GPT, hold: contextlib.ExitSt
     """Rank 0 of a run that will save claims out_dir (checkpoint.claim_out_dir: lock, write probe, free space
     for the first save, no overwriting another run's checkpoints unless asked), held until `hold` closes."""
     if runtime.master and not cfg.eval_only:
-        first_save = first_save_bytes(cfg, runtime, model)
+        first_save, cloned = (first_save_bytes(cfg, runtime, model, copies=copies) for copies in (True, False))
         continuing, overwrite = cfg.init_from == "resume", cfg.overwrite_out_dir
         hold.enter_context(
-            claim_out_dir(cfg.out_dir, continuing=continuing, overwrite=overwrite, first_save_bytes=first_save)
+            claim_out_dir(
+                cfg.out_dir,
+                continuing=continuing,
+                overwrite=overwrite,
+                first_save_bytes=first_save,
+                cloned_save_bytes=cloned,
+            )
         )
 
 
 META_BYTES_PER_ID = 16  # a char vocabulary's meta (itos) pickles to at most this much per token id
 
 
-def first_save_bytes(cfg, runtime: Runtime, model: GPT) -> int:
+def first_save_bytes(cfg, runtime: Runtime, model: GPT, copies: bool = True) -> int:
     """The free space the run's first save needs (checkpoint.save_bytes): the files a save writes, each holding
     what training/state.py saves of this model: its weights (for LoRA the adapters, and the base only where no
     file holds it), AdamW's two float32 moments and step count per trained tensor, every rank's RNG states, the
-    config and the dataset's vocabulary, and each tensor's own overhead in the file."""
+    config and the dataset's vocabulary, and each tensor's own overhead in the file. copies=False: one file,
+    as where best.pt and ckpt.pt are clones of it."""
     storages = {}  # what torch.save writes: each storage once (lm_head.weight is wte's), whole (a cropped wpe)
     for tensor in checkpoint_entries(model)["model"].values():
         storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
@@ -260,7 +268,7 @@ def first_save_bytes(cfg, runtime: Runtime, model: GPT) -> int:
         sum(storages.values()) + in_files[0], len(storages) + in_files[1], ranks=runtime.world_size
     )
     shards = sharded_state_bytes(moments, 3 * len(trained), runtime.world_size) if sharded else 0
-    return save_bytes(file_bytes + other) + shards
+    return save_bytes(file_bytes + other, files=FILES_PER_SAVE if copies else 1) + shards
 
 
 def check_wandb(cfg) -> None:

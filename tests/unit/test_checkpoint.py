@@ -185,6 +185,54 @@ def test_rollback_by_copy_changes_no_other_checkpoint(tmp_path):
     assert iter_of(tmp_path / "best.pt") == 2
 
 
+def filesystem(monkeypatch, clones: bool) -> list:
+    """Stand in for out_dir's filesystem's answer to a clone (Linux's FICLONE ioctl): made (the bytes copied,
+    as a clone reads), or refused as ext4 refuses it. Returns the clones asked for."""
+    import fcntl
+
+    asked = []
+
+    def ioctl(target_fd, request, source_fd):
+        assert request == checkpoint.FICLONE
+        asked.append(request)
+        if not clones:
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+        os.lseek(source_fd, 0, os.SEEK_SET)
+        while chunk := os.read(source_fd, 1 << 20):
+            os.write(target_fd, chunk)
+
+    monkeypatch.setattr(fcntl, "ioctl", ioctl)
+    return asked
+
+
+@pytest.mark.parametrize("clones", [True, False], ids=["clones", "copies"])
+def test_best_and_latest_are_clones_where_the_filesystem_makes_them_else_copies(monkeypatch, tmp_path, clones):
+    """On XFS or Btrfs best.pt and ckpt.pt are copy-on-write clones of ckpt-<iter>.pt (no bytes written, and a
+    write into one leaves the others as they were); elsewhere byte copies. Either way the same bytes."""
+    asked = filesystem(monkeypatch, clones)
+    copied = []
+    real_copyfile = shutil.copyfile
+    monkeypatch.setattr(shutil, "copyfile", lambda *args: copied.append(args) or real_copyfile(*args))
+    save_checkpoint(small_state(1), tmp_path, 1, keep_last_k=2, is_best=True)
+    assert len(asked) == 2 and len(copied) == (0 if clones else 2)
+    numbered = (tmp_path / "ckpt-0000001.pt").read_bytes()
+    assert (tmp_path / "best.pt").read_bytes() == numbered == (tmp_path / "ckpt.pt").read_bytes()
+
+
+@pytest.mark.parametrize("clones", [True, False], ids=["clones", "copies"])
+def test_the_free_space_check_asks_for_one_file_where_the_copies_are_clones(monkeypatch, tmp_path, clones):
+    filesystem(monkeypatch, clones)
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda folder: 2_000)
+    out = tmp_path / "out"
+    claim = functools.partial(claim_out_dir, out, continuing=False, overwrite=False, first_save_bytes=3_000)
+    if clones:
+        with claim(cloned_save_bytes=1_000):
+            assert sorted(p.name for p in out.iterdir()) == [".lock"]  # the probes are gone
+    else:
+        with pytest.raises(CheckpointError, match="has 2.0 KiB free; the first save needs about 2.9 KiB"):
+            claim(cloned_save_bytes=1_000)
+
+
 def test_rotation_and_cleanup_touch_only_the_runs_own_files(tmp_path):
     users = {
         "ckpt-backup-before-lr-change.pt": b"a user's backup",
