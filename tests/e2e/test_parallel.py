@@ -316,8 +316,10 @@ def test_leaving_the_process_group_stops_its_threads():
 
 def test_ddp_wrapping_follows_the_settings(monkeypatch, gloo_world_of_one):
     """wrap_model gives DDP its bucket size and tells torch.compile whether to cut the graph at the buckets
-    (ddp_graph_split)."""
-    monkeypatch.setattr(torch, "compile", lambda model, **options: model)  # the setting is read when it compiles
+    (ddp_graph_split); with per_block (compile_blocks) DDP wraps the model itself, whose blocks and head are
+    compiled apart."""
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda model, **options: compiled.append(model) or model)
     runtime = Runtime(torch.device("cpu"), torch.float32, world_size=2)  # wraps in DDP; one process here
     # wrap_model sets dynamo's global optimize_ddp (right for train.py's one run); dynamo's own config.patch puts
     # it back after, as pytest's monkeypatch cannot for a torch config entry (its undo may delete the entry)
@@ -327,6 +329,13 @@ def test_ddp_wrapping_follows_the_settings(monkeypatch, gloo_world_of_one):
             _, ddp = parallel.wrap_model(model, runtime, use_compile=True, bucket_cap_mb=7, graph_split=split)
             assert torch._dynamo.config.optimize_ddp is split
             assert ddp.bucket_bytes_cap == 7 * 2**20
+            assert compiled == [model]  # whole
+            compiled.clear()
+        model = GPT(tiny_config())
+        eval_model, ddp = parallel.wrap_model(model, runtime, use_compile=True, per_block=True)
+        assert eval_model is model and ddp.module is model
+        blocks = [block.forward for block in model.transformer.h]
+        assert compiled == [*blocks, model.head]
     # bf16 all-reduce: PyTorch's hook, which refuses gloo when registered; here its registration is recorded
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
     from torch.nn.parallel import DistributedDataParallel
