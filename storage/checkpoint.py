@@ -35,6 +35,7 @@ import shutil
 import warnings
 import zipfile
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -97,13 +98,11 @@ class OutDir:
         self.release()
 
 
-def claim_out_dir(
-    out_dir, *, continuing: bool, overwrite: bool, first_save_bytes: int = 0, cloned_save_bytes: int | None = None
-) -> OutDir:
+def claim_out_dir(out_dir, *, continuing: bool, overwrite: bool, first_save: SaveSize | None = None) -> OutDir:
     """Create out_dir, prove it writable, and lock it for this run. `continuing`: the run resumes the checkpoints
     there; otherwise existing checkpoints are refused unless `overwrite`. A disk with less free space than
-    first_save_bytes (see save_bytes) is refused too, or than cloned_save_bytes where its filesystem clones
-    files (the copies then take no space). CheckpointError (one line) on failure."""
+    first_save needs there (SaveSize.need: less where the filesystem clones files) is refused too.
+    CheckpointError (one line) on failure."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"out_dir {out_dir} exists and is not a folder")
@@ -135,8 +134,7 @@ def claim_out_dir(
             f"or choose another --out_dir"
         )
     free = free_bytes(out_dir)
-    if clones and cloned_save_bytes is not None:
-        first_save_bytes = cloned_save_bytes
+    first_save_bytes = (first_save or SaveSize()).need(clones)
     if free is not None and first_save_bytes > free:
         hold.release()
         raise CheckpointError(
@@ -232,11 +230,19 @@ def sharded_state_bytes(tensor_bytes: int, tensors: int, ranks: int) -> int:
     return tensor_bytes + tensors * ranks * SHARD_RECORD_BYTES + (ranks + 1) * BLOCK_BYTES
 
 
-def save_bytes(file_bytes: int, files: int = FILES_PER_SAVE) -> int:
-    """The free space a save of checkpoint files of file_bytes needs: FILES_PER_SAVE files in whole blocks (one
-    where the copies are clones). (In an out_dir that holds best.pt and ckpt.pt, each copy's temporary file
-    replaces one, so the peak is a file less; the check asks for the larger need of a fresh out_dir.)"""
-    return files * (-(-file_bytes // BLOCK_BYTES) * BLOCK_BYTES)
+class SaveSize(NamedTuple):
+    """What a save writes: checkpoint files of file_bytes each, and other_bytes besides (an FSDP run's folder of
+    optimizer shards)."""
+
+    file_bytes: int = 0
+    other_bytes: int = 0
+
+    def need(self, clones: bool = False) -> int:
+        """The free space it needs: FILES_PER_SAVE files in whole blocks, or one where the copies are clones,
+        and the rest. (In an out_dir that holds best.pt and ckpt.pt, each copy's temporary file replaces one,
+        so the peak is a file less; the check asks for the larger need of a fresh out_dir.)"""
+        files = 1 if clones else FILES_PER_SAVE
+        return files * (-(-self.file_bytes // BLOCK_BYTES) * BLOCK_BYTES) + self.other_bytes
 
 
 def free_bytes(out_dir) -> int | None:

@@ -23,13 +23,12 @@ from data.loader import ensure_dataset
 from errors import UsageError
 from model import GPT, GPTConfig
 from storage.checkpoint import (
-    FILES_PER_SAVE,
     LATEST,
+    SaveSize,
     check_same_tokenizer,
     checkpoint_file_bytes,
     claim_out_dir,
     format_bytes,
-    save_bytes,
     sharded_state_bytes,
 )
 from training.parallel import PARALLELISMS, REDUCE_DTYPES
@@ -234,28 +233,25 @@ def claim_run_out_dir(cfg, runtime: Runtime, model: GPT, hold: contextlib.ExitSt
     """Rank 0 of a run that will save claims out_dir (checkpoint.claim_out_dir: lock, write probe, free space
     for the first save, no overwriting another run's checkpoints unless asked), held until `hold` closes."""
     if runtime.master and not cfg.eval_only:
-        first_save, cloned = (first_save_bytes(cfg, runtime, model, copies=copies) for copies in (True, False))
+        first_save = first_save_size(cfg, runtime, model)
         continuing, overwrite = cfg.init_from == "resume", cfg.overwrite_out_dir
-        hold.enter_context(
-            claim_out_dir(
-                cfg.out_dir,
-                continuing=continuing,
-                overwrite=overwrite,
-                first_save_bytes=first_save,
-                cloned_save_bytes=cloned,
-            )
-        )
+        claim = claim_out_dir(cfg.out_dir, continuing=continuing, overwrite=overwrite, first_save=first_save)
+        hold.enter_context(claim)
 
 
 META_BYTES_PER_ID = 16  # a char vocabulary's meta (itos) pickles to at most this much per token id
 
 
-def first_save_bytes(cfg, runtime: Runtime, model: GPT, copies: bool = True) -> int:
-    """The free space the run's first save needs (checkpoint.save_bytes): the files a save writes, each holding
-    what training/state.py saves of this model: its weights (for LoRA the adapters, and the base only where no
-    file holds it), AdamW's two float32 moments and step count per trained tensor, every rank's RNG states, the
-    config and the dataset's vocabulary, and each tensor's own overhead in the file. copies=False: one file,
-    as where best.pt and ckpt.pt are clones of it."""
+def first_save_bytes(cfg, runtime: Runtime, model: GPT) -> int:
+    """The free space the run's first save needs where its copies are not clones (first_save_size)."""
+    return first_save_size(cfg, runtime, model).need()
+
+
+def first_save_size(cfg, runtime: Runtime, model: GPT) -> SaveSize:
+    """What the run's first save writes: the files of a save, each holding what training/state.py saves of this
+    model: its weights (for LoRA the adapters, and the base only where no file holds it), AdamW's two float32
+    moments and step count per trained tensor, every rank's RNG states, the config and the dataset's
+    vocabulary, and each tensor's own overhead in the file; under FSDP the moments once, in a folder of shards."""
     storages = {}  # what torch.save writes: each storage once (lm_head.weight is wte's), whole (a cropped wpe)
     for tensor in checkpoint_entries(model)["model"].values():
         storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
@@ -268,7 +264,7 @@ def first_save_bytes(cfg, runtime: Runtime, model: GPT, copies: bool = True) -> 
         sum(storages.values()) + in_files[0], len(storages) + in_files[1], ranks=runtime.world_size
     )
     shards = sharded_state_bytes(moments, 3 * len(trained), runtime.world_size) if sharded else 0
-    return save_bytes(file_bytes + other, files=FILES_PER_SAVE if copies else 1) + shards
+    return SaveSize(file_bytes + other, shards)
 
 
 def check_wandb(cfg) -> None:

@@ -37,8 +37,8 @@ def keep_kernels(optimizer: torch.optim.Optimizer) -> None:
     """Give the param groups back this run's AdamW kernel (fused or foreach, as in the optimizer's defaults),
     which loading a state dict replaces by the saving run's: a foreach AdamW (FSDP's, in checkpoints from before
     FSDP took the fused kernel; a device without it) must not come back into a run whose fused one clip_and_step
-    drives. The fused kernel keeps its step counts on the
-    parameters' device. Under ZeRO this rank's own optimizer holds the state, and takes the wrapper's groups."""
+    drives. The fused kernel keeps its step counts on the parameters' device. Under ZeRO this rank's own
+    optimizer holds the state, and takes the wrapper's groups."""
     kernel = {key: optimizer.defaults.get(key) for key in ("fused", "foreach")}
     local = local_optimizer(optimizer)
     for group in (*optimizer.param_groups, *local.param_groups):

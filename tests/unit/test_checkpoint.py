@@ -222,15 +222,16 @@ def test_best_and_latest_are_clones_where_the_filesystem_makes_them_else_copies(
 @pytest.mark.parametrize("clones", [True, False], ids=["clones", "copies"])
 def test_the_free_space_check_asks_for_one_file_where_the_copies_are_clones(monkeypatch, tmp_path, clones):
     filesystem(monkeypatch, clones)
-    monkeypatch.setattr(checkpoint, "free_bytes", lambda folder: 2_000)
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda folder: 10_000)
     out = tmp_path / "out"
-    claim = functools.partial(claim_out_dir, out, continuing=False, overwrite=False, first_save_bytes=3_000)
+    first_save = checkpoint.SaveSize(file_bytes=4096)  # one block a file: three files need 12 KiB, one 4 KiB
+    claim = functools.partial(claim_out_dir, out, continuing=False, overwrite=False, first_save=first_save)
     if clones:
-        with claim(cloned_save_bytes=1_000):
+        with claim():
             assert sorted(p.name for p in out.iterdir()) == [".lock"]  # the probes are gone
     else:
-        with pytest.raises(CheckpointError, match="has 2.0 KiB free; the first save needs about 2.9 KiB"):
-            claim(cloned_save_bytes=1_000)
+        with pytest.raises(CheckpointError, match="has 9.8 KiB free; the first save needs about 12.0 KiB"):
+            claim()
 
 
 def test_rotation_and_cleanup_touch_only_the_runs_own_files(tmp_path):
