@@ -134,7 +134,7 @@ def write_results(
     """<card>-<name>.json, .md and (when `plot` is given) .png under out_dir; returns the paths written."""
     stem = results_stem(out_dir, name, header.get("card"))
     stem.parent.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = stem.with_suffix(".json"), stem.with_suffix(".md")
+    json_path, md_path = stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.md"  # names may hold dots
     json_path.write_text(json.dumps({"header": header, "rows": rows}, indent=1, default=str) + "\n")
     title = f"# {name}: {header['device_name']}, torch {header['torch']}, {header['date']}\n\n"
     notes = "".join(f"- {k}: {v}\n" for k, v in header.get("notes", {}).items())
@@ -143,7 +143,7 @@ def write_results(
     )
     paths = [json_path, md_path]
     if plot is not None:
-        png_path = stem.with_suffix(".png")
+        png_path = stem.parent / f"{stem.name}.png"
         plot(rows, png_path)
         paths.append(png_path)
     return paths

@@ -225,7 +225,8 @@ def test_bench_parser_fills_what_is_left_unset_from_the_quick_or_the_full_defaul
 
 def test_the_grid_runner_records_cases_past_the_budget_as_skipped_and_writes_the_results(tmp_path, capsys):
     """One runner for the attention, train and generate benches: rows in case order, one progress line each,
-    the budget's reason in every row it left out, finish() over all rows, then <card>-<name>.json and .md."""
+    the budget's reason in every row it left out, finish() over all rows, then <card>-<name>.json and .md (a name
+    may hold dots, as model sizes do)."""
     from types import SimpleNamespace
 
     def measure(case):
@@ -239,15 +240,15 @@ def test_the_grid_runner_records_cases_past_the_budget_as_skipped_and_writes_the
         columns=[report.Column("case", "case"), report.Column("status", "status")],
         finish=lambda rows: rows.append({"case": "all", "part": "", "status": f"{len(rows)} rows"}),
     )
-    args = SimpleNamespace(quick=False, budget=0.01, name="grid-demo", out=tmp_path)
+    args = SimpleNamespace(quick=False, budget=0.01, name="grid-demo-6.7b", out=tmp_path)
     header, rows = grid.run_grid(demo, [1, 2, 3], args, torch.device("cpu"), {"grid": {"cases": [1, 2, 3]}})
     assert [(r["case"], r["part"]) for r in rows] == [(1, "a"), (1, "b"), (2, "a"), (3, "a"), ("all", "")]
     assert rows[2]["status"] == rows[3]["status"] == "skipped: --budget 0.01 s used up"
     assert rows[-1]["status"] == "4 rows"
-    saved = json.loads((tmp_path / "cpu-grid-demo.json").read_text())
+    saved = json.loads((tmp_path / "cpu-grid-demo-6.7b.json").read_text())
     assert saved == json.loads(json.dumps({"header": header, "rows": rows}))
-    assert header["bench"] == "grid-demo" and header["grid"] == {"cases": [1, 2, 3]} and header["wall_s"] >= 0.05
-    assert "| 3 | skipped: --budget 0.01 s used up |" in (tmp_path / "cpu-grid-demo.md").read_text()
+    assert header["bench"] == "grid-demo-6.7b" and header["grid"] == {"cases": [1, 2, 3]} and header["wall_s"] >= 0.05
+    assert "| 3 | skipped: --budget 0.01 s used up |" in (tmp_path / "cpu-grid-demo-6.7b.md").read_text()
     out = capsys.readouterr().out
     assert "case 1b: ok" in out and "case 3a: skipped" in out and "wrote " in out
 
