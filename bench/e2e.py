@@ -4,7 +4,7 @@ sources): train.py per backend x {plain, packed documents} x {compiled, eager}; 
 sample.py per KV cache x {eager, compiled} x {inside block_size, sliding past it} x {1 prompt, 4 of mixed
 lengths}; LoRA train -> sample -> merge in bf16; a Hugging Face GPT-2 folder in -> sample, and export ->
 transformers loads it; under torchrun where there are 2 GPUs, DDP (also with each block compiled apart), FSDP,
-DDP with the optimizer step sharded (and profiled), and context parallelism.
+DDP with the optimizer step sharded (and profiled), and context parallelism (also with block recomputation).
 
     python -m bench.e2e                        # all cells; bench/results/<card>-e2e.json and .md
     python -m bench.e2e --only train --jobs 4  # cells whose path starts with "train"
@@ -234,6 +234,7 @@ PARALLEL = {  # torchrun cell: its settings (DDP the default)
     "fsdp": ["--parallelism=fsdp"],
     "ddp shard_optimizer, profiled": ["--shard_optimizer=true", "--profile_steps=2"],
     "context_parallel": ["--context_parallel=2"],
+    "context_parallel, block recomputation": ["--context_parallel=2", "--activation_checkpointing=block"],
 }
 
 

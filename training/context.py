@@ -32,41 +32,39 @@ aten = torch.ops.aten
 
 # ---------------------------------------------------------------------------------------------------------------
 # Attention kernels that return each query row's log-sum-exp. All take (B, H, L, D) q and (B, H, S, D) k, v with as
-# many heads, the default scale 1/sqrt(D) (the model's) and no dropout. forward(q, k, v, causal) -> (out, lse, seed,
-# offset), lse as the kernel gives it ((B, H, L); cuDNN's (B, H, L, 1)), seed and offset its dropout's random state
-# (unused without dropout; handed back as autograd would); backward(grad, q, k, v, out, lse, seed, offset, causal)
-# -> (dq, dk, dv).
+# many heads, the default scale 1/sqrt(D) (the model's) and no dropout. forward(q, k, v, causal) -> (out, lse), lse
+# (B, H, L) in float32 (float64 for float64 on CPU); backward(grad, q, k, v, out, lse, causal) -> (dq, dk, dv).
+# Without dropout the CUDA kernels' random state is never read: their backward gets placeholders.
+NO_DROPOUT = (torch.empty((), dtype=torch.long), torch.empty((), dtype=torch.long))
 
 
 def cpu_flash_forward(q, k, v, causal: bool):
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-    return out, lse, None, None
+    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
 
 
-def cpu_flash_backward(grad, q, k, v, out, lse, seed, offset, causal: bool):
+def cpu_flash_backward(grad, q, k, v, out, lse, causal: bool):
     return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, causal)
 
 
 def cudnn_forward(q, k, v, causal: bool):
-    out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal)
-    return out, lse, seed, offset
+    out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal)[:2]
+    return out, lse.view(q.shape[:3])  # cuDNN's is (B, H, L, 1)
 
 
-def cudnn_backward(grad, q, k, v, out, lse, seed, offset, causal: bool):
+def cudnn_backward(grad, q, k, v, out, lse, causal: bool):
     # no bias; no cumulative lengths (not varlen): the maximum lengths are the lengths
     return aten._scaled_dot_product_cudnn_attention_backward(
-        grad, q, k, v, out, lse, seed, offset, None, None, None, q.size(2), k.size(2), 0.0, causal
+        grad, q, k, v, out, lse.unsqueeze(-1), *NO_DROPOUT, None, None, None, q.size(2), k.size(2), 0.0, causal
     )
 
 
 def flash_forward(q, k, v, causal: bool):
-    out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
-    return out, lse, seed, offset
+    return aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
 
 
-def flash_backward(grad, q, k, v, out, lse, seed, offset, causal: bool):
+def flash_backward(grad, q, k, v, out, lse, causal: bool):
     return aten._scaled_dot_product_flash_attention_backward(
-        grad, q, k, v, out, lse, None, None, q.size(2), k.size(2), 0.0, causal, seed, offset
+        grad, q, k, v, out, lse, None, None, q.size(2), k.size(2), 0.0, causal, *NO_DROPOUT
     )
 
 
@@ -102,10 +100,10 @@ def resolve_chunk_kernel(requested: str, device_type: str, dtype: torch.dtype, h
 
 def merge(out_a, lse_a, out_b, lse_b):
     """Attention over the keys of both parts from each part's output and log-sum-exp: exact, in float32 or wider.
-    The output comes back in its dtype, the log-sum-exp wide and in the kernel's shape."""
+    The output comes back in its dtype, the log-sum-exp wide."""
     wide = torch.promote_types(out_a.dtype, torch.float32)
     lse = torch.logaddexp(lse_a.to(wide), lse_b.to(wide))
-    weight_a, weight_b = ((part.to(wide) - lse).exp().reshape(*out_a.shape[:-1], 1) for part in (lse_a, lse_b))
+    weight_a, weight_b = ((part.to(wide) - lse).unsqueeze(-1).exp() for part in (lse_a, lse_b))
     return (weight_a * out_a.to(wide) + weight_b * out_b.to(wide)).to(out_a.dtype), lse
 
 
@@ -114,44 +112,105 @@ def like(tensor: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride() == layout.stride() else torch.empty_like(layout).copy_(tensor)
 
 
-class PrefixAndDiagonal(torch.autograd.Function):
+def prefix_and_diagonal(q, k, v, kernel: str):
     """Causal attention of L queries that are the last L positions of the S keys they see: the first S-L keys (the
-    prefix) unmasked, the last L (the diagonal block) causal, each by `kernel` (in LSE_KERNELS), merged. Backward as
-    ring attention's: each part's kernel backward with the merged output and log-sum-exp gives that part's gradients."""
+    prefix) unmasked, the last L (the diagonal block) causal, each by `kernel` (in LSE_KERNELS), merged. Returns
+    the output and each query's log-sum-exp (B, H, L), in float32 or wider."""
+    ops, prefix = LSE_KERNELS[kernel], k.size(2) - q.size(2)
+    out, lse = ops.forward(q, k[:, :, prefix:], v[:, :, prefix:], True)
+    if prefix:
+        prefix_out, prefix_lse = ops.forward(q, k[:, :, :prefix], v[:, :, :prefix], False)
+        merged, lse = merge(out, lse, prefix_out, prefix_lse)
+        out = like(merged, out)
+    return out, lse.to(torch.promote_types(q.dtype, torch.float32))
 
-    @staticmethod
-    def forward(ctx, q, k, v, kernel: str):
-        ops, prefix = LSE_KERNELS[kernel], k.size(2) - q.size(2)
-        out, lse, *diagonal_rng = ops.forward(q, k[:, :, prefix:], v[:, :, prefix:], True)
-        prefix_rng = [None, None]
-        if prefix:
-            prefix_out, prefix_lse, *prefix_rng = ops.forward(q, k[:, :, :prefix], v[:, :, :prefix], False)
-            merged, lse = merge(out, lse, prefix_out, prefix_lse)
-            out = like(merged, out)
-        ctx.kernel = kernel
-        ctx.save_for_backward(q, k, v, out, lse, *diagonal_rng, *prefix_rng)
-        return out
 
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse, *rng = ctx.saved_tensors
-        ops, prefix = LSE_KERNELS[ctx.kernel], k.size(2) - q.size(2)
-        grad = like(grad, out)
-        dq, dk, dv = ops.backward(grad, q, k[:, :, prefix:], v[:, :, prefix:], out, lse, *rng[:2], True)
-        if prefix:
-            dq_prefix, dk_prefix, dv_prefix = ops.backward(
-                grad, q, k[:, :, :prefix], v[:, :, :prefix], out, lse, *rng[2:], False
-            )
-            dq, dk, dv = dq + dq_prefix, torch.cat([dk_prefix, dk], 2), torch.cat([dv_prefix, dv], 2)
-        return dq, dk, dv, None
+def prefix_and_diagonal_backward(grad, q, k, v, out, lse, kernel: str):
+    """Gradients of prefix_and_diagonal as ring attention takes them: each part's kernel backward, given the merged
+    output and log-sum-exp, gives that part's gradients."""
+    ops, prefix = LSE_KERNELS[kernel], k.size(2) - q.size(2)
+    out, lse = out.contiguous(), lse.contiguous()  # slices of the op's outputs: each kernel's own layout
+    grad = like(grad, out)
+    dq, dk, dv = ops.backward(grad, q, k[:, :, prefix:], v[:, :, prefix:], out, lse, True)
+    if prefix:
+        dq_prefix, dk_prefix, dv_prefix = ops.backward(grad, q, k[:, :, :prefix], v[:, :, :prefix], out, lse, False)
+        dq, dk, dv = dq + dq_prefix, torch.cat([dk_prefix, dk], 2), torch.cat([dv_prefix, dv], 2)
+    return dq, dk, dv
+
+
+# Why one opaque op for a rank's chunks: which chunks a rank holds decides how many keys each sees, so traced
+# kernel by kernel, every rank's compiled graph has other shapes (rank 0's first chunk has no prefix at all), and
+# the compiler's choices (what backward recomputes, the order it issues things in) may differ between ranks. Then
+# the ranks' all-gathers and reduce-scatters stop pairing up, and they wait on each other forever. As one op of
+# the same shapes on every rank, with the chunks an argument, the graphs are the same.
+@torch.library.custom_op("gpt_context::attention", mutates_args=())
+def chunk_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[int], kernel: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of this rank's chunks of queries q (B, H, nL, D), the i-th being chunk chunks[i] of the
+    sequence, on the sequence's keys and values k, v (B, H, S, D), S a multiple of L: each chunk sees the keys up
+    to its own last position. Returns the output (B, H, nL, D) and each query's log-sum-exp (B, H, nL)."""
+    length = q.size(2) // len(chunks)
+    parts = [
+        prefix_and_diagonal(q[:, :, i * length : (i + 1) * length], k[:, :, :end], v[:, :, :end], kernel)
+        for i, end in enumerate((chunk + 1) * length for chunk in chunks)
+    ]
+    return torch.cat([out for out, _ in parts], 2), torch.cat([lse for _, lse in parts], 2)
+
+
+@chunk_attention.register_fake
+def _(q, k, v, chunks, kernel):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32))
+
+
+@torch.library.custom_op("gpt_context::attention_backward", mutates_args=())
+def chunk_attention_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    chunks: list[int],
+    kernel: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    length = q.size(2) // len(chunks)
+    dq, dk, dv = q.new_empty(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    for i, chunk in enumerate(chunks):
+        rows, end = slice(i * length, (i + 1) * length), (chunk + 1) * length
+        dq[:, :, rows], dk_seen, dv_seen = prefix_and_diagonal_backward(
+            grad[:, :, rows], q[:, :, rows], k[:, :, :end], v[:, :, :end], out[:, :, rows], lse[:, :, rows], kernel
+        )
+        dk[:, :, :end] += dk_seen
+        dv[:, :, :end] += dv_seen
+    return dq, dk, dv
+
+
+@chunk_attention_backward.register_fake
+def _(grad, q, k, v, out, lse, chunks, kernel):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _save_for_backward(ctx, inputs, output):
+    q, k, v, ctx.chunks, ctx.kernel = inputs
+    ctx.save_for_backward(q, k, v, *output)
+
+
+def _chunk_attention_gradients(ctx, grad, grad_lse):  # the log-sum-exp is for backward only: no gradient
+    q, k, v, out, lse = ctx.saved_tensors
+    return (*chunk_attention_backward(grad, q, k, v, out, lse, ctx.chunks, ctx.kernel), None, None)
+
+
+chunk_attention.register_autograd(_chunk_attention_gradients, setup_context=_save_for_backward)
 
 
 def attend_chunk(q, k, v, kernel: str = "auto", dropout_p: float = 0.0) -> torch.Tensor:
     """Causal attention of a chunk of queries q (B, H, L, D) on the keys up to its own last position, k and v
-    (B, H, S, D) with S >= L: the queries are the last L of those positions (causal aligned to the lower right)."""
+    (B, H, S, D) with S a multiple of L: the queries are the last L of those positions (causal aligned to the lower
+    right)."""
     used = resolve_chunk_kernel(kernel, q.device.type, q.dtype, q.size(-1), dropout_p)
     if used != REFERENCE:
-        return PrefixAndDiagonal.apply(q, k, v, used)
+        return chunk_attention(q, k, v, [k.size(2) // q.size(2) - 1], used)[0]
     causal = causal_lower_right(q.size(2), k.size(2))
     if q.is_cuda and q.dtype in HALF:  # the only CUDA kernel for this mask was 1.39 off in bf16 at T=32768 (bench/
         wide = (x.float() for x in (q, k, v))  # results/h100-context-kernels-probe.json), right in float32
@@ -197,16 +256,19 @@ class ContextShard:
 
     def attend(self, q, k, v, mask: AttentionMask, dropout_p: float = 0.0) -> torch.Tensor:
         """The model's attention kernel under context parallelism: q, k, v hold this rank's two chunks (B, H, 2L, D);
-        each chunk of queries attends the whole sequence's keys up to its own last position (attend_chunk)."""
+        each chunk of queries attends the whole sequence's keys up to its own last position (chunk_attention)."""
+        k, v = repeat_kv(q, self.gather(k), self.gather(v))  # the gathered keys: autograd sums the repeats
+        used = resolve_chunk_kernel(self.kernel, q.device.type, q.dtype, q.size(-1), dropout_p)
+        if used != REFERENCE:
+            return chunk_attention(q, k, v, list(self.local_chunks), used)[0]
         length = q.size(2) // 2
-        k, v = self.gather(k), self.gather(v)
-        outputs = []
-        for which, chunk in enumerate(self.local_chunks):
-            end = (chunk + 1) * length
-            q_chunk = q[:, :, which * length : (which + 1) * length]
-            k_seen, v_seen = repeat_kv(q_chunk, k[:, :, :end], v[:, :, :end])  # outside: autograd sums the repeats
-            outputs.append(attend_chunk(q_chunk, k_seen, v_seen, self.kernel, dropout_p))
-        return torch.cat(outputs, dim=2)
+        return torch.cat(
+            [
+                attend_chunk(q[:, :, i * length : (i + 1) * length], k[:, :, :end], v[:, :, :end], used, dropout_p)
+                for i, end in enumerate((chunk + 1) * length for chunk in self.local_chunks)
+            ],
+            dim=2,
+        )
 
 
 def context_shard(runtime) -> ContextShard | None:

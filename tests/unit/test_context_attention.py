@@ -28,7 +28,7 @@ def chunk_inputs(length: int, keys: int, dtype: torch.dtype, heads: int = 3, hea
 
 def lower_right_manual(q, k, v):
     """model.manual_attention with the causal mask aligned to the lower right: query i sees keys up to S-L+i."""
-    visible = torch.ones(q.size(2), k.size(2), dtype=torch.bool).tril(k.size(2) - q.size(2))
+    visible = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).tril(k.size(2) - q.size(2))
     return manual_attention(q, k, v, SimpleNamespace(dense=lambda: visible))
 
 
@@ -55,6 +55,24 @@ def test_the_merged_parts_pass_gradcheck(keys):
     assert torch.autograd.gradcheck(lambda q, k, v: attend_chunk(q, k, v, "cpu_flash"), (q, k, v), fast_mode=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+@pytest.mark.parametrize("keys", [128, 384], ids=["chunk 0 (no prefix)", "chunk 2"])
+def test_the_cuda_kernels_attend_as_manual_in_float64(kernel, keys):
+    """bf16 inputs through cuDNN or SDPA's flash, against manual attention of the same inputs in float64:
+    output and gradients within 1e-2 (bf16 operands)."""
+    q, k, v = (t.detach().cuda().requires_grad_() for t in chunk_inputs(128, keys, torch.bfloat16, head_dim=64))
+    grad = torch.randn(2, 3, 128, 64, device="cuda", dtype=torch.bfloat16)
+    got = attend_chunk(q, k, v, kernel)
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected = lower_right_manual(*wide)
+    assert relative(got.double(), expected) < 1e-2
+    for got_grad, expected_grad in zip(
+        torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(expected, wide, grad.double())
+    ):
+        assert relative(got_grad.double(), expected_grad) < 1e-2
+
+
 @pytest.mark.parametrize(
     "requested, device, dtype, head_dim, dropout, used",
     [
@@ -77,3 +95,25 @@ def test_the_resolver_falls_back_to_sdpa_where_a_kernel_cannot_serve(requested, 
 def test_an_unknown_kernel_is_refused_when_the_shard_is_made():
     with pytest.raises(ValueError, match="cpu_flash"):
         ContextShard(None, 0, 2, kernel="flash_attn_3")
+
+
+def traced_step(rank: int) -> list[tuple[str, tuple]]:
+    """Every op of forward and backward through rank `rank`'s attention in a group of 2 (the keys gathered by a
+    stand-in), with its output's shape, as torch.compile's tracer records them."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    shard = ContextShard(None, rank, 2, kernel="cpu_flash")
+    shard.gather = lambda tensor: tensor.repeat(1, 1, 2, 1)  # (B, H, 2L, D) -> the group's (B, H, 4L, D)
+
+    def step(q, k, v, grad):
+        return torch.autograd.grad(shard.attend(q, k, v, None), (q, k, v), grad)
+
+    q, k, v, grad = (torch.randn(1, 2, 16, 8, requires_grad=name != "grad") for name in ("q", "k", "v", "grad"))
+    ops = [n for n in make_fx(step, tracing_mode="fake")(q, k, v, grad).graph.nodes if n.op == "call_function"]
+    return [(str(n.target), tuple(getattr(n.meta.get("val"), "shape", ()))) for n in ops]
+
+
+def test_every_rank_traces_the_same_graph():
+    """The ranks' chunks see different numbers of keys; were that in the graph, torch.compile could order or
+    recompute the collectives differently per rank, and the ranks would wait on each other forever."""
+    assert traced_step(0) == traced_step(1)
