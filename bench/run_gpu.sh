@@ -10,9 +10,10 @@
 #   bash bench/run_gpu.sh ddp                 # 1, 2, 4 GPUs: DDP scaling, GPT-2 XL under FSDP, the largest model
 #   bash bench/run_gpu.sh twonodes            # 4 GPUs: two torchrun agents (--nnodes=2) against one launch
 #   bash bench/run_gpu.sh phases              # 4 GPUs: one step phase by phase, DDP and FSDP (PHASE_GPUS=2: 2)
-#   bash bench/run_gpu.sh context zero fsdpxl # 2+ GPUs: context parallelism; DDP with ZeRO-1; GPT-2 XL under FSDP
+#   bash bench/run_gpu.sh context zero fsdpxl # 2+ GPUs: context parallelism; DDP at one micro-step a GPU; GPT-2 XL, FSDP
 #   bash bench/run_gpu.sh chunks              # 1 GPU: context parallelism's chunk kernels alone at T=524288
 #   bash bench/run_gpu.sh big                 # 4 GPUs: a 6.7B GPT-2 under FSDP
+#   bash bench/run_gpu.sh bigresume           # 4 GPUs: the 6.7B config saves, then resumes on 2 GPUs
 #
 # On a GPU machine without network, the flash packages can come with the repo, in either form:
 # - .whl/flash_attn-*.whl: a flash-attn 2 wheel built for that machine's torch, CUDA and Python, installed
@@ -142,11 +143,14 @@ for stage in "$@"; do
                 -- ${CONTEXT_EXTRA:-} | tail -8
         fi
         ;;
-    zero)  # DDP at one micro-step of 16 x 1024 tokens per GPU, plain against the optimizer step sharded (ZeRO-1), and
-        # all-reduces overlapping backward: the compiled graph cut per 25 MB bucket, or each block compiled apart
-        NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name ddp-zero1 --gpus ${DDP_GPUS:-1 2 4} --accum 1 \
-            --variant zero1:--shard_optimizer=true --variant split25:--ddp_graph_split=true,--ddp_bucket_cap_mb=25 \
-            --variant blocks:--compile_blocks=true | tail -12
+    zero)  # DDP at one micro-step of 16 x 1024 tokens per GPU on 2 and on 4 GPUs (--accum counts the micro-steps on
+        # the largest count, so each count is its own run against one GPU), plain against the all-reduces
+        # overlapping backward: the compiled graph cut per 25 MB bucket, or each block compiled apart
+        for gpus in ${DDP_GPUS:-2 4}; do
+            NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name "ddp-one-micro-step-${gpus}gpu" --gpus 1 "$gpus" \
+                --accum 1 --variant split25:--ddp_graph_split=true,--ddp_bucket_cap_mb=25 \
+                --variant blocks:--compile_blocks=true | tail -5
+        done
         ;;
     fsdpxl)  # GPT-2 XL: 1 GPU at 8 x 4 micro-steps against FSDP: one unit per block, 8 blocks a unit, and
         # config/train_gpt2_xl_fsdp.py's settings; then that config profiled (each rank's report under $OUT/fsdp-xl-profile)
@@ -160,6 +164,19 @@ for stage in "$@"; do
             --max_iters=9 --eval_interval=1000 --eval_on_start=false --log_interval=1 \
             --gradient_accumulation_steps="${PROFILE_GPUS:-2}" --profile_steps=2 2>&1 | tail -6
         mkdir -p "$OUT/fsdp-xl-profile" && cp /tmp/fsdp-xl-profile/profile-rank*.md "$OUT/fsdp-xl-profile/"
+        ;;
+    bigresume)  # 4 GPUs: config/train_gpt_6.7b_fsdp.py's model trains 4 steps and saves; what the save wrote; then
+        # the run continues on 2 GPUs from that save (block recomputation there: each GPU holds twice the shards)
+        corpus /tmp/big_data
+        BIG="config/train_gpt_6.7b_fsdp.py --data_dir=/tmp/big_data --vocab_size=50304 --out_dir=/tmp/big_out
+            --gradient_accumulation_steps=8 --eval_interval=4 --eval_iters=1 --eval_on_start=false --log_interval=1
+            --warmup_iters=2 --lr_decay_iters=8"
+        OMP_NUM_THREADS=16 NCCL_NVLS_ENABLE=0 timeout "${RUN_TIMEOUT:-330}" torchrun --standalone --nproc_per_node=4 \
+            train.py $BIG --max_iters=4 --overwrite_out_dir=true 2>&1 | grep -E "^(iter|eval|error|WARNING)|save" | tail -8
+        du -sh /tmp/big_out/* && df -h /tmp | tail -1
+        CUDA_VISIBLE_DEVICES=0,1 NCCL_NVLS_ENABLE=0 timeout "${RUN_TIMEOUT:-330}" torchrun --standalone --nproc_per_node=2 \
+            train.py $BIG --max_iters=6 --init_from=resume --activation_checkpointing=block 2>&1 \
+            | grep -E "^(iter|eval|error|WARNING)|resum" | tail -8
         ;;
     big)  # 4 GPUs: a GPT-2 of width 4096 and 32 layers (6.7B), which one GPU cannot train, under FSDP at micro-batch 4
         # (--micro-batch 8 is the 124M's; the large model gets half): one unit per block, then 4 blocks a unit without
@@ -177,6 +194,6 @@ for stage in "$@"; do
         NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc_per_node="${PHASE_GPUS:-4}" \
             -m bench.step_phases --out "$OUT" ddp fsdp | grep -E "^(ddp|fsdp|wrote)"
         ;;
-    *) echo "unknown stage $stage; stages: tests smoke scan attention float16 train compare generate speed profile long curves ddp twonodes phases chunks context zero fsdpxl big"; exit 2 ;;
+    *) echo "unknown stage $stage; stages: tests smoke scan attention float16 train compare generate speed profile long curves ddp twonodes phases chunks context zero fsdpxl big bigresume"; exit 2 ;;
     esac
 done

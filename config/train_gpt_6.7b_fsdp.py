@@ -1,0 +1,42 @@
+# A 6.7B GPT (GPT-3 6.7B's shape: 32 layers, width 4096, 32 heads) on OpenWebText with FSDP, 4 to 8 GPUs.
+# Its training state (float32 weights, gradients, AdamW moments: 16 bytes a parameter, 107 GB) does not fit one
+# 80 GB card; FSDP shards it over the GPUs.
+#   python -m data.openwebtext.prepare          # once; downloads from the Hugging Face hub
+#   torchrun --standalone --nproc_per_node=4 train.py config/train_gpt_6.7b_fsdp.py
+# ~0.5M tokens per optimizer step: 4 batch x 1024 block x 128 micro-steps (32 per GPU on 4 GPUs, 16 on 8).
+# Measured on 4 H100 80GB cards with these settings at 2 micro-steps a GPU (bench/results/h100-fsdp-6p7b-451743d.json):
+# 45.7% MFU, 10,894 tokens/s a GPU, 61.8 GiB a GPU. Four blocks a unit without resharding, as the GPT-2 XL config
+# has it, was slower here (34.5%, 74.2 GiB: too close to the card's memory).
+# One save writes ckpt-<iter>.pt (26.6 GB of float32 weights), best.pt and ckpt.pt (copies of it; clones that take
+# no space on XFS or Btrfs) and ckpt-<iter>.dcp/ (53.2 GB of AdamW moments, sharded): 133 GB, 80 GB with clones.
+# The sharded state resumes on any number of GPUs.
+
+out_dir = "out-gpt-6.7b"
+eval_interval = 1000
+eval_iters = 100
+log_interval = 10
+always_save_checkpoint = True
+init_from = "auto"  # a job restarted by torchrun --max-restarts continues from its last checkpoint
+
+dataset = "openwebtext"
+batch_size = 4
+block_size = 1024
+gradient_accumulation_steps = 128
+
+n_layer = 32
+n_head = 32
+n_embd = 4096
+dropout = 0.0
+bias = False
+
+parallelism = "fsdp"  # one FSDP unit per block, resharded after forward (the defaults)
+activation_checkpointing = "none"  # "block" recomputes blocks in backward: less memory, slower
+
+learning_rate = 1.2e-4  # GPT-3 6.7B's
+max_iters = 600000
+lr_decay_iters = 600000
+min_lr = 1.2e-5
+weight_decay = 1e-1
+beta1 = 0.9
+beta2 = 0.95
+warmup_iters = 2000
