@@ -583,9 +583,9 @@ def test_e2e_keeps_the_end_of_a_failed_cells_output_in_the_json(tmp_path):
 
 def test_e2e_torchrun_cells_give_each_rank_whole_micro_steps(tmp_path):
     """The torchrun cells (DDP, also with blocks compiled apart, FSDP, DDP with the optimizer sharded and a profile,
-    context parallelism): their settings load as train.py loads them and pass its checks, their
-    gradient_accumulation_steps (the micro-steps of all ranks together) divides among the cell's ranks, and each
-    writes to its own out_dir."""
+    context parallelism, also with block recomputation): their settings load as train.py loads them and pass its
+    checks, their gradient_accumulation_steps (the micro-steps of all ranks together) divides among the cell's
+    ranks, and each writes to its own out_dir."""
     import train
     from configurator import load_config
 
@@ -593,15 +593,23 @@ def test_e2e_torchrun_cells_give_each_rank_whole_micro_steps(tmp_path):
     configs = {cell.path: load_config(train.TrainConfig(), cell.command[cell.command.index("train.py") + 1 :])
                for cell in cells}  # fmt: skip
     shapes = [
-        (c.parallelism, c.compile_blocks, c.shard_optimizer, c.profile_steps, c.context_parallel)
+        (
+            c.parallelism,
+            c.compile_blocks,
+            c.shard_optimizer,
+            c.profile_steps,
+            c.context_parallel,
+            c.activation_checkpointing,
+        )
         for c in configs.values()
     ]
     assert shapes == [
-        ("ddp", False, False, 0, 1),
-        ("ddp", True, False, 0, 1),
-        ("fsdp", False, False, 0, 1),
-        ("ddp", False, True, 2, 1),
-        ("ddp", False, False, 0, 2),
+        ("ddp", False, False, 0, 1, "none"),
+        ("ddp", True, False, 0, 1, "none"),
+        ("fsdp", False, False, 0, 1, "none"),
+        ("ddp", False, True, 2, 1, "none"),
+        ("ddp", False, False, 0, 2, "none"),
+        ("ddp", False, False, 0, 2, "block"),
     ]
     assert len({cfg.out_dir for cfg in configs.values()}) == len(cells)
     for cell in cells:
