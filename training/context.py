@@ -48,7 +48,7 @@ def cpu_flash_backward(grad, q, k, v, out, lse, causal: bool):
 
 def cudnn_forward(q, k, v, causal: bool):
     out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal)[:2]
-    return out, lse.view(q.shape[:3])  # cuDNN's is (B, H, L, 1)
+    return out, lse.reshape(q.shape[:3])  # cuDNN's is (B, H, L, 1)
 
 
 def cudnn_backward(grad, q, k, v, out, lse, causal: bool):
@@ -256,7 +256,9 @@ class ContextShard:
 
     def attend(self, q, k, v, mask: AttentionMask, dropout_p: float = 0.0) -> torch.Tensor:
         """The model's attention kernel under context parallelism: q, k, v hold this rank's two chunks (B, H, 2L, D);
-        each chunk of queries attends the whole sequence's keys up to its own last position (chunk_attention)."""
+        each chunk of queries attends the whole sequence's keys up to its own last position: by chunk_attention,
+        the same op on every rank, or where no LSE kernel serves (dropout; float32 on CUDA) by SDPA per chunk,
+        which torch.compile traces with this rank's shapes."""
         k, v = repeat_kv(q, self.gather(k), self.gather(v))  # the gathered keys: autograd sums the repeats
         used = resolve_chunk_kernel(self.kernel, q.device.type, q.dtype, q.size(-1), dropout_p)
         if used != REFERENCE:
