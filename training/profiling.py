@@ -144,6 +144,8 @@ class StepProfiler:
 
     def write(self, prof) -> None:
         """This rank's report and trace, once the recorded steps are done."""
+        if self.calls <= PROFILE_WAIT + 1:  # the run ended in the profiler's warm-up: nothing recorded (said on exit)
+            return
         if len(self.times) == 1:  # the run ended inside the recorded steps
             synchronize(self.device)
             self.times[self.calls] = time.perf_counter()
@@ -160,7 +162,8 @@ class StepProfiler:
             shutil.copyfileobj(source, packed)
         plain.unlink()
         if self.rank == 0:
-            print(f"profile of {self.steps} steps: {report_path} and {plain}.gz (a Chrome trace)", flush=True)
+            steps = f"{self.steps} steps" if self.steps != 1 else "1 step"
+            print(f"profile of {steps}: {report_path} and {plain}.gz (a Chrome trace)", flush=True)
 
     def report(self, prof, wall_ms: float) -> list[str]:
         first = PROFILE_WAIT + 2

@@ -554,6 +554,21 @@ def test_profile_steps_reports_where_the_steps_time_goes(char_data, tmp_path, ca
     assert "profile of 2 steps" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("max_iters, recorded", [(6, 0), (7, 1)], ids=["ends in the warm-up", "ends after 1 of 2"])
+def test_a_run_that_ends_before_the_profiled_steps_are_done_says_what_it_recorded(
+    max_iters, recorded, char_data, tmp_path, capsys
+):
+    """--profile_steps=2 with a run too short for it: ended in the profiler's warm-up step it says nothing was
+    recorded, one step in it reports that one; either way it ends as a run does, without a traceback."""
+    out = tmp_path / "out"
+    code = train.main(tiny_args(char_data, out, f"--max_iters={max_iters}", "--profile_steps=2"))
+    printed = capsys.readouterr()
+    assert code == 0 and "Traceback" not in printed.err, printed.err
+    assert ("nothing recorded, the run ended before step 7" in printed.out) is (recorded == 0)
+    assert (out / "profile-rank0.md").exists() is (recorded == 1)
+    assert recorded == 0 or "profile of 1 step:" in printed.out
+
+
 def test_the_gpu_profile_counts_kernels_not_the_ranges_that_annotate_its_timeline():
     """device_events keeps the GPU's kernels and drops its user annotations (ProfilerStep#N spans the whole step:
     counted as a kernel, the GPU would look busy all the time, and no communication exposed); the host's ops apart."""
