@@ -294,15 +294,18 @@ def available_memory(device: torch.device) -> tuple[int, str]:
     return 0, ""
 
 
-def emit(*values, **kwargs) -> None:
-    """print(), flushed, for the run's output lines. A stream that fails must not stop a run: a closed stdout
-    (`python train.py | head -1`: EPIPE), a terminal that went away (a dropped ssh session: EIO), a full disk
-    (`> /dev/full`: ENOSPC) or a stream not open for writing (EBADF). The stream then goes to /dev/null and the run
-    carries on without its lines (it still saves). Commands make their streams QuietStreams (errors.as_command),
-    which never raise; this covers a run started in-process as well."""
-    stream = kwargs.get("file") or sys.stdout
+def emit(*values, file=None) -> None:
+    """print(), flushed, as one write, for the run's output lines: unbuffered (PYTHONUNBUFFERED, as launchers often
+    set it) print writes a line's text and its newline apart, and another process on the same pipe (another rank,
+    torchrun) can write between them. A stream that fails must not stop a run: a closed stdout (`python train.py
+    | head -1`: EPIPE), a terminal that went away (a dropped ssh session: EIO), a full disk (`> /dev/full`: ENOSPC)
+    or a stream not open for writing (EBADF). The stream then goes to /dev/null and the run carries on without its
+    lines (it still saves). Commands make their streams QuietStreams (errors.as_command), which never raise; this
+    covers a run started in-process as well."""
+    stream = file or sys.stdout
     try:
-        print(*values, **kwargs, flush=True)
+        stream.write(" ".join(map(str, values)) + "\n")
+        stream.flush()
     except BlockingIOError:  # a non-blocking stream, full for now: this line is lost, not the stream
         pass
     except OSError:

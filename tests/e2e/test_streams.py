@@ -258,3 +258,27 @@ def test_sample_to_dev_full_in_a_fresh_interpreter_is_one_line(trained_out):
     lines = [line for line in done.stderr.decode().splitlines() if not line.startswith("INFO: ")]
     assert done.returncode == 2 and len(lines) == 1, done.stderr.decode()
     assert lines[0].startswith("error: the samples could not be written to stdout (No space left on device)")
+
+
+EMITTER = """import sys, time
+from training.runtime import emit
+while time.time() < float(sys.argv[2]):  # both start writing at once
+    pass
+for i in range(20000):
+    emit(f"{sys.argv[1]} {i} " + "x" * 50)
+"""
+
+
+def test_lines_of_processes_sharing_an_output_stay_whole(tmp_path):
+    """Ranks and torchrun write to one output. Unbuffered (PYTHONUNBUFFERED, as in these tests and many launches),
+    print writes a line's text and its newline apart, and another process's line can land between them; emit
+    writes each line at once. Two processes, 20000 lines each at the same time, one file: every line is whole."""
+    start = f"{time.time() + 6}"  # after both have imported torch
+    with open(tmp_path / "out", "w") as shared:
+        runs = [
+            subprocess.Popen([sys.executable, "-c", EMITTER, tag, start], cwd=REPO, env=subprocess_env(), stdout=shared)
+            for tag in "AB"
+        ]
+        assert [run.wait(timeout=120) for run in runs] == [0, 0]
+    lines = (tmp_path / "out").read_text().splitlines()
+    assert len(lines) == 40000 and all(re.fullmatch(r"[AB] \d+ x{50}", line) for line in lines), lines[:20]
