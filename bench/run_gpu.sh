@@ -11,6 +11,7 @@
 #   bash bench/run_gpu.sh twonodes            # 4 GPUs: two torchrun agents (--nnodes=2) against one launch
 #   bash bench/run_gpu.sh phases              # 4 GPUs: one step phase by phase, DDP and FSDP (PHASE_GPUS=2: 2)
 #   bash bench/run_gpu.sh context zero fsdpxl # 2+ GPUs: context parallelism; DDP at one micro-step a GPU; GPT-2 XL, FSDP
+#   bash bench/run_gpu.sh zeroprofile         # 4 GPUs: DDP at one micro-step a GPU profiled, plain and compile_blocks
 #   bash bench/run_gpu.sh chunks              # 1 GPU: context parallelism's chunk kernels alone at T=524288
 #   bash bench/run_gpu.sh big                 # 4 GPUs: a 6.7B GPT-2 under FSDP
 #   bash bench/run_gpu.sh bigresume           # 4 GPUs: the 6.7B config saves, then resumes on 2 GPUs
@@ -152,6 +153,18 @@ for stage in "$@"; do
                 --variant blocks:--compile_blocks=true | tail -5
         done
         ;;
+    zeroprofile)  # GPT-2 124M under DDP on 4 GPUs at one micro-step of 16 x 1024 a GPU, profiled: plain, then each
+        # block compiled apart; whether the all-reduce runs beside backward, and what that costs backward
+        corpus /tmp/char-corpus
+        for variant in plain blocks; do
+            NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node="${PROFILE_GPUS:-4}" train.py config/train_gpt2.py \
+                --data_dir=/tmp/char-corpus --vocab_size=50304 --out_dir="/tmp/ddp-profile-$variant" --overwrite_out_dir=true \
+                --batch_size=16 --gradient_accumulation_steps="${PROFILE_GPUS:-4}" --max_iters=9 --eval_interval=1000 \
+                --eval_on_start=false --log_interval=1 --compile_blocks="$([ $variant = blocks ] && echo true || echo false)" \
+                --profile_steps=2 2>&1 | tail -3
+            mkdir -p "$OUT/ddp-profile-$variant" && cp /tmp/ddp-profile-$variant/profile-rank*.md "$OUT/ddp-profile-$variant/"
+        done
+        ;;
     fsdpxl)  # GPT-2 XL: 1 GPU at 8 x 4 micro-steps against FSDP: one unit per block, 8 blocks a unit, and
         # config/train_gpt2_xl_fsdp.py's settings; then that config profiled (each rank's report under $OUT/fsdp-xl-profile)
         NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name fsdp-xl --skip-ddp --fsdp --gpus ${DDP_GPUS:-1 2} \
@@ -194,6 +207,6 @@ for stage in "$@"; do
         NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc_per_node="${PHASE_GPUS:-4}" \
             -m bench.step_phases --out "$OUT" ddp fsdp | grep -E "^(ddp|fsdp|wrote)"
         ;;
-    *) echo "unknown stage $stage; stages: tests smoke scan attention float16 train compare generate speed profile long curves ddp twonodes phases chunks context zero fsdpxl big bigresume"; exit 2 ;;
+    *) echo "unknown stage $stage; stages: tests smoke scan attention float16 train compare generate speed profile long curves ddp twonodes phases chunks context zero zeroprofile fsdpxl big bigresume"; exit 2 ;;
     esac
 done
