@@ -242,11 +242,6 @@ def claim_run_out_dir(cfg, runtime: Runtime, model: GPT, hold: contextlib.ExitSt
 META_BYTES_PER_ID = 16  # a char vocabulary's meta (itos) pickles to at most this much per token id
 
 
-def first_save_bytes(cfg, runtime: Runtime, model: GPT) -> int:
-    """The free space the run's first save needs where its copies are not clones (first_save_size)."""
-    return first_save_size(cfg, runtime, model).need()
-
-
 def first_save_size(cfg, runtime: Runtime, model: GPT) -> SaveSize:
     """What the run's first save writes: the files of a save, each holding what training/state.py saves of this
     model: its weights (for LoRA the adapters, and the base only where no file holds it), AdamW's two float32

@@ -2,7 +2,7 @@
 in one `error:` line with exit code 2, and writes nothing and leaves nothing behind.
 
 - a dataset whose meta.json caches a false largest token id (data/common.py open_split, data/loader.py Batches);
-- a disk slightly too small for the first save (training/preflight.py first_save_bytes);
+- a disk slightly too small for the first save (training/preflight.py first_save_size);
 - an out_dir whose ckpt.pt is gone beside numbered checkpoints (storage/checkpoint.py missing_checkpoint);
 - files and folders of the wrong kind given where a checkpoint is read (storage/checkpoint.py read_torch_file,
   weights/load.py, weights/hf.py), through each entry point that reads one;

@@ -94,12 +94,12 @@ def assert_the_space_check_covers_one_save(settings: list[str], data_dir, out_di
     """The free space the start-up check asks of a 4-rank FSDP run covers what its save at iter 10 wrote into a
     fresh out_dir: ckpt-<iter>.pt, best.pt and ckpt.pt of the weights, and the folder of optimizer shards."""
     from configurator import load_config
-    from training.preflight import first_save_bytes
+    from training.preflight import first_save_size
 
     cfg = load_config(train.TrainConfig(), settings)
     vocab_size = json.loads((data_dir / "meta.json").read_text())["vocab_size"]
     model = GPT(cfg.model_config(vocab_size=vocab_size))
-    estimate = first_save_bytes(cfg, Runtime(torch.device("cpu"), torch.float32, world_size=4), model)
+    estimate = first_save_size(cfg, Runtime(torch.device("cpu"), torch.float32, world_size=4), model).need()
     shards = sum(path.stat().st_size for path in (out_dir / "ckpt-0000010.dcp").iterdir())
     written = 3 * (out_dir / "ckpt-0000010.pt").stat().st_size + shards
     assert written <= estimate <= 2 * written, (written, estimate)  # a tiny model: mostly fixed overheads

@@ -488,14 +488,14 @@ def test_wandb_offline_run(monkeypatch, char_data, tmp_path, capsys):
 def test_an_fsdp_runs_space_check_counts_the_optimizer_state_once():
     """Under FSDP the three checkpoint files of a save hold the weights and the folder of shards the AdamW state,
     once: about 3 + 2 weights' bytes against DDP's 3 x (1 + 2), for a model whose overheads are small."""
-    from training.preflight import first_save_bytes
+    from training.preflight import first_save_size
     from training.runtime import Runtime
 
     model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=256, block_size=64, vocab_size=8192))
     weights = sum(p.numel() for p in model.parameters()) * 4
     runtime = Runtime(torch.device("cpu"), torch.float32, world_size=4)
-    fsdp = first_save_bytes(TrainConfig(parallelism="fsdp", block_size=64), runtime, model)
-    ddp = first_save_bytes(TrainConfig(parallelism="ddp", block_size=64), runtime, model)
+    fsdp = first_save_size(TrainConfig(parallelism="fsdp", block_size=64), runtime, model).need()
+    ddp = first_save_size(TrainConfig(parallelism="ddp", block_size=64), runtime, model).need()
     assert 5 * weights < fsdp < 5.2 * weights and 9 * weights < ddp < 9.2 * weights, (weights, fsdp, ddp)
 
 
