@@ -30,12 +30,15 @@ from model import HALF, AttentionMask, repeat_kv
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 aten = torch.ops.aten
 
+
 # ---------------------------------------------------------------------------------------------------------------
 # Attention kernels that return each query row's log-sum-exp. All take (B, H, L, D) q and (B, H, S, D) k, v with as
 # many heads, the default scale 1/sqrt(D) (the model's) and no dropout. forward(q, k, v, causal) -> (out, lse), lse
 # (B, H, L) in float32 (float64 for float64 on CPU); backward(grad, q, k, v, out, lse, causal) -> (dq, dk, dv).
-# Without dropout the CUDA kernels' random state is never read: their backward gets placeholders.
-NO_DROPOUT = (torch.empty((), dtype=torch.long), torch.empty((), dtype=torch.long))
+# Without dropout the CUDA kernels' random state is never read: their backward gets placeholders (cuDNN's checks
+# that they are on the inputs' device).
+def no_dropout(device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty((), dtype=torch.long, device=device), torch.empty((), dtype=torch.long, device=device)
 
 
 def cpu_flash_forward(q, k, v, causal: bool):
@@ -54,7 +57,20 @@ def cudnn_forward(q, k, v, causal: bool):
 def cudnn_backward(grad, q, k, v, out, lse, causal: bool):
     # no bias; no cumulative lengths (not varlen): the maximum lengths are the lengths
     return aten._scaled_dot_product_cudnn_attention_backward(
-        grad, q, k, v, out, lse.unsqueeze(-1), *NO_DROPOUT, None, None, None, q.size(2), k.size(2), 0.0, causal
+        grad,
+        q,
+        k,
+        v,
+        out,
+        lse.unsqueeze(-1),
+        *no_dropout(q.device),
+        None,
+        None,
+        None,
+        q.size(2),
+        k.size(2),
+        0.0,
+        causal,
     )
 
 
@@ -64,7 +80,7 @@ def flash_forward(q, k, v, causal: bool):
 
 def flash_backward(grad, q, k, v, out, lse, causal: bool):
     return aten._scaled_dot_product_flash_attention_backward(
-        grad, q, k, v, out, lse, None, None, q.size(2), k.size(2), 0.0, causal, *NO_DROPOUT
+        grad, q, k, v, out, lse, None, None, q.size(2), k.size(2), 0.0, causal, *no_dropout()
     )
 
 

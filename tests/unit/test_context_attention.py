@@ -73,6 +73,23 @@ def test_the_cuda_kernels_attend_as_manual_in_float64(kernel, keys):
         assert relative(got_grad.double(), expected_grad) < 1e-2
 
 
+def test_cudnn_backward_gets_its_random_state_placeholders_on_the_inputs_device(monkeypatch):
+    """cuDNN's backward checks that every tensor, the unread dropout seed and offset too, is on the inputs'
+    device (CPU placeholders failed every context-parallel backward on a GPU). Meta tensors stand in for CUDA."""
+    from training import context
+
+    seen = {}
+
+    def record(*args):
+        seen["devices"] = {a.device.type for a in args if isinstance(a, torch.Tensor)}
+        return args[1:4]
+
+    monkeypatch.setattr(context, "aten", SimpleNamespace(_scaled_dot_product_cudnn_attention_backward=record))
+    q, k, v = (torch.empty(1, 2, 4, 8, device="meta") for _ in "qkv")
+    context.cudnn_backward(q, q, k, v, q, torch.empty(1, 2, 4, device="meta"), True)
+    assert seen["devices"] == {"meta"}
+
+
 @pytest.mark.parametrize(
     "requested, device, dtype, head_dim, dropout, used",
     [
