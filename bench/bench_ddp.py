@@ -66,6 +66,7 @@ COLUMNS = [
     Column("mfu", "MFU", "{:.1%}"),
     Column("mfu_vs_1gpu", "MFU vs 1 GPU", "{:.2f}"),
     Column("loss_vs_1gpu", "loss - 1 GPU's", "{:+.4f}"),
+    Column("loss_gaps", "each iter's loss - 1 GPU's"),
     Column("mem_gib", "mem GiB", "{:.1f}"),
     Column("status", "status"),
 ]
@@ -155,6 +156,7 @@ def figures(result: launch.Run, warmup: int, gpus: int) -> dict:
         "mfu": statistics.median(mfus) if mfus else None,
         "mem_gib": max(line["mem_gib"] for line in steady),  # rank 0's peak
         "final_loss": steady[-1]["loss"],
+        "losses": [line["loss"] for line in result.lines],  # every logged iteration's, from the first
         "status": "ok",
         "tokens_per_sec_per_gpu": tokens_per_sec / gpus,
     }
@@ -162,7 +164,8 @@ def figures(result: launch.Run, warmup: int, gpus: int) -> dict:
 
 def add_scaling(rows: list[dict]) -> None:
     """Per-GPU tok/s over that of the same run and model on one GPU; for context-parallel rows, whose sequences
-    are longer than one GPU's, MFU over the one-GPU row's (and, at the same T, the final loss's difference)."""
+    are longer than one GPU's, MFU over the one-GPU row's (and, at the same T, the final loss's difference and each
+    logged iteration's)."""
     single = {(r["run"], r["model"]): r for r in rows if r["gpus"] == 1 and r.get("tokens_per_sec")}
     for row in rows:
         base = single.get((row["baseline"], row["model"]))
@@ -175,6 +178,10 @@ def add_scaling(rows: list[dict]) -> None:
             row["mfu_vs_1gpu"] = row["mfu"] / base["mfu"]
         if row["block_size"] == base["block_size"]:
             row["loss_vs_1gpu"] = row["final_loss"] - base["final_loss"]
+            # from the first iteration (the same weights and tokens: the forward alone) on, where a gap opens
+            gaps = [a - b for a, b in zip(row.get("losses", []), base.get("losses", []))]
+            if gaps:
+                row["loss_gaps"] = " ".join(f"{gap:+.3f}" for gap in gaps)
 
 
 # Context parallelism's sequences take seconds a step: a few compiled steps (--context-iters), the first two

@@ -642,7 +642,7 @@ def test_bench_ddp_context_rows_split_n_times_one_gpus_t_and_compare_mfu_and_los
 
     def row(run, gpus, block_size, tok_s, mfu, loss):
         return dict(run=run, baseline=run, model="m", gpus=gpus, block_size=block_size, tokens_per_sec=tok_s,
-                    tokens_per_sec_per_gpu=tok_s / gpus, mfu=mfu, final_loss=loss)  # fmt: skip
+                    tokens_per_sec_per_gpu=tok_s / gpus, mfu=mfu, final_loss=loss, losses=[11.0, loss])  # fmt: skip
 
     rows = [
         row("ddp", 1, 1024, 100.0, 0.40, 3.0),
@@ -656,6 +656,7 @@ def test_bench_ddp_context_rows_split_n_times_one_gpus_t_and_compare_mfu_and_los
     assert rows[1]["scaling"] == pytest.approx(0.95) and "mfu_vs_1gpu" not in rows[1]
     assert rows[3]["mfu_vs_1gpu"] == pytest.approx(0.8) and "scaling" not in rows[3] and "loss_vs_1gpu" not in rows[3]
     assert rows[5]["mfu_vs_1gpu"] == pytest.approx(0.4) and rows[5]["loss_vs_1gpu"] == pytest.approx(0.001)
+    assert rows[5]["loss_gaps"] == "+0.000 +0.001" and "loss_gaps" not in rows[3]
     assert not any(key in rows[0] for key in ("scaling", "mfu_vs_1gpu", "loss_vs_1gpu"))
 
 
