@@ -256,7 +256,17 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # It gathers a tied weight (the token embedding that is also the head) once per name, as two tensors, and
+    # torch.save would write both: tie them again, one tensor for all its names, stored once (0.8 GB of a 6.7B's).
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    for first, *aliases in names_of.values():
+        for alias in aliases:
+            if first in state and alias in state:
+                state[alias] = state[first]
+    return state
 
 
 def save_sharded_optimizer(model: nn.Module, optimizer, folder: Path, runtime: Runtime) -> None:

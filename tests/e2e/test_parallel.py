@@ -154,6 +154,11 @@ def test_fsdp_over_two_launch_agents_trains_like_one_process_and_resumes_on_one(
     saved = load_checkpoint(out / "ckpt.pt", resume=True)
     assert saved["sharded"] == "ckpt-0000010.dcp" and (out / "ckpt-0000010.dcp").is_dir()
     assert saved["optimizer"] == {} and len(saved["rng"]) == 4  # the optimizer state is in the DCP folder
+    stored = torch.load(out / "ckpt.pt", weights_only=True)["model"]  # the tied embedding and head: stored once
+    assert (
+        stored["lm_head.weight"].untyped_storage().data_ptr()
+        == stored["transformer.wte.weight"].untyped_storage().data_ptr()
+    )
     assert_the_space_check_covers_one_save(settings, char_data, out)
     assert_same_weights(saved["model"], load_checkpoint(ref_out / "ckpt-0000010.pt")["model"])
 
