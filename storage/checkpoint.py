@@ -101,7 +101,8 @@ class OutDir:
 def claim_out_dir(out_dir, *, continuing: bool, overwrite: bool, first_save: SaveSize | None = None) -> OutDir:
     """Create out_dir, prove it writable, and lock it for this run. `continuing`: the run resumes the checkpoints
     there; otherwise existing checkpoints are refused unless `overwrite`. A disk with less free space than
-    first_save needs there (SaveSize.need: less where the filesystem clones files) is refused too.
+    first_save needs there (SaveSize.need: less where the filesystem clones files, or where the save replaces
+    best.pt and ckpt.pt) is refused too.
     CheckpointError (one line) on failure."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -134,7 +135,8 @@ def claim_out_dir(out_dir, *, continuing: bool, overwrite: bool, first_save: Sav
             f"or choose another --out_dir"
         )
     free = free_bytes(out_dir)
-    first_save_bytes = (first_save or SaveSize()).need(clones)
+    replaces = all((out_dir / name).is_file() for name in (LATEST, BEST))
+    first_save_bytes = (first_save or SaveSize()).need(clones, replaces)
     if free is not None and first_save_bytes > free:
         hold.release()
         raise CheckpointError(
@@ -237,11 +239,11 @@ class SaveSize(NamedTuple):
     file_bytes: int = 0
     other_bytes: int = 0
 
-    def need(self, clones: bool = False) -> int:
+    def need(self, clones: bool = False, replaces: bool = False) -> int:
         """The free space it needs: FILES_PER_SAVE files in whole blocks, or one where the copies are clones,
-        and the rest. (In an out_dir that holds best.pt and ckpt.pt, each copy's temporary file replaces one,
-        so the peak is a file less; the check asks for the larger need of a fresh out_dir.)"""
-        files = 1 if clones else FILES_PER_SAVE
+        and the rest. `replaces`: out_dir holds best.pt and ckpt.pt already, and each copy's temporary file
+        replaces one of them before the next is written, so the peak is a file less."""
+        files = 1 if clones else FILES_PER_SAVE - replaces
         return files * (-(-self.file_bytes // BLOCK_BYTES) * BLOCK_BYTES) + self.other_bytes
 
 

@@ -234,6 +234,25 @@ def test_the_free_space_check_asks_for_one_file_where_the_copies_are_clones(monk
             claim()
 
 
+@pytest.mark.parametrize("held", [("ckpt.pt",), ("ckpt.pt", "best.pt")], ids=["latest", "latest and best"])
+def test_the_free_space_check_asks_for_a_file_less_where_the_save_replaces_best_and_latest(monkeypatch, tmp_path, held):
+    """A resumed run's save writes ckpt-<iter>.pt, then each copy to a temporary file that replaces best.pt or
+    ckpt.pt before the next: two files at the peak where both are there, three where one of them is new."""
+    filesystem(monkeypatch, clones=False)
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda folder: 10_000)
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in held:
+        (out / name).write_bytes(b"an earlier save")
+    first_save = checkpoint.SaveSize(file_bytes=4096)  # one block a file
+    claim = functools.partial(claim_out_dir, out, continuing=True, overwrite=False, first_save=first_save)
+    if len(held) == 2:
+        claim().release()
+    else:
+        with pytest.raises(CheckpointError, match="has 9.8 KiB free; the first save needs about 12.0 KiB"):
+            claim()
+
+
 def test_rotation_and_cleanup_touch_only_the_runs_own_files(tmp_path):
     users = {
         "ckpt-backup-before-lr-change.pt": b"a user's backup",
