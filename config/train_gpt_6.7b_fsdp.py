@@ -9,7 +9,8 @@
 # has it, was slower here (34.5%, 74.2 GiB: too close to the card's memory).
 # One save writes ckpt-<iter>.pt (26.6 GB of float32 weights), best.pt and ckpt.pt (copies of it; clones that take
 # no space on XFS or Btrfs) and ckpt-<iter>.dcp/ (53.2 GB of AdamW moments, sharded): 133 GB, 80 GB with clones.
-# The sharded state resumes on any number of GPUs.
+# The sharded state resumes on any number of GPUs (saved on 4 H200s, resumed on 2 with activation_checkpointing=
+# "block": bench/results/h200-fsdp-6.7b-save-9fb6b4f.log, -resume-9fb6b4f.log).
 
 out_dir = "out-gpt-6.7b"
 eval_interval = 1000
