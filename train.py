@@ -127,7 +127,8 @@ class TrainConfig:
     attention_backend: str = (
         "auto"  # auto | flash_attn_4 | flash_attn_3 | flash_attn_2 | flex_attention | sdpa | manual
     )
-    sdpa_kernel: str = "auto"  # pin one PyTorch SDPA kernel: auto | flash | cudnn | efficient | math
+    sdpa_kernel: str = "auto"  # pin one PyTorch SDPA kernel: auto | flash | cudnn | efficient | math (and the
+    # context-parallel chunks': flash, cudnn, or for efficient and math SDPA under a lower-right mask)
     cross_entropy: str = "auto"  # plain (full logits) | chunked (lm_head + loss by rows) | auto: chunked if big
     activation_checkpointing: str = "none"  # recompute in backward to save memory: none | mlp | block
     disable_mps_fix: bool = False  # on MPS, let SDPA run with explicit (document) masks despite the NaN risk

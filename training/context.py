@@ -296,12 +296,22 @@ def context_shard(runtime) -> ContextShard | None:
     return ContextShard(runtime.context_group, runtime.rank % runtime.context_parallel, runtime.context_parallel)
 
 
+def chunk_kernel_of(sdpa_kernel: str, device_type: str) -> str:
+    """The chunk kernel (CHUNK_KERNELS) that a pinned sdpa_kernel asks for: SDPA's flash (on CPU its CPU flash)
+    or cuDNN, each with its log-sum-exp; for efficient and math the reference, SDPA under a lower-right mask."""
+    if sdpa_kernel in ("efficient", "math"):
+        return REFERENCE
+    return "cpu_flash" if sdpa_kernel == "flash" and device_type == "cpu" else sdpa_kernel
+
+
 def use_context_parallel_attention(model, runtime, requested: str, log) -> None:
     """Under context parallelism, give the model the context-parallel kernel in place of the one it resolved, and
-    say so (a WARNING where the user asked for a kernel it replaces); without it, nothing."""
+    say so (a WARNING where the user asked for a kernel it replaces); without it, nothing. The model's
+    sdpa_kernel, where pinned, picks the chunks' kernel (chunk_kernel_of)."""
     shard = context_shard(runtime)
     if shard is None:
         return
+    shard.kernel = chunk_kernel_of(model.config.sdpa_kernel, runtime.device.type)
     replaced = model.attention.resolution.used
     if requested not in ("auto", "sdpa"):
         log.warning(

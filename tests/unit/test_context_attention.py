@@ -9,8 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from model import manual_attention
-from training.context import ContextShard, attend_chunk, resolve_chunk_kernel
+from helpers import tiny_config
+from model import GPT, manual_attention
+from training.context import ContextShard, attend_chunk, resolve_chunk_kernel, use_context_parallel_attention
+from training.runtime import Runtime
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -88,6 +90,21 @@ def test_cudnn_backward_gets_its_random_state_placeholders_on_the_inputs_device(
     q, k, v = (torch.empty(1, 2, 4, 8, device="meta") for _ in "qkv")
     context.cudnn_backward(q, q, k, v, q, torch.empty(1, 2, 4, device="meta"), True)
     assert seen["devices"] == {"meta"}
+
+
+@pytest.mark.parametrize(
+    "sdpa_kernel, used",
+    [("auto", "cpu_flash"), ("flash", "cpu_flash"), ("math", "sdpa_lower_right"), ("cudnn", "sdpa_lower_right")],
+)
+def test_a_pinned_sdpa_kernel_picks_the_chunks_kernel(sdpa_kernel, used):
+    """Under context parallelism sdpa_kernel pins the chunks' kernel (cuDNN runs on CUDA only: here the reference),
+    and the INFO line names the one that runs."""
+    model = GPT(tiny_config(sdpa_kernel=sdpa_kernel))
+    model.setup_attention(torch.device("cpu"), torch.float32, training=True, seq_len=32)
+    runtime = Runtime(torch.device("cpu"), torch.float32, world_size=2, context_parallel=2)
+    said = []
+    use_context_parallel_attention(model, runtime, "auto", SimpleNamespace(info=said.append, warning=said.append))
+    assert len(said) == 1 and f", {used} per chunk (in place of sdpa)" in said[0], said
 
 
 @pytest.mark.parametrize(
