@@ -12,6 +12,7 @@
 #   bash bench/run_gpu.sh phases              # 4 GPUs: one step phase by phase, DDP and FSDP (PHASE_GPUS=2: 2)
 #   bash bench/run_gpu.sh context zero fsdpxl # 2+ GPUs: context parallelism; DDP at one micro-step a GPU; GPT-2 XL, FSDP
 #   bash bench/run_gpu.sh zeroprofile         # 4 GPUs: DDP at one micro-step a GPU profiled, plain and compile_blocks
+#   bash bench/run_gpu.sh contextcheck        # 2+ GPUs: context parallelism's loss check per chunk kernel, and eager
 #   bash bench/run_gpu.sh chunks              # 1 GPU: context parallelism's chunk kernels alone at T=524288
 #   bash bench/run_gpu.sh big                 # 4 GPUs: a 6.7B GPT-2 under FSDP
 #   bash bench/run_gpu.sh bigresume           # 4 GPUs: the 6.7B config saves, then resumes on 2 GPUs
@@ -144,6 +145,23 @@ for stage in "$@"; do
                 -- ${CONTEXT_EXTRA:-} | tail -8
         fi
         ;;
+    contextcheck)  # context parallelism's loss check at T=8192 (one GPU, then split over 2) with each chunk kernel
+        # pinned, and eager: each row shows each step's loss gap to one GPU's, so where a gap opens and with what;
+        # two checks at a time on 4+ GPUs (GPUs 0-1 and 2-3)
+        pairs=$([ "$(nvidia-smi -L | wc -l)" -ge 4 ] && echo 2 || echo 1)
+        run_check() {  # $1: the GPUs, $2: a train.py setting, which names the results (context-check-sdpa_kernel-flash)
+            local name=${2#--}
+            CUDA_VISIBLE_DEVICES=$1 NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --work "/tmp/check-$1" \
+                --name "context-check-${name//=/-}" --skip-ddp --gpus 1 2 --context-check 8192 --context-iters 4 \
+                --timeout "${RUN_TIMEOUT:-240}" -- "$2" | grep -E "^context-check"
+        }
+        checks=(--sdpa_kernel=cudnn --sdpa_kernel=flash --sdpa_kernel=math --compile=false)
+        for ((i = 0; i < ${#checks[@]}; i += pairs)); do
+            run_check 0,1 "${checks[i]}" &
+            [ "$pairs" = 2 ] && [ $((i + 1)) -lt ${#checks[@]} ] && run_check 2,3 "${checks[i + 1]}" &
+            wait
+        done
+        ;;
     zero)  # DDP at one micro-step of 16 x 1024 tokens per GPU on 2 and on 4 GPUs (--accum counts the micro-steps on
         # the largest count, so each count is its own run against one GPU), plain against the all-reduces
         # overlapping backward: the compiled graph cut per 25 MB bucket, or each block compiled apart
@@ -207,6 +225,6 @@ for stage in "$@"; do
         NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc_per_node="${PHASE_GPUS:-4}" \
             -m bench.step_phases --out "$OUT" ddp fsdp | grep -E "^(ddp|fsdp|wrote)"
         ;;
-    *) echo "unknown stage $stage; stages: tests smoke scan attention float16 train compare generate speed profile long curves ddp twonodes phases chunks context zero zeroprofile fsdpxl big bigresume"; exit 2 ;;
+    *) echo "unknown stage $stage; stages: tests smoke scan attention float16 train compare generate speed profile long curves ddp twonodes phases chunks context contextcheck zero zeroprofile fsdpxl big bigresume"; exit 2 ;;
     esac
 done
