@@ -11,6 +11,7 @@
 #   bash bench/run_gpu.sh twonodes            # 4 GPUs: two torchrun agents (--nnodes=2) against one launch
 #   bash bench/run_gpu.sh phases              # 4 GPUs: one step phase by phase, DDP and FSDP (PHASE_GPUS=2: 2)
 #   bash bench/run_gpu.sh context zero fsdpxl # 2+ GPUs: context parallelism; DDP at one micro-step a GPU; GPT-2 XL, FSDP
+#   bash bench/run_gpu.sh zerochannels        # 4 GPUs: DDP at one micro-step a GPU, NCCL on 4, 8, 16 channels
 #   bash bench/run_gpu.sh zeroprofile         # 4 GPUs: DDP at one micro-step a GPU profiled, plain and compile_blocks
 #   bash bench/run_gpu.sh contextcheck        # 2+ GPUs: context parallelism's loss check per chunk kernel, and eager
 #   bash bench/run_gpu.sh chunks              # 1 GPU: context parallelism's chunk kernels alone at T=524288
@@ -171,6 +172,14 @@ for stage in "$@"; do
                 --variant blocks:--compile_blocks=true | tail -5
         done
         ;;
+    zerochannels)  # DDP on 4 GPUs at one micro-step a GPU with NCCL held to fewer channels (NCCL_MAX_NCHANNELS), so
+        # its all-reduce, overlapping backward with each block compiled apart, takes fewer of the SMs backward runs on
+        for channels in ${NCCL_CHANNELS:-4 8 16}; do
+            NCCL_MAX_NCHANNELS=$channels NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" \
+                --name "ddp-one-micro-step-4gpu-nccl$channels" --gpus 1 4 --accum 1 --variant blocks:--compile_blocks=true \
+                | grep -E " on [0-9]"
+        done
+        ;;
     zeroprofile)  # GPT-2 124M under DDP on 4 GPUs at one micro-step of 16 x 1024 a GPU, profiled: plain, then each
         # block compiled apart; whether the all-reduce runs beside backward, and what that costs backward
         corpus /tmp/char-corpus
@@ -225,6 +234,6 @@ for stage in "$@"; do
         NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc_per_node="${PHASE_GPUS:-4}" \
             -m bench.step_phases --out "$OUT" ddp fsdp | grep -E "^(ddp|fsdp|wrote)"
         ;;
-    *) echo "unknown stage $stage; stages: tests smoke scan attention float16 train compare generate speed profile long curves ddp twonodes phases chunks context contextcheck zero zeroprofile fsdpxl big bigresume"; exit 2 ;;
+    *) echo "unknown stage $stage; stages: tests smoke scan attention float16 train compare generate speed profile long curves ddp twonodes phases chunks context contextcheck zero zerochannels zeroprofile fsdpxl big bigresume"; exit 2 ;;
     esac
 done
