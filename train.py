@@ -383,10 +383,10 @@ def clip_and_step(
     float16 trains with a loss scale: the GradScaler unscales the gradients, then steps. With any other dtype
     the scale is 1 and a fused AdamW is told of a non-finite norm directly, through the attribute by which the
     GradScaler itself tells it (found_inf), and clips as it unscales (grad_scale): two passes over all gradients
-    less, per step. Under ZeRO the gradients
-    are whole on every rank (DDP averaged them), so the norm is the global one; the flag goes to this rank's own
-    AdamW, which steps its share of the parameters. Under FSDP the norm, and so the flag, is a DTensor replicated
-    over the ranks, which the fused kernel takes beside the sharded parameters."""
+    less, per step. Under ZeRO the gradients are whole on every rank (DDP averaged them), so the norm is the
+    global one; flag and scale go to this rank's own AdamW, which steps its share of the parameters. Under FSDP
+    the norm, and so flag and scale, is a DTensor replicated over the ranks, which the fused kernel takes beside
+    the sharded parameters."""
     if dtype == torch.float16 or not optimizer.defaults.get("fused"):  # param groups agree (keep_kernels)
         scaler.unscale_(optimizer)
         grad_norm = replicated(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))

@@ -56,21 +56,9 @@ def cudnn_forward(q, k, v, causal: bool):
 
 def cudnn_backward(grad, q, k, v, out, lse, causal: bool):
     # no bias; no cumulative lengths (not varlen): the maximum lengths are the lengths
+    seed, offset = no_dropout(q.device)
     return aten._scaled_dot_product_cudnn_attention_backward(
-        grad,
-        q,
-        k,
-        v,
-        out,
-        lse.unsqueeze(-1),
-        *no_dropout(q.device),
-        None,
-        None,
-        None,
-        q.size(2),
-        k.size(2),
-        0.0,
-        causal,
+        grad, q, k, v, out, lse.unsqueeze(-1), seed, offset, None, None, None, q.size(2), k.size(2), 0.0, causal
     )
 
 
