@@ -382,11 +382,10 @@ def clip_and_step(
     on the device (no host sync). Returns the norm before clipping.
     float16 trains with a loss scale: the GradScaler unscales the gradients, then steps. With any other dtype
     the scale is 1 and a fused AdamW is told of a non-finite norm directly, through the attribute by which the
-    GradScaler itself tells it (found_inf), and clips as it unscales (grad_scale): two passes over all gradients
-    less, per step. Under ZeRO the gradients are whole on every rank (DDP averaged them), so the norm is the
-    global one; flag and scale go to this rank's own AdamW, which steps its share of the parameters. Under FSDP
-    the norm, and so flag and scale, is a DTensor replicated over the ranks, which the fused kernel takes beside
-    the sharded parameters."""
+    GradScaler itself tells it (found_inf): one pass over all gradients less, per step. Under ZeRO the gradients
+    are whole on every rank (DDP averaged them), so the norm is the global one; the flag goes to this rank's own
+    AdamW, which steps its share of the parameters. Under FSDP the norm, and so the flag, is a DTensor replicated
+    over the ranks, which the fused kernel takes beside the sharded parameters."""
     if dtype == torch.float16 or not optimizer.defaults.get("fused"):  # param groups agree (keep_kernels)
         scaler.unscale_(optimizer)
         grad_norm = replicated(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
@@ -396,17 +395,13 @@ def clip_and_step(
         elif torch.isfinite(grad_norm):  # no GradScaler for this device type: check on the host
             optimizer.step()
         return grad_norm
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    grad_norm = torch.nn.utils.get_total_norm(grads)  # under FSDP a DTensor, as the flag and the scale
-    fused = local_optimizer(optimizer)  # the fused AdamW itself, which reads found_inf and grad_scale
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)  # under FSDP a DTensor, as the flag
+    fused = local_optimizer(optimizer)  # the fused AdamW itself, which reads found_inf
     fused.found_inf = (~torch.isfinite(grad_norm)).float()  # the fused kernel leaves everything as it was
-    # clip_grad_norm_'s factor, min(1, grad_clip / (norm + 1e-6)), as the divisor by which the fused kernel unscales
-    # each gradient it reads: clipping without a pass of its own over the gradients
-    fused.grad_scale = torch.clamp((grad_norm + 1e-6) / grad_clip, min=1.0)
     try:
         optimizer.step()
     finally:
-        del fused.found_inf, fused.grad_scale
+        del fused.found_inf
     return replicated(grad_norm)
 
 

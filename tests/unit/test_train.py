@@ -233,9 +233,8 @@ def test_a_disk_too_small_for_the_first_save_is_refused_before_training(monkeypa
 
 
 def test_clip_and_step_without_a_loss_scale_clips_steps_and_skips_non_finite_gradients():
-    """bfloat16/float32 with a fused AdamW: no GradScaler pass (the scaler is never touched), the update of
-    clip_grad_norm_ then step (to rounding: the kernel divides by the clip factor's inverse where clip_grad_norm_
-    multiplies), and a NaN gradient leaves weights, moments and step counts exactly as they were."""
+    """bfloat16/float32 with a fused AdamW: no GradScaler pass (the scaler is never touched), the same update as
+    clip_grad_norm_ then step, and a NaN gradient leaves weights, moments and step counts exactly as they were."""
     torch.manual_seed(0)
     config = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16)
     model, twin = GPT(config), GPT(config)
@@ -250,11 +249,7 @@ def test_clip_and_step_without_a_loss_scale_clips_steps_and_skips_non_finite_gra
         norm = train.clip_and_step(optimizer, object(), model, 1.0, torch.bfloat16)  # object(): no scaler calls
         assert torch.equal(norm, torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)) and norm > 1.0
         reference.step()
-        torch.testing.assert_close(list(model.parameters()), list(twin.parameters()), rtol=1e-6, atol=1e-8)
-        moments = [optimizer.state[p]["exp_avg"] for p in model.parameters()]
-        torch.testing.assert_close(
-            moments, [reference.state[p]["exp_avg"] for p in twin.parameters()], rtol=1e-6, atol=1e-9
-        )
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     moments = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in model.parameters()]
     for p in model.parameters():
