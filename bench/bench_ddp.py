@@ -32,6 +32,7 @@ if __name__ == "__main__":  # before torch's seconds of importing: see as_comman
     as_command()
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -234,6 +235,12 @@ def largest(args, parallelism: str, on_row) -> None:
             break
 
 
+def nccl_settings() -> str:
+    """The NCCL settings every launched run has: the bench's own and any the bench was run with."""
+    settings = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")} | {"NCCL_NVLS_ENABLE": "0"}
+    return " ".join(f"{k}={v}" for k, v in sorted(settings.items()))
+
+
 def progress(row: dict) -> str:
     figures = (
         f"{row['tokens_per_sec']:,.0f} tok/s, {row['tokens_per_sec_per_gpu']:,.0f} per GPU"
@@ -388,7 +395,7 @@ def save(args, rows: list[dict], start: float) -> list[Path]:
             f"micro-batch {args.micro_batch}",
             "every run": " ".join(args.extra) or "-",
             "scaling": "tok/s per GPU over that of the same run on one GPU (which trains unsharded, without DDP)",
-            "environment": "NCCL_NVLS_ENABLE=0",
+            "environment": nccl_settings(),
             "largest": "width 1600, 25 heads, micro-batch 1, 4 eager steps (2 timed); stops at the first failure"
             if args.largest
             else "-",
