@@ -3,6 +3,7 @@
 # runs as a module from the repo root (python3 -m bench.X).
 #   bash bench/run_gpu.sh tests attention     # what this machine runs + GPU tests; attention benches (bf16)
 #   bash bench/run_gpu.sh float16 train       # attention bench in fp16; train-step bench
+#   bash bench/run_gpu.sh e2e                 # the end-to-end matrix, flash cells included where the packages came
 #   bash bench/run_gpu.sh smoke compare       # a short train.py run per backend; bench/compare_backends.sh
 #   bash bench/run_gpu.sh scan attention      # fit auto's flash-attn-4 lengths (sm90) first, then measure them
 #   bash bench/run_gpu.sh generate            # generation: prefill and decode tok/s per backend and KV cache
@@ -63,6 +64,9 @@ for stage in "$@"; do
         python3 -c 'import kernels, model; model.main()'  # python model.py, with kernels/ registered
         # the whole log (tracebacks included) to $OUT, its end here
         python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests/ 2>&1 | tee "$OUT/gpu-tests.log" | tail -12
+        ;;
+    e2e)  # the end-to-end matrix (bench/e2e.py) with the flash packages set up above; E2E_ONLY: some cells only
+        python3 -m bench.e2e --jobs "${E2E_JOBS:-8}" --out "$OUT" ${E2E_ONLY:+--only "$E2E_ONLY"} | tail -80
         ;;
     smoke)  # every backend name trains a few steps on this GPU (SMOKE_ARGS: extra settings, e.g. the modern block)
         corpus /tmp/smoke_data
@@ -234,6 +238,6 @@ for stage in "$@"; do
         NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc_per_node="${PHASE_GPUS:-4}" \
             -m bench.step_phases --out "$OUT" ddp fsdp | grep -E "^(ddp|fsdp|wrote)"
         ;;
-    *) echo "unknown stage $stage; stages: tests smoke scan attention float16 train compare generate speed profile long curves ddp twonodes phases chunks context contextcheck zero zerochannels zeroprofile fsdpxl big bigresume"; exit 2 ;;
+    *) echo "unknown stage $stage; stages: tests e2e smoke scan attention float16 train compare generate speed profile long curves ddp twonodes phases chunks context contextcheck zero zerochannels zeroprofile fsdpxl big bigresume"; exit 2 ;;
     esac
 done
