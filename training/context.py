@@ -142,6 +142,13 @@ def prefix_and_diagonal_backward(grad, q, k, v, out, lse, kernel: str):
     return dq, dk, dv
 
 
+def chunk_spans(queries: int, chunks) -> list[tuple[slice, int]]:
+    """For `queries` rows holding the sequence chunks `chunks` side by side: each chunk's rows, and the end of the
+    keys it sees (its own last position + 1)."""
+    length = queries // len(chunks)
+    return [(slice(i * length, (i + 1) * length), (chunk + 1) * length) for i, chunk in enumerate(chunks)]
+
+
 # Why one opaque op for a rank's chunks: which chunks a rank holds decides how many keys each sees, so traced
 # kernel by kernel, every rank's compiled graph has other shapes (rank 0's first chunk has no prefix at all), and
 # the compiler's choices (what backward recomputes, the order it issues things in) may differ between ranks. Then
@@ -154,10 +161,9 @@ def chunk_attention(
     """Causal attention of this rank's chunks of queries q (B, H, nL, D), the i-th being chunk chunks[i] of the
     sequence, on the sequence's keys and values k, v (B, H, S, D), S a multiple of L: each chunk sees the keys up
     to its own last position. Returns the output (B, H, nL, D) and each query's log-sum-exp (B, H, nL)."""
-    length = q.size(2) // len(chunks)
     parts = [
-        prefix_and_diagonal(q[:, :, i * length : (i + 1) * length], k[:, :, :end], v[:, :, :end], kernel)
-        for i, end in enumerate((chunk + 1) * length for chunk in chunks)
+        prefix_and_diagonal(q[:, :, rows], k[:, :, :end], v[:, :, :end], kernel)
+        for rows, end in chunk_spans(q.size(2), chunks)
     ]
     return torch.cat([out for out, _ in parts], 2), torch.cat([lse for _, lse in parts], 2)
 
@@ -178,10 +184,8 @@ def chunk_attention_backward(
     chunks: list[int],
     kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    length = q.size(2) // len(chunks)
     dq, dk, dv = q.new_empty(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-    for i, chunk in enumerate(chunks):
-        rows, end = slice(i * length, (i + 1) * length), (chunk + 1) * length
+    for rows, end in chunk_spans(q.size(2), chunks):
         dq[:, :, rows], dk_seen, dv_seen = prefix_and_diagonal_backward(
             grad[:, :, rows], q[:, :, rows], k[:, :, :end], v[:, :, :end], out[:, :, rows], lse[:, :, rows], kernel
         )
@@ -267,21 +271,17 @@ class ContextShard:
         used = resolve_chunk_kernel(self.kernel, q.device.type, q.dtype, q.size(-1), dropout_p)
         if used != REFERENCE:
             return chunk_attention(q, k, v, list(self.local_chunks), used)[0]
-        length = q.size(2) // 2
-        return torch.cat(
-            [
-                attend_chunk(q[:, :, i * length : (i + 1) * length], k[:, :, :end], v[:, :, :end], used, dropout_p)
-                for i, end in enumerate((chunk + 1) * length for chunk in self.local_chunks)
-            ],
-            dim=2,
-        )
+        spans = chunk_spans(q.size(2), self.local_chunks)
+        parts = [attend_chunk(q[:, :, rows], k[:, :, :end], v[:, :, :end], used, dropout_p) for rows, end in spans]
+        return torch.cat(parts, dim=2)
 
 
-def context_shard(runtime) -> ContextShard | None:
+def context_shard(runtime, kernel: str = "auto") -> ContextShard | None:
     """This rank's ContextShard under runtime's context parallelism (groups of consecutive ranks); None without."""
     if runtime.context_parallel == 1:
         return None
-    return ContextShard(runtime.context_group, runtime.rank % runtime.context_parallel, runtime.context_parallel)
+    rank, size = runtime.rank % runtime.context_parallel, runtime.context_parallel
+    return ContextShard(runtime.context_group, rank, size, kernel)
 
 
 def chunk_kernel_of(sdpa_kernel: str, device_type: str) -> str:
@@ -296,10 +296,9 @@ def use_context_parallel_attention(model, runtime, requested: str, log) -> None:
     """Under context parallelism, give the model the context-parallel kernel in place of the one it resolved, and
     say so (a WARNING where the user asked for a kernel it replaces); without it, nothing. The model's
     sdpa_kernel, where pinned, picks the chunks' kernel (chunk_kernel_of)."""
-    shard = context_shard(runtime)
+    shard = context_shard(runtime, chunk_kernel_of(model.config.sdpa_kernel, runtime.device.type))
     if shard is None:
         return
-    shard.kernel = chunk_kernel_of(model.config.sdpa_kernel, runtime.device.type)
     replaced = model.attention.resolution.used
     if requested not in ("auto", "sdpa"):
         log.warning(
