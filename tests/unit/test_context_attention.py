@@ -75,6 +75,39 @@ def test_the_cuda_kernels_attend_as_manual_in_float64(kernel, keys):
         assert relative(got_grad.double(), expected_grad) < 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_ranks_chunks_attend_as_manual_at_training_sizes(kernel, rank):
+    """The op a rank runs in training, at the T=8192 check's sizes (2 ranks, chunks of 2048 queries, prefixes up
+    to 6144 keys, GPT-2's 12 heads of 64): rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2. bf16 through cuDNN
+    or SDPA's flash against manual attention in float64 of the same inputs, forward and backward, twice on fresh
+    inputs (the second call runs the kernels' cached plans), within 1e-2."""
+    from training.context import chunk_attention
+
+    length, heads, chunks = 2048, 12, [rank, 3 - rank]
+    for trial in range(2):
+        torch.manual_seed(100 * rank + trial)
+        q = torch.randn(1, 2 * length, heads, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        k, v = (torch.randn(1, heads, 4 * length, 64, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+        grad = torch.randn(1, heads, 2 * length, 64, device="cuda", dtype=torch.bfloat16)
+        inputs = [t.requires_grad_() for t in (q, k, v)]
+        got = chunk_attention(*inputs, chunks, kernel)[0]
+        got_grads = torch.autograd.grad(got, inputs, grad)
+        wide = [t.detach().double().requires_grad_() for t in inputs]
+        rows = [slice(i * length, (i + 1) * length) for i in range(2)]
+        expected = torch.cat(
+            [
+                lower_right_manual(wide[0][:, :, r], *(t[:, :, : (c + 1) * length] for t in wide[1:]))
+                for r, c in zip(rows, chunks)
+            ],
+            dim=2,
+        )
+        assert relative(got.double(), expected) < 1e-2, trial
+        for got_grad, expected_grad in zip(got_grads, torch.autograd.grad(expected, wide, grad.double())):
+            assert relative(got_grad.double(), expected_grad) < 1e-2, trial
+
+
 def test_cudnn_backward_gets_its_random_state_placeholders_on_the_inputs_device(monkeypatch):
     """cuDNN's backward checks that every tensor, the unread dropout seed and offset too, is on the inputs'
     device (CPU placeholders failed every context-parallel backward on a GPU). Meta tensors stand in for CUDA."""
