@@ -153,6 +153,9 @@ for stage in "$@"; do
     contextcheck)  # context parallelism's loss check at T=8192 (one GPU, then split over 2) with each chunk kernel
         # pinned, and eager: each row shows each step's loss gap to one GPU's, so where a gap opens and with what;
         # two checks at a time on 4+ GPUs (GPUs 0-1 and 2-3)
+        # first the op alone at the check's sizes, each kernel against float64 (seconds): which kernel is off, if any
+        python3 -m pytest -m gpu -q -p no:cacheprovider tests/unit/test_context_attention.py 2>&1 \
+            | tee "$OUT/gpu-tests-context.log" | tail -12
         pairs=$([ "$(nvidia-smi -L | wc -l)" -ge 4 ] && echo 2 || echo 1)
         run_check() {  # $1: the GPUs, $2: a train.py setting, which names the results (context-check-sdpa_kernel-flash)
             local name=${2#--}
