@@ -687,8 +687,10 @@ def train(cfg: TrainConfig) -> int:
                 timeout_s=cfg.dist_timeout_s,
                 context_parallel=cfg.context_parallel,
             )
-            if runtime.master:
-                logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", force=True)
+            # rank 0 speaks for the job; the other ranks' warnings would repeat its own, unprefixed (Python's
+            # last-resort handler prints them where logging is not set up), so they say errors only
+            level = logging.INFO if runtime.master else logging.ERROR
+            logging.basicConfig(level=level, format="%(levelname)s: %(message)s", force=True)
             state, batches, meta = setup_or_resume(cfg, runtime, hold, startup)
             wandb = start_wandb(cfg) if cfg.wandb_log and runtime.master else None
         except BaseException:

@@ -507,15 +507,19 @@ def test_sharded_model_compiles_without_graph_breaks(monkeypatch, gloo_world_of_
 def test_context_parallel_over_two_ranks_trains_like_one_process(reference, char_data, tmp_path, warm_interpreter):
     """--context_parallel=2 under torchrun: both ranks read the same sequences, each trains on its half of every
     one (RoPE at the half's own positions), and the run logs the losses and saves the weights of one process
-    that reads whole sequences; the header and the INFO line say how attention runs."""
+    that reads whole sequences; the header and the INFO line say how attention runs, and a warning comes once,
+    from rank 0, not from every rank."""
     ref_out, ref_losses = reference
     out = tmp_path / "out"
+    # manual asked for: context parallelism replaces it, and the warning that says so comes once
     settings = run_args(char_data, out, "--context_parallel=2", "--max_iters=10", "--eval_interval=10")
+    settings.append("--attention_backend=manual")
     with Child("-m", torchrun("--standalone", "--nproc_per_node=2") + settings, warm=True) as child:
         code, output = child.finish(timeout=300)
     assert code == 0, output
     assert "(1 ranks x 4 micro-steps x 4 x 16, each sequence split over 2 ranks)" in output, output
     assert "INFO: context parallel: each sequence split over 2 ranks; attention: SDPA" in output, output
+    assert output.count("attention_backend=manual applies without context parallelism") == 1, output
     assert_same_losses(losses(output), {it: ref_losses[it] for it in range(1, 11)})
     expected = load_checkpoint(ref_out / "ckpt-0000010.pt")["model"]
     assert_same_weights(load_checkpoint(out / "ckpt.pt")["model"], expected)
