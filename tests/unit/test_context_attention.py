@@ -140,6 +140,23 @@ def test_a_pinned_sdpa_kernel_picks_the_chunks_kernel(sdpa_kernel, used):
     assert len(said) == 1 and f", {used} per chunk (in place of sdpa)" in said[0], said
 
 
+@pytest.mark.parametrize("sdpa_kernel, warned", [("auto", True), ("flash", True), ("math", False)])
+def test_a_run_on_cuda_with_merged_chunk_kernels_is_warned_that_their_loss_is_unmatched(sdpa_kernel, warned):
+    """On CUDA in bfloat16, cuDNN (auto) and flash merge each chunk's parts; a GPU check's losses did not match
+    one GPU's with them, so such a run says so and names the way that avoids them (math: SDPA per chunk)."""
+    model = GPT(tiny_config(sdpa_kernel=sdpa_kernel))
+    model.setup_attention(torch.device("cpu"), torch.float32, training=True, seq_len=32)
+    runtime = Runtime(torch.device("cuda"), torch.bfloat16, world_size=2, context_parallel=2)
+    info, warnings = [], []
+    use_context_parallel_attention(model, runtime, "auto", SimpleNamespace(info=info.append, warning=warnings.append))
+    assert len(info) == 1
+    if warned:
+        assert len(warnings) == 1 and "have not matched one GPU's yet" in warnings[0], warnings
+        assert "--sdpa_kernel=math" in warnings[0]
+    else:
+        assert warnings == [] and "sdpa_lower_right per chunk" in info[0], info
+
+
 @pytest.mark.parametrize(
     "requested, device, dtype, head_dim, dropout, used",
     [
