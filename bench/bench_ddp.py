@@ -33,6 +33,7 @@ if __name__ == "__main__":  # before torch's seconds of importing: see as_comman
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import time
@@ -140,6 +141,11 @@ def measure(
     command = launch.train_command(settings, ["--standalone", f"--nproc_per_node={gpus}"])
     # stopped once it logs its last step: its checkpoint (minutes for GPT-2 XL) is not what is measured
     result = launch.run(command, launch.torchrun_env(args.quick), args.timeout, stop_at_iter or args.iters)
+    shaped = [arg[2:] for arg in args.extra if arg.split("=")[0] in SHAPE_SETTINGS]
+    if shaped:  # settings after -- changed the model: its name says how, and train.py counts its parameters
+        row["model"] = f"{model} ({', '.join(shaped)})"
+        counted = re.search(r"^parameters: ([\d.]+)M", result.output, re.M)
+        row["params_m"] = float(counted.group(1)) if counted else None
     return {**row, **figures(result, args.warmup if warmup is None else warmup, gpus)}
 
 
@@ -187,6 +193,7 @@ def add_scaling(rows: list[dict]) -> None:
 
 # Context parallelism's sequences take seconds a step: a few compiled steps (--context-iters), the first two
 # (compiling) untimed
+SHAPE_SETTINGS = ("--n_layer", "--n_head", "--n_embd", "--vocab_size", "--n_kv_head", "--mlp_hidden")
 CONTEXT = ("--warmup_iters=1", "--log_interval=1", "--activation_checkpointing=block")
 
 

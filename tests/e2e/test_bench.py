@@ -735,6 +735,26 @@ def test_bench_ddp_fsdp_model_picks_the_sharded_models_shape_at_half_the_micro_b
     ]
 
 
+def test_bench_ddp_rows_name_a_model_that_settings_after_the_dashes_reshape(monkeypatch, tmp_path):
+    """`-- --n_layer=12 --n_embd=768` on a --quick run changes the model the rows train: their model says so, and
+    the parameters are train.py's own count, not the bench's shape's; other settings leave both as they were."""
+    from types import SimpleNamespace
+
+    from bench import bench_ddp, launch
+
+    output = "parameters: 123.59M | tokens per iteration: 2,048\niter 1 | loss 10.8 | lr 1e-4 | 9.0 ms | 1 tok/s\n"
+    monkeypatch.setattr(launch, "run", lambda *args: launch.Run(0, output, 1.0))
+    args = SimpleNamespace(gpus=[1], accum=1, block_size=64, vocab_size=None, data=tmp_path, iters=1,
+                           log_interval=1, quick=True, work=tmp_path, timeout=10, warmup=0)  # fmt: skip
+    rows = {}
+    for extra in (["--n_layer=12", "--n_embd=768", "--dtype=bfloat16"], ["--dtype=bfloat16"]):
+        args.extra = extra
+        rows[len(extra)] = bench_ddp.measure(args, "context-check", "tiny", bench_ddp.TINY, "ddp", 1, 1)
+    assert (rows[3]["model"], rows[3]["params_m"]) == ("tiny (n_layer=12, n_embd=768)", 123.59)
+    expected = bench_ddp.params_millions(bench_ddp.TINY, None, 64)
+    assert (rows[1]["model"], rows[1]["params_m"]) == ("tiny", expected)
+
+
 def test_bench_ddp_variants_keep_the_tokens_of_a_step_for_each_family(monkeypatch):
     """--variant rows for DDP and, with --fsdp, GPT-2 XL: each scaled by its own family's 1-GPU run; a variant's
     --batch_size keeps the tokens a step (fewer micro-steps) and leaves the train.py settings."""
