@@ -20,9 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -121,21 +119,6 @@ def pid_of_rank(launcher_pid: int, rank: int, timeout: float = 60) -> int:
     raise AssertionError(f"no worker of rank {rank} under pid {launcher_pid}")
 
 
-def where_it_waits(pid: int) -> str:
-    """Each thread of a live process: its name, the kernel function it sleeps in and its system call (number
-    and arguments: the file descriptor it reads or writes), with what its descriptors are; '' once it is gone."""
-    lines = []
-    with contextlib.suppress(OSError):
-        for task in sorted(os.listdir(f"/proc/{pid}/task")):
-            folder = Path(f"/proc/{pid}/task/{task}")
-            info = [(folder / name).read_text().strip() for name in ("comm", "wchan", "syscall")]
-            lines.append(f"  thread {task} {info[0]}: in {info[1]}, syscall {info[2]}")
-        for fd in sorted(os.listdir(f"/proc/{pid}/fd"), key=int):
-            with contextlib.suppress(OSError):
-                lines.append(f"  fd {fd} -> {os.readlink(f'/proc/{pid}/fd/{fd}')}")
-    return f"\nrank 0 (pid {pid}), still running 15 s after the kill:\n" + "\n".join(lines) if lines else ""
-
-
 @pytest.fixture(scope="module")
 def reference(char_data, tmp_path_factory):
     """One process, 4 micro-steps per step, MAX_ITERS iterations, a checkpoint every 5: (out_dir, losses)."""
@@ -211,10 +194,10 @@ def test_a_failed_or_killed_rank_is_reported_and_the_job_restarts_from_the_last_
     out = tmp_path / "out"
     args = torchrun("--standalone", "--nproc_per_node=2", "--max-restarts=2")
     args += run_args(char_data, out, "--init_from=auto", f"--max_iters={MAX_ITERS}", "--eval_interval=10")
-    # A rank whose collective misses the peer's death (once seen on a loaded 2-core machine: 30 s without a word)
-    # still says it lost contact when dist_timeout_s passes: well before torchrun, which stopped it with SIGTERM,
-    # gives up waiting (30 s) and kills it, so the line is always there to check
-    args.append("--dist_timeout_s=20")
+    # A gloo send to a killed peer does not fail: it waits out dist_timeout_s ("Timed out waiting 15000ms for send
+    # operation to complete"; about one kill in 20 lands there, where a receive fails at once). Past torchrun's
+    # 30 s between its SIGTERM and SIGKILL, the rank would die without its line; at 15 s it says it lost contact
+    args.append("--dist_timeout_s=15")
     with Child("-m", args, warm=True) as child:  # its pipe holds a few dozen lines: the job cannot get far ahead of us
         child.wait_for(lambda line: line.startswith("saved ") and "(iter 10," in line)
         rank1 = pid_of_rank(child.pid, 1)
@@ -226,20 +209,14 @@ def test_a_failed_or_killed_rank_is_reported_and_the_job_restarts_from_the_last_
         child.wait_for(lambda line: "resuming at iter" in line)
         assert time.monotonic() - failed < 60  # the ranks stopped, and started again, in bounded time
         child.wait_for(lambda line: line.startswith("iter 12 |"))
-        rank0 = pid_of_rank(child.pid, 0)
         os.kill(pid_of_rank(child.pid, 1), signal.SIGKILL)
-        stuck = {}
-        waits = threading.Timer(15, lambda: stuck.update(rank0=where_it_waits(rank0)))
-        waits.start()  # rank 0 says it lost contact within ~4 s; if it is still there at 15, where it is stuck
         code, output = child.finish(timeout=300)
-        waits.cancel()
     assert code == 0, output
     assert re.search(r"^error: rank 1 failed: cannot read \S+train\.bin: Too many open files$", output, re.M), output
     assert re.search(r"^error: cannot read \S+train\.bin: Too many open files$", output, re.M), output  # rank 1's own
     lost = r"^error: rank 0 lost contact with the other ranks \(.+\); one died or hangs$"
     said = "\n".join(line for line in output.splitlines() if not re.match(r"(iter|eval|saved) |config: |  \w+=", line))
-    # what the ranks and torchrun said instead, and where rank 0 waited if it was still running 15 s after the kill
-    assert re.search(lost, output, re.M), said + stuck.get("rank0", "")
+    assert re.search(lost, output, re.M), said  # what the ranks and torchrun said instead
     assert "Traceback" not in output, output
     resumed = [int(it) for it in re.findall(r"resuming at iter (\d+)", output)]
     assert len(resumed) == 2 and all(10 <= it < MAX_ITERS for it in resumed), output
