@@ -191,9 +191,11 @@ def add_scaling(rows: list[dict]) -> None:
                 row["loss_gaps"] = " ".join(f"{gap:+.3f}" for gap in gaps)
 
 
+# train.py settings that change the model's shape (and its parameter count)
+SHAPE_SETTINGS = ("--n_layer", "--n_head", "--n_embd", "--vocab_size", "--n_kv_head", "--mlp_hidden")
+
 # Context parallelism's sequences take seconds a step: a few compiled steps (--context-iters), the first two
 # (compiling) untimed
-SHAPE_SETTINGS = ("--n_layer", "--n_head", "--n_embd", "--vocab_size", "--n_kv_head", "--mlp_hidden")
 CONTEXT = ("--warmup_iters=1", "--log_interval=1", "--activation_checkpointing=block")
 
 
