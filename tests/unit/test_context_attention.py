@@ -128,6 +128,17 @@ def test_cudnn_backward_gets_its_random_state_placeholders_on_the_inputs_device(
     assert seen["devices"] == {"meta"}
 
 
+def what_context_parallelism_says(sdpa_kernel: str, device: str, dtype: torch.dtype) -> tuple[list, list]:
+    """(INFO lines, WARNING lines) of use_context_parallel_attention for a tiny model with this sdpa_kernel, on 2
+    ranks of `device` (only its type is read: a CUDA runtime needs no GPU here)."""
+    model = GPT(tiny_config(sdpa_kernel=sdpa_kernel))
+    model.setup_attention(torch.device("cpu"), torch.float32, training=True, seq_len=32)
+    runtime = Runtime(torch.device(device), dtype, world_size=2, context_parallel=2)
+    info, warnings = [], []
+    use_context_parallel_attention(model, runtime, "auto", SimpleNamespace(info=info.append, warning=warnings.append))
+    return info, warnings
+
+
 @pytest.mark.parametrize(
     "sdpa_kernel, used",
     [("auto", "cpu_flash"), ("flash", "cpu_flash"), ("math", "sdpa_lower_right"), ("cudnn", "sdpa_lower_right")],
@@ -135,23 +146,15 @@ def test_cudnn_backward_gets_its_random_state_placeholders_on_the_inputs_device(
 def test_a_pinned_sdpa_kernel_picks_the_chunks_kernel(sdpa_kernel, used):
     """Under context parallelism sdpa_kernel pins the chunks' kernel (cuDNN runs on CUDA only: here the reference),
     and the INFO line names the one that runs."""
-    model = GPT(tiny_config(sdpa_kernel=sdpa_kernel))
-    model.setup_attention(torch.device("cpu"), torch.float32, training=True, seq_len=32)
-    runtime = Runtime(torch.device("cpu"), torch.float32, world_size=2, context_parallel=2)
-    said = []
-    use_context_parallel_attention(model, runtime, "auto", SimpleNamespace(info=said.append, warning=said.append))
-    assert len(said) == 1 and f", {used} per chunk (in place of sdpa)" in said[0], said
+    info, warnings = what_context_parallelism_says(sdpa_kernel, "cpu", torch.float32)
+    assert warnings == [] and len(info) == 1 and f", {used} per chunk (in place of sdpa)" in info[0], info
 
 
 @pytest.mark.parametrize("sdpa_kernel, warned", [("auto", True), ("flash", True), ("math", False)])
 def test_a_run_on_cuda_with_merged_chunk_kernels_is_warned_that_their_loss_is_unmatched(sdpa_kernel, warned):
     """On CUDA in bfloat16, cuDNN (auto) and flash merge each chunk's parts; a GPU check's losses did not match
     one GPU's with them, so such a run says so and names the way that avoids them (math: SDPA per chunk)."""
-    model = GPT(tiny_config(sdpa_kernel=sdpa_kernel))
-    model.setup_attention(torch.device("cpu"), torch.float32, training=True, seq_len=32)
-    runtime = Runtime(torch.device("cuda"), torch.bfloat16, world_size=2, context_parallel=2)
-    info, warnings = [], []
-    use_context_parallel_attention(model, runtime, "auto", SimpleNamespace(info=info.append, warning=warnings.append))
+    info, warnings = what_context_parallelism_says(sdpa_kernel, "cuda", torch.bfloat16)
     assert len(info) == 1
     if warned:
         assert len(warnings) == 1 and "have not matched one GPU's yet" in warnings[0], warnings
