@@ -20,7 +20,8 @@ Each run is train.py itself under torchrun (--log_interval=10: a log line waits 
 train.py's own iter lines (bench.launch.parse_log_line) after the first --warmup iterations, medians over the
 rest; a run is stopped once it logs its last iteration, before its checkpoint. Every run has the same tokens per
 optimizer step: gradient_accumulation_steps = (GPUs of the largest run) x --accum, split over the GPUs. The data
-is a char corpus of this repo's sources with GPT-2's vocabulary size (no download).
+is a char corpus of this repo's sources with GPT-2's vocabulary size (no download), as many copies as a run's
+sequence length needs: runs at one T read the same tokens, whatever else the bench runs beside them.
 NCCL_NVLS_ENABLE=0 in every launched process. Results: bench/results/<card>-ddp.{json,md,png}.
 """
 
@@ -81,7 +82,7 @@ def params_millions(shape: dict, vocab_size: int | None, block_size: int) -> flo
 
 def run_settings(args, shape: dict, parallelism: str, micro_batch: int, accum_total: int, block_size: int) -> list[str]:
     settings = launch.flags(shape) + [
-        f"--data_dir={args.data}",
+        f"--data_dir={launch.corpus(args.work / 'data', block_size)}",
         f"--parallelism={parallelism}",
         f"--batch_size={micro_batch}",
         f"--gradient_accumulation_steps={accum_total}",
@@ -140,18 +141,22 @@ def measure(
     settings += [f"--out_dir={out_dir}", "--overwrite_out_dir=true"]
     command = launch.train_command(settings, ["--standalone", f"--nproc_per_node={gpus}"])
     # stopped once it logs its last step: its checkpoint (minutes for GPT-2 XL) is not what is measured
-    result = launch.run(command, launch.torchrun_env(args.quick), args.timeout, stop_at_iter or args.iters)
+    last_iter = stop_at_iter or args.iters
+    result = launch.run(command, launch.torchrun_env(args.quick), args.timeout, last_iter)
     shaped = [arg[2:] for arg in args.extra if arg.split("=")[0] in SHAPE_SETTINGS]
     if shaped:  # settings after -- changed the model: its name says how, and train.py counts its parameters
         row["model"] = f"{model} ({', '.join(shaped)})"
         counted = re.search(r"^parameters: ([\d.]+)M", result.output, re.M)
         row["params_m"] = float(counted.group(1)) if counted else None
-    return {**row, **figures(result, args.warmup if warmup is None else warmup, gpus)}
+    return {**row, **figures(result, args.warmup if warmup is None else warmup, last_iter, gpus)}
 
 
-def figures(result: launch.Run, warmup: int, gpus: int) -> dict:
-    """Medians of the iter lines past `warmup` (the peak memory: the largest), or why there are none."""
-    steady = [line for line in result.lines if line["iter"] > warmup]
+def figures(result: launch.Run, warmup: int, last_iter: int, gpus: int) -> dict:
+    """Medians of the iter lines past `warmup` up to `last_iter` (the peak memory: the largest), or why there are
+    none. A fast run may log a step past the one waited for before the stop lands: left out, so that every row ends
+    at the same iteration (the loss a row ends with is then comparable)."""
+    lines = [line for line in result.lines if line["iter"] <= last_iter]
+    steady = [line for line in lines if line["iter"] > warmup]
     if result.code != 0 or not steady:
         return {"wall_s": round(result.seconds, 1), "status": f"exit {result.code}: {result.failure()}"}
     mfus = [line["mfu"] for line in steady if line["mfu"] is not None]
@@ -163,7 +168,7 @@ def figures(result: launch.Run, warmup: int, gpus: int) -> dict:
         "mfu": statistics.median(mfus) if mfus else None,
         "mem_gib": max(line["mem_gib"] for line in steady),  # rank 0's peak
         "final_loss": steady[-1]["loss"],
-        "losses": [line["loss"] for line in result.lines],  # every logged iteration's, from the first
+        "losses": {line["iter"]: line["loss"] for line in lines},  # every logged iteration's, from the first
         "status": "ok",
         "tokens_per_sec_per_gpu": tokens_per_sec / gpus,
     }
@@ -184,10 +189,12 @@ def add_scaling(rows: list[dict]) -> None:
         if row.get("mfu") and base.get("mfu"):
             row["mfu_vs_1gpu"] = row["mfu"] / base["mfu"]
         if row["block_size"] == base["block_size"]:
-            row["loss_vs_1gpu"] = row["final_loss"] - base["final_loss"]
-            # from the first iteration (the same weights and tokens: the forward alone) on, where a gap opens
-            gaps = [a - b for a, b in zip(row.get("losses", []), base.get("losses", []))]
+            # iteration by iteration, from the first (the same weights and tokens: the forward alone): where a gap
+            # opens; the last both logged is the row's loss gap
+            losses, base_losses = row.get("losses", {}), base.get("losses", {})
+            gaps = [losses[it] - base_losses[it] for it in losses if it in base_losses]
             if gaps:
+                row["loss_vs_1gpu"] = gaps[-1]
                 row["loss_gaps"] = " ".join(f"{gap:+.3f}" for gap in gaps)
 
 
@@ -294,8 +301,6 @@ def parse_args(argv=None):
     args.log_interval = args.log_interval or (1 if quick else 10)
     args.name = args.name or ("ddp-quick" if quick else "ddp")
     args.block_size, args.vocab_size = (64, None) if quick else (1024, GPT2_VOCAB)  # quick: the corpus's vocabulary
-    longest = max([t * max(args.gpus) for t in args.context] + args.context_check + [args.block_size])
-    args.data = launch.corpus(args.work / "data", longest)
     args.variants = [parse_variant(text, parser) for text in args.variant]
     if args.variant_gpus and not set(args.variant_gpus) <= {g for g in args.gpus if g > 1}:
         parser.error(f"--variant-gpus {args.variant_gpus}: choose among --gpus above 1 ({args.gpus})")

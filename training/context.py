@@ -88,9 +88,6 @@ LSE_KERNELS = {
 AUTO = {"cuda": "cudnn", "cpu": "cpu_flash"}  # what kernel="auto" asks for, per device type
 REFERENCE = "sdpa_lower_right"  # SDPA with a lower-right causal mask: any device, dtype and dropout
 CHUNK_KERNELS = ("auto", REFERENCE, *LSE_KERNELS)
-# the CUDA kernels whose merged losses over 2 GPUs did not match one GPU's (bench/results/h200-context-check-
-# 9fb6b4f.json: cuDNN; flash merges the same way and is not cleared yet): each run says so until a GPU check matches
-UNMATCHED = ("cudnn", "flash")
 
 
 def resolve_chunk_kernel(requested: str, device_type: str, dtype: torch.dtype, head_dim: int, dropout_p: float) -> str:
@@ -315,8 +312,3 @@ def use_context_parallel_attention(model, runtime, requested: str, log) -> None:
         f"context parallel: each sequence split over {shard.size} ranks; attention: SDPA over the gathered keys "
         f"and values, {used} per chunk (in place of {replaced})"
     )
-    if used in UNMATCHED:
-        log.warning(
-            f"context parallel: with {used} per chunk, a GPU check's losses have not matched one GPU's yet (at "
-            f"T=8192; see docs/multi-gpu.md); --sdpa_kernel=math runs the chunks as SDPA under a lower-right mask"
-        )

@@ -642,7 +642,8 @@ def test_bench_ddp_context_rows_split_n_times_one_gpus_t_and_compare_mfu_and_los
 
     def row(run, gpus, block_size, tok_s, mfu, loss):
         return dict(run=run, baseline=run, model="m", gpus=gpus, block_size=block_size, tokens_per_sec=tok_s,
-                    tokens_per_sec_per_gpu=tok_s / gpus, mfu=mfu, final_loss=loss, losses=[11.0, loss])  # fmt: skip
+                    tokens_per_sec_per_gpu=tok_s / gpus, mfu=mfu, final_loss=loss,
+                    losses={1: 11.0, 2: loss})  # fmt: skip
 
     rows = [
         row("ddp", 1, 1024, 100.0, 0.40, 3.0),
@@ -658,6 +659,31 @@ def test_bench_ddp_context_rows_split_n_times_one_gpus_t_and_compare_mfu_and_los
     assert rows[5]["mfu_vs_1gpu"] == pytest.approx(0.4) and rows[5]["loss_vs_1gpu"] == pytest.approx(0.001)
     assert rows[5]["loss_gaps"] == "+0.000 +0.001" and "loss_gaps" not in rows[3]
     assert not any(key in rows[0] for key in ("scaling", "mfu_vs_1gpu", "loss_vs_1gpu"))
+    # the one-GPU run logged a third iteration, whose loss is far from the second's: compared iteration by iteration
+    rows[4]["losses"][3] = rows[4]["final_loss"] = 2.5
+    bench_ddp.add_scaling(rows)
+    assert rows[5]["loss_vs_1gpu"] == pytest.approx(0.001) and rows[5]["loss_gaps"] == "+0.000 +0.001"
+
+
+def test_bench_ddp_rows_end_at_the_iteration_waited_for_and_read_a_corpus_sized_by_their_own_t(monkeypatch, tmp_path):
+    """A fast run logs a step past the stop before the kill lands: the row leaves it out, so two rows of one check end
+    at the same iteration (a GPU check once compared one GPU's fifth loss with two GPUs' fourth: 0.49 apart). Each
+    run's corpus is sized by its own sequence length, so a check at one T reads the same tokens in every bench
+    process, whatever longer runs that process also makes."""
+    from types import SimpleNamespace
+
+    from bench import bench_ddp, launch
+
+    line = "iter {} | loss {} | lr 1.0e-04 | 9.0 ms | 1,000 tok/s | MFU 40.0% | mem 1.0 GiB\n"
+    output = "".join(line.format(it, loss) for it, loss in ((1, 10.9), (2, 8.8), (3, 7.9), (4, 7.2)))
+    commands = []
+    monkeypatch.setattr(launch, "run", lambda command, *args: commands.append(command) or launch.Run(0, output, 1.0))
+    monkeypatch.setattr(launch, "corpus", lambda folder, longest: folder.with_name(f"data-{longest}"))
+    args = SimpleNamespace(gpus=[1, 2], accum=1, block_size=64, vocab_size=None, iters=6, log_interval=1,
+                           quick=True, work=tmp_path, timeout=10, warmup=0, extra=[])  # fmt: skip
+    row = bench_ddp.measure(args, "context-check", "tiny", bench_ddp.TINY, "ddp", 2, 1, stop_at_iter=3, block_size=32)
+    assert row["losses"] == {1: 10.9, 2: 8.8, 3: 7.9} and row["final_loss"] == 7.9
+    assert f"--data_dir={tmp_path / 'data-32'}" in commands[0]
 
 
 def test_the_bench_corpus_grows_until_its_validation_split_holds_the_longest_sequence(tmp_path, monkeypatch):
@@ -744,7 +770,8 @@ def test_bench_ddp_rows_name_a_model_that_settings_after_the_dashes_reshape(monk
 
     output = "parameters: 123.59M | tokens per iteration: 2,048\niter 1 | loss 10.8 | lr 1e-4 | 9.0 ms | 1 tok/s\n"
     monkeypatch.setattr(launch, "run", lambda *args: launch.Run(0, output, 1.0))
-    args = SimpleNamespace(gpus=[1], accum=1, block_size=64, vocab_size=None, data=tmp_path, iters=1,
+    monkeypatch.setattr(launch, "corpus", lambda folder, longest: folder)
+    args = SimpleNamespace(gpus=[1], accum=1, block_size=64, vocab_size=None, iters=1,
                            log_interval=1, quick=True, work=tmp_path, timeout=10, warmup=0)  # fmt: skip
     rows = {}
     for extra in (["--n_layer=12", "--n_embd=768", "--dtype=bfloat16"], ["--dtype=bfloat16"]):
