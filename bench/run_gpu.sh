@@ -189,8 +189,9 @@ for stage in "$@"; do
         ;;
     zeroprofile)  # GPT-2 124M under DDP on 4 GPUs at one micro-step of 16 x 1024 a GPU, profiled: plain, then each
         # block compiled apart; whether the all-reduce runs beside backward, and what that costs backward
+        # (PROFILE_GPUS=2: on 2; ZERO_PROFILE_VARIANTS=plain: that one only)
         corpus /tmp/char-corpus
-        for variant in plain blocks; do
+        for variant in ${ZERO_PROFILE_VARIANTS:-plain blocks}; do
             NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc_per_node="${PROFILE_GPUS:-4}" train.py config/train_gpt2.py \
                 --data_dir=/tmp/char-corpus --vocab_size=50304 --out_dir="/tmp/ddp-profile-$variant" --overwrite_out_dir=true \
                 --batch_size=16 --gradient_accumulation_steps="${PROFILE_GPUS:-4}" --max_iters=9 --eval_interval=1000 \
