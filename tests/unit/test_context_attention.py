@@ -140,21 +140,22 @@ def what_context_parallelism_says(sdpa_kernel: str, device: str, dtype: torch.dt
 
 
 @pytest.mark.parametrize(
-    "sdpa_kernel, used",
-    [("auto", "cpu_flash"), ("flash", "cpu_flash"), ("math", "sdpa_lower_right"), ("cudnn", "sdpa_lower_right")],
+    "sdpa_kernel, device, dtype, used",
+    [
+        ("auto", "cpu", torch.float32, "cpu_flash"),
+        ("flash", "cpu", torch.float32, "cpu_flash"),
+        ("math", "cpu", torch.float32, "sdpa_lower_right"),
+        ("cudnn", "cpu", torch.float32, "sdpa_lower_right"),  # cuDNN runs on CUDA only
+        ("auto", "cuda", torch.bfloat16, "cudnn"),
+        ("flash", "cuda", torch.bfloat16, "flash"),
+        ("math", "cuda", torch.bfloat16, "sdpa_lower_right"),
+    ],
 )
-def test_a_pinned_sdpa_kernel_picks_the_chunks_kernel(sdpa_kernel, used):
-    """Under context parallelism sdpa_kernel pins the chunks' kernel (cuDNN runs on CUDA only: here the reference),
-    and the INFO line names the one that runs."""
-    info, warnings = what_context_parallelism_says(sdpa_kernel, "cpu", torch.float32)
-    assert warnings == [] and len(info) == 1 and f", {used} per chunk (in place of sdpa)" in info[0], info
-
-
-@pytest.mark.parametrize("sdpa_kernel, used", [("auto", "cudnn"), ("flash", "flash"), ("math", "sdpa_lower_right")])
-def test_a_run_on_cuda_names_its_chunk_kernel_and_warns_of_nothing(sdpa_kernel, used):
-    """On CUDA in bfloat16 the INFO line names the chunks' kernel, and no kernel is warned about: 2 GPUs' losses
-    matched one GPU's at each step with cuDNN, flash and math (h200-context-check-sdpa_kernel-*-91d2a29.json)."""
-    info, warnings = what_context_parallelism_says(sdpa_kernel, "cuda", torch.bfloat16)
+def test_a_pinned_sdpa_kernel_picks_the_chunks_kernel(sdpa_kernel, device, dtype, used):
+    """Under context parallelism sdpa_kernel pins the chunks' kernel, and the INFO line names the one that runs.
+    No kernel is warned about: on 2 GPUs each step's loss matched one GPU's with cuDNN, flash and math
+    (h200-context-check-sdpa_kernel-*-91d2a29.json)."""
+    info, warnings = what_context_parallelism_says(sdpa_kernel, device, dtype)
     assert warnings == [] and len(info) == 1 and f", {used} per chunk (in place of sdpa)" in info[0], info
 
 
