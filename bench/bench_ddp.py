@@ -176,8 +176,8 @@ def figures(result: launch.Run, warmup: int, last_iter: int, gpus: int) -> dict:
 
 def add_scaling(rows: list[dict]) -> None:
     """Per-GPU tok/s over that of the same run and model on one GPU; for context-parallel rows, whose sequences
-    are longer than one GPU's, MFU over the one-GPU row's (and, at the same T, the final loss's difference and each
-    logged iteration's)."""
+    are longer than one GPU's, MFU over the one-GPU row's (and, at the same T, each iteration's loss difference, the
+    last one both logged as the row's)."""
     single = {(r["run"], r["model"]): r for r in rows if r["gpus"] == 1 and r.get("tokens_per_sec")}
     for row in rows:
         base = single.get((row["baseline"], row["model"]))
