@@ -57,6 +57,7 @@ from training.preflight import (
     check_config,
     checkpoint_path,
     claim_run_out_dir,
+    evaluated_weights,
     resolve_init_from,
     with_weights_shape,
 )
@@ -555,7 +556,7 @@ def nothing_saved(state: TrainState) -> str:
     resumed at max_iters already): why, and what is on disk."""
     cfg, it = state.cfg, state.iter_num
     if cfg.eval_only:
-        return f"eval_only: no checkpoint written; {out_dir_state(cfg.out_dir)}"
+        return f"eval_only: evaluated {evaluated_weights(cfg, state.resumed_iter)}; no checkpoint written"
     if state.resumed_iter is not None and it == state.resumed_iter:
         return (
             f"nothing to train: resumed at iter {it} and max_iters={cfg.max_iters}; no checkpoint written; "

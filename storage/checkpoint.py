@@ -26,6 +26,8 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
+import math
 import os
 import pickle
 import random
@@ -42,6 +44,8 @@ import torch
 
 from errors import CheckpointError
 from storage.atomic import atomic_path, fsync_dir, tmp_path_for, tmp_target
+
+log = logging.getLogger("storage")
 
 LATEST, BEST = "ckpt.pt", "best.pt"
 NUMBERED = re.compile(r"ckpt-\d{7,}\.pt")  # f"ckpt-{iter_num:07d}.pt"
@@ -84,9 +88,14 @@ class OutDir:
         self.path, self.lock_fd, self.created = path, lock_fd, created
 
     def release(self) -> None:
+        """Let go of out_dir; never raises: a run ending on an error keeps that error's line and exit code."""
         if self.lock_fd is None:
             return
-        (self.path / LOCK).unlink(missing_ok=True)  # while still holding it: see _lock for why this is safe
+        lock = self.path / LOCK
+        try:
+            lock.unlink(missing_ok=True)  # while still holding it: see _lock for why this is safe
+        except OSError as error:  # out_dir turned read-only, or was taken away: the lock ends with the fd anyway
+            log.warning(f"could not remove {lock} ({os_reason(error)}); it blocks no later run: the lock ends here")
         os.close(self.lock_fd)
         self.lock_fd = None
         _remove_if_empty(self.created)
@@ -543,7 +552,9 @@ def check_schema(state, path, *, resume: bool = False) -> None:
     meta = state["meta"]
     if not isinstance(meta.get("tokenizer"), str) or not isinstance(meta.get("vocab_size"), int):
         raise CheckpointError(f"{path}: meta lacks tokenizer or vocab_size; this checkpoint's tokenizer is unknown")
-    if resume:  # the data stream's state: one for all ranks, or (earlier versions) one per rank
+    if resume:
+        check_resume_values(state, path)
+        # the data stream's state: one for all ranks, or (earlier versions) one per rank
         has_data = "data" in state or all(isinstance(r, dict) and "data" in r for r in state["rng"])
         if not state["rng"] or not all(isinstance(r, dict) and isinstance(r.get("rng"), dict) for r in state["rng"]):
             raise CheckpointError(f"{path}: rng is not a list of each rank's rng state")
@@ -554,6 +565,36 @@ def check_schema(state, path, *, resume: bool = False) -> None:
             raise CheckpointError(f"{path}: sharded is {sharded!r}, not the name of a ckpt-<iter>.dcp folder")
         if sharded is not None and not (Path(path).parent / sharded).is_dir():
             raise CheckpointError(f"{path}: its optimizer state {Path(path).parent / sharded} is missing")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# The values a resume continues from, beyond their types: key -> (whether a value is allowed, what is allowed).
+# A negative iter_num trains with negative learning rates; a NaN (or -inf) best_val_loss is never beaten, so
+# best.pt would never be written again; a GradScaler's values as torch.amp.GradScaler itself allows them.
+RESUME_VALUES = {
+    "iter_num": (lambda v: v >= 0, "an int >= 0 (the optimizer steps done)"),
+    "best_val_loss": (lambda v: v >= 0, "a number >= 0, or inf before any evaluation"),  # NaN >= 0 is False
+}
+SCALER_VALUES = {
+    "scale": (lambda v: _is_number(v) and 0 < v < math.inf, "a finite number > 0"),
+    "growth_factor": (lambda v: _is_number(v) and 1 < v < math.inf, "a finite number > 1"),
+    "backoff_factor": (lambda v: _is_number(v) and 0 < v < 1, "a number in (0, 1)"),
+    "growth_interval": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an int >= 1"),
+    "_growth_tracker": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an int >= 0"),
+}
+
+
+def check_resume_values(state: dict, path) -> None:
+    """The counters and the GradScaler's state a resume restores, in range (their types are checked before)."""
+    scaler = state["scaler"]
+    entries = [(key, state[key], rule) for key, rule in RESUME_VALUES.items()]
+    entries += [(f"scaler's {key}", scaler[key], rule) for key, rule in SCALER_VALUES.items() if key in scaler]
+    for name, value, (allowed, what) in entries:
+        if not allowed(value):
+            raise CheckpointError(f"{path}: {name} is {value!r}; it must be {what}")
 
 
 def check_model_weights(expected: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], path) -> None:

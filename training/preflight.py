@@ -20,10 +20,12 @@ from pathlib import Path
 
 from data.common import read_meta
 from data.loader import ensure_dataset
-from errors import UsageError
+from errors import CheckpointError, UsageError
 from model import GPT, GPTConfig
 from storage.checkpoint import (
+    FILES_PER_SAVE,
     LATEST,
+    LOCK,
     SaveSize,
     check_same_tokenizer,
     checkpoint_file_bytes,
@@ -33,7 +35,7 @@ from storage.checkpoint import (
 )
 from training.parallel import PARALLELISMS, REDUCE_DTYPES
 from training.runtime import DIST_BACKENDS, DTYPES, Runtime, available_memory
-from weights.hf import load_weights
+from weights.hf import HUB_NAMES, load_weights
 from weights.load import load_checkpoint
 from weights.lora import check_targets, checkpoint_entries
 
@@ -179,7 +181,9 @@ def check_before_training(cfg, runtime: Runtime) -> tuple[dict | None, Path, dic
     from, the dataset (prepared if missing) and its tokenizer against the checkpoint's, the vocabulary size, and
     memory. Returns (checkpoint or None, data_dir, the dataset's meta, the model's vocab_size)."""
     check_wandb(cfg)
+    check_eval_only(cfg)
     checkpoint = read_checkpoint(cfg)
+    check_resume_keeps_model(cfg, checkpoint)
     shaped = with_weights_shape(cfg, checkpoint)
     if shaped is not cfg:
         shape = " ".join(f"--{key}={getattr(shaped, key)}" for key in SHAPE_FIELDS)
@@ -201,6 +205,43 @@ def checkpoint_path(cfg) -> Path:
         return Path(cfg.out_dir) / LATEST
     path = Path(cfg.init_from)
     return path / LATEST if path.is_dir() and (path / LATEST).is_file() else path
+
+
+def evaluated_weights(cfg, resumed_iter: int | None) -> str:
+    """What an eval_only run evaluated, for its last line: the checkpoint resumed (and its iteration), the .pt
+    file, or the Hugging Face folder or hub name."""
+    if cfg.init_from == "resume":
+        return f"{checkpoint_path(cfg)} (iter {resumed_iter})"
+    path = checkpoint_path(cfg)
+    return f"the weights of {path}" if path.is_file() else f"the Hugging Face GPT-2 {cfg.init_from}"
+
+
+def check_eval_only(cfg) -> None:
+    """eval_only evaluates weights that exist: from scratch it would report a random model's loss."""
+    if not cfg.eval_only or cfg.init_from != "scratch":
+        return
+    latest = Path(cfg.out_dir) / LATEST
+    found = f"{latest} is there: --init_from=resume evaluates it" if latest.is_file() else f"there is no {latest}"
+    raise UsageError(
+        f"eval_only=true with init_from=scratch would evaluate a randomly initialised model ({found}); pass the "
+        f"weights to evaluate: --init_from=resume (out_dir's {LATEST}), a .pt file, an out_dir, a Hugging Face "
+        f"GPT-2 folder, or {', '.join(HUB_NAMES)}"
+    )
+
+
+def check_resume_keeps_model(cfg, checkpoint: dict | None) -> None:
+    """A resume continues the checkpoint's model as it is. A shorter block_size would crop its position table,
+    and the next save would make that permanent: the run could not resume at its own block_size again. A
+    fine-tune (--init_from=PATH) may crop; a longer block_size is check_checkpoint_shape's to refuse."""
+    if cfg.init_from != "resume" or checkpoint is None:
+        return
+    saved = checkpoint["model_config"].get("block_size", cfg.block_size)
+    if isinstance(saved, int) and cfg.block_size < saved:
+        raise UsageError(
+            f"block_size {cfg.block_size} is smaller than the checkpoint's {saved}; a resume keeps the checkpoint's "
+            f"model: resume with --block_size={saved}, or crop it in a fine-tune "
+            f"(--init_from={checkpoint_path(cfg)} --out_dir=ANOTHER_DIR)"
+        )
 
 
 def resolve_init_from(cfg):
@@ -233,10 +274,46 @@ def claim_run_out_dir(cfg, runtime: Runtime, model: GPT, hold: contextlib.ExitSt
     """Rank 0 of a run that will save claims out_dir (checkpoint.claim_out_dir: lock, write probe, free space
     for the first save, no overwriting another run's checkpoints unless asked), held until `hold` closes."""
     if runtime.master and not cfg.eval_only:
+        check_free_inodes(cfg.out_dir, first_save_files(cfg, runtime))
         first_save = first_save_size(cfg, runtime, model)
         continuing, overwrite = cfg.init_from == "resume", cfg.overwrite_out_dir
         claim = claim_out_dir(cfg.out_dir, continuing=continuing, overwrite=overwrite, first_save=first_save)
         hold.enter_context(claim)
+
+
+def first_save_files(cfg, runtime: Runtime) -> int:
+    """The files (inodes) the first save creates: FILES_PER_SAVE checkpoint files; under FSDP also a folder of
+    shards, with a file per rank and its .metadata."""
+    sharded = cfg.parallelism == "fsdp" and runtime.ddp
+    return FILES_PER_SAVE + (runtime.world_size + 2 if sharded else 0)
+
+
+def check_free_inodes(out_dir, save_files: int) -> None:
+    """Refuse an out_dir whose filesystem has fewer free inodes (file entries) than the run creates before its
+    first save is done: the folders still missing, .lock, and the save's files. Out of inodes, a disk with free
+    bytes creates no file, and the free-space check (claim_out_dir) does not see it."""
+    out_dir = Path(out_dir)
+    missing = [folder for folder in (out_dir, *out_dir.parents) if not folder.exists()]
+    existing = next((folder for folder in (out_dir, *out_dir.parents) if folder.exists()), None)
+    if existing is None or not existing.is_dir():
+        return  # claim_out_dir says what is wrong with the path
+    free = free_inodes(existing)
+    need = len(missing) + (not (out_dir / LOCK).exists()) + save_files
+    if free is not None and need > free:
+        raise CheckpointError(
+            f"out_dir {out_dir}: its filesystem has {free:,} free inodes (file entries; `df -i` shows them), and this "
+            f"run creates {need} files by the end of its first save; delete files there or choose another --out_dir"
+        )
+
+
+def free_inodes(folder) -> int | None:
+    """Free inodes for an unprivileged writer on folder's filesystem; None where it cannot be asked, or the
+    filesystem has no fixed number of them (btrfs reports 0 in all)."""
+    try:
+        stats = os.statvfs(folder)
+    except (OSError, AttributeError):
+        return None
+    return stats.f_favail if stats.f_files else None
 
 
 META_BYTES_PER_ID = 16  # a char vocabulary's meta (itos) pickles to at most this much per token id

@@ -5,8 +5,10 @@ subprocesses only where a real process is the point."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
+import pathlib
 import re
 import runpy
 import shutil
@@ -30,6 +32,7 @@ from storage.checkpoint import claim_out_dir
 from train import DEPRECATED, TrainConfig, learning_rate_at
 from training import preflight
 from training.runtime import model_flops_utilization, peak_flops_for
+from weights.hf import export_hf
 from weights.load import load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -230,6 +233,120 @@ def test_a_disk_too_small_for_the_first_save_is_refused_before_training(monkeypa
     line = error_line(capsys)
     assert "has 97.7 KiB free; the first save needs about" in line and "choose another --out_dir" in line, line
     assert not (tmp_path / "out").exists()
+
+
+def statvfs_with_inodes(monkeypatch, files: int, free: int) -> None:
+    """os.statvfs as it is, but with `files` inodes of which `free` are free (all for an unprivileged writer)."""
+    real = os.statvfs
+
+    def statvfs(path):
+        fields = list(real(path))[:10]
+        fields[5:8] = [files, free, free]  # f_files, f_ffree, f_favail
+        return os.statvfs_result(fields)
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+
+
+@pytest.mark.parametrize("files, free", [(1000, 4), (0, 0)], ids=["4-inodes-free", "no-inode-count"])
+def test_a_filesystem_out_of_inodes_is_refused_before_training(monkeypatch, char_data, tmp_path, capsys, files, free):
+    """Free bytes but too few free inodes: no file could be created at the first save, so the run stops before
+    training, in one line. A filesystem that counts no inodes (btrfs reports 0 of 0) is not refused."""
+    statvfs_with_inodes(monkeypatch, files, free)
+    out = tmp_path / "out"
+    code = train.main(tiny_args(char_data, out, "--max_iters=0"))
+    if files == 0:
+        assert code == 0
+        return
+    assert code == 2
+    line = error_line(capsys)
+    assert line == (
+        f"error: out_dir {out}: its filesystem has 4 free inodes (file entries; `df -i` shows them), and this run "
+        "creates 5 files by the end of its first save; delete files there or choose another --out_dir"
+    )
+    assert not out.exists()
+
+
+def test_an_out_dir_that_turns_read_only_mid_run_ends_with_the_save_error(monkeypatch, char_data, tmp_path, capsys):
+    """The save fails (exit 2, its one error line); then .lock cannot be removed either: a warning line, not a
+    PermissionError traceback with exit code 1."""
+    out = tmp_path / "out"
+    real_unlink = pathlib.Path.unlink
+
+    def unlink(path, missing_ok=False):
+        if path.name == ".lock":
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_unlink(path, missing_ok=missing_ok)
+
+    def atomic_save(state, path):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(pathlib.Path, "unlink", unlink)
+    monkeypatch.setattr(checkpoint, "atomic_save", atomic_save)
+    assert train.main(tiny_args(char_data, out, "--max_iters=2", "--eval_interval=2")) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if not line.startswith("INFO: ")]
+    assert lines == [
+        f"WARNING: could not remove {out / '.lock'} (Permission denied [EACCES]); it blocks no later run: the lock "
+        "ends here",
+        f"error: could not save iter 2: {out / 'ckpt-0000002.pt'}: Permission denied [EACCES]; no ckpt.pt yet",
+    ]
+    monkeypatch.undo()
+    with claim_out_dir(out, continuing=False, overwrite=False):  # the lock ended with the run
+        pass
+
+
+def test_a_resume_keeps_the_checkpoints_block_size_and_a_fine_tune_crops_it(trained_out, char_data, tmp_path, capsys):
+    """A resume at a shorter block_size is refused (its next save would crop the checkpoint's position table for
+    good); a fine-tune from the same file crops it, into its own out_dir."""
+    out = tmp_path / "out"
+    shutil.copytree(trained_out, out)
+    before = tree_digest(out)
+    assert train.main(tiny_args(char_data, out, "--init_from=resume", "--block_size=8", "--max_iters=6")) == 2
+    assert error_line(capsys) == (
+        "error: block_size 8 is smaller than the checkpoint's 16; a resume keeps the checkpoint's model: resume "
+        f"with --block_size=16, or crop it in a fine-tune (--init_from={out / 'ckpt.pt'} --out_dir=ANOTHER_DIR)"
+    )
+    assert tree_digest(out) == before
+    tuned = tmp_path / "tuned"
+    args = tiny_args(char_data, tuned, f"--init_from={out / 'ckpt.pt'}", "--block_size=8", "--max_iters=2")
+    assert train.main([*args, "--eval_interval=2"]) == 0
+    assert load_checkpoint(tuned / "ckpt.pt")["model_config"]["block_size"] == 8
+    assert load_checkpoint(out / "ckpt.pt")["model_config"]["block_size"] == 16
+
+
+@pytest.mark.parametrize("source", ["resume", "pt", "hf"])
+def test_eval_only_says_which_weights_it_evaluated(trained_out, char_data, tmp_path, capsys, source):
+    out = tmp_path / "out"
+    shutil.copytree(trained_out, out)
+    init_from = {"resume": "resume", "pt": out / "ckpt-0000002.pt", "hf": tmp_path / "hf"}[source]
+    if source == "hf":
+        export_hf(out / "ckpt.pt", init_from)
+    before = tree_digest(tmp_path)
+    assert train.main(tiny_args(char_data, out, f"--init_from={init_from}", "--eval_only=true")) == 0
+    stdout = capsys.readouterr().out
+    evaluated = {
+        "resume": f"{out / 'ckpt.pt'} (iter 4)",
+        "pt": f"the weights of {init_from}",
+        "hf": f"the Hugging Face GPT-2 {init_from}",
+    }[source]
+    assert stdout.splitlines()[-1] == f"eval_only: evaluated {evaluated}; no checkpoint written", stdout
+    assert len(EVAL_LINE.findall(stdout)) == 1
+    assert tree_digest(tmp_path) == before
+
+
+@pytest.mark.parametrize("init_from", ["scratch", "auto"])
+def test_eval_only_of_a_random_model_is_refused(char_data, tmp_path, capsys, init_from):
+    """init_from=scratch (or auto in an out_dir without ckpt.pt) would evaluate random weights."""
+    out = tmp_path / "out"
+    assert train.main(tiny_args(char_data, out, f"--init_from={init_from}", "--eval_only=true")) == 2
+    line = error_line(capsys)
+    assert line.startswith(
+        f"error: eval_only=true with init_from=scratch would evaluate a randomly initialised model (there is no "
+        f"{out / 'ckpt.pt'}); pass the weights to evaluate: --init_from=resume (out_dir's ckpt.pt), a .pt file, "
+    ), line
+    assert line.endswith("or gpt2, gpt2-medium, gpt2-large, gpt2-xl"), line
+    assert not out.exists()
 
 
 def test_clip_and_step_without_a_loss_scale_clips_steps_and_skips_non_finite_gradients():
