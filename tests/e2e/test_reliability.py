@@ -566,6 +566,30 @@ BAD_INPUTS = [
         expect=("lacks optimizer", "needed to resume"),
     ),
     case(
+        "resume-negative-iter_num",
+        "--init_from=resume",
+        setup=change_checkpoint(lambda state: state.update(iter_num=-5)),
+        expect=("ckpt.pt: iter_num is -5; it must be an int >= 0",),
+    ),
+    case(
+        "resume-nan-best_val_loss",
+        "--init_from=resume",
+        setup=change_checkpoint(lambda state: state.update(best_val_loss=math.nan)),
+        expect=("ckpt.pt: best_val_loss is nan; it must be a number >= 0, or inf before any evaluation",),
+    ),
+    case(
+        "resume-shorter-block",
+        "--init_from=resume",
+        "--block_size=8",
+        setup=copy_checkpoint,
+        expect=("block_size 8 is smaller than the checkpoint's 16", "--block_size=16", "crop it in a fine-tune"),
+    ),
+    case(
+        "eval_only-from-scratch",
+        "--eval_only=true",
+        expect=("eval_only=true with init_from=scratch would evaluate a randomly initialised model", "gpt2-xl"),
+    ),
+    case(
         "resume-no-meta",
         "--init_from=resume",
         setup=change_checkpoint(lambda state: state.pop("meta")),

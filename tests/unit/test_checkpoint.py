@@ -11,6 +11,7 @@ import errno
 import functools
 import io
 import json
+import math
 import os
 import random
 import shutil
@@ -453,6 +454,16 @@ SCHEMA = [  # (change to a good checkpoint, load for resume?, words in the messa
     pytest.param(put("iter_num", "12"), True, ("iter_num is a str, expected int",), id="resume-iter_num-str"),
     pytest.param(put("iter_num", True), True, ("iter_num is a bool",), id="resume-iter_num-bool"),
     pytest.param(put("rng", [{"data": 1}]), True, ("rng is not a list of each rank",), id="resume-bad-rng"),
+    # in range: what a resume continues from
+    pytest.param(put("iter_num", -5), True, ("iter_num is -5; it must be an int >= 0",), id="resume-iter_num-negative"),
+    pytest.param(
+        put("best_val_loss", math.nan), True, ("best_val_loss is nan; it must be a number >= 0",), id="resume-best-nan"
+    ),
+    pytest.param(put("best_val_loss", -math.inf), True, ("best_val_loss is -inf",), id="resume-best-minus-inf"),
+    pytest.param(put_in("scaler", "scale", 0.0), True, ("scaler's scale is 0.0; it must be a finite",), id="scale-0"),
+    pytest.param(put_in("scaler", "scale", math.nan), True, ("scaler's scale is nan",), id="scale-nan"),
+    pytest.param(put_in("scaler", "backoff_factor", 1.5), True, ("backoff_factor is 1.5",), id="backoff-1.5"),
+    pytest.param(put_in("scaler", "growth_interval", 0), True, ("growth_interval is 0",), id="growth_interval-0"),
 ]
 
 
@@ -468,6 +479,18 @@ def test_checkpoint_schema_is_checked_at_load(trained_out, tmp_path, change, res
     assert "\n" not in message and message.startswith(str(path)), message
     for text in expect:
         assert text in message, message
+
+
+@pytest.mark.parametrize("best_val_loss", [math.inf, 0.0, 2])
+def test_a_resume_takes_every_best_val_loss_a_run_can_save(trained_out, tmp_path, best_val_loss):
+    """inf: no evaluation yet; an int: a checkpoint of another program. A fine-tune reads no counters at all."""
+    state = load_checkpoint(trained_out / "ckpt.pt", resume=True)
+    state["best_val_loss"] = best_val_loss
+    torch.save(state, tmp_path / "ckpt.pt")
+    assert load_checkpoint(tmp_path / "ckpt.pt", resume=True)["best_val_loss"] == best_val_loss
+    state["iter_num"] = -1
+    torch.save(state, tmp_path / "ckpt.pt")
+    assert load_checkpoint(tmp_path / "ckpt.pt")["iter_num"] == -1
 
 
 def test_fine_tune_needs_no_optimizer_state(trained_out, tmp_path):
