@@ -92,7 +92,7 @@ class TrainConfig:
     eval_interval: int = 250  # evaluate, and maybe checkpoint, every this many iterations
     eval_iters: int = 20  # batches per split in each evaluation
     eval_on_start: bool = True  # also evaluate before the first step
-    eval_only: bool = False  # evaluate once and exit
+    eval_only: bool = False  # evaluate init_from's weights once and exit (resume, .pt, HF, gpt2; not scratch)
     log_interval: int = 50  # one log line every this many iterations
     always_save_checkpoint: bool = False  # save at every evaluation, not only when val loss improves
     keep_last_k: int = 2  # numbered checkpoints to keep (best.pt is kept as well)
