@@ -23,6 +23,7 @@ Reading a checkpoint into a model (the schema's model_config, nanoGPT's checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -322,8 +323,9 @@ def save_checkpoint(state: dict, out_dir, iter_num: int, keep_last_k: int, is_be
         _rotate(out_dir, keep_last_k)
     except OSError as error:
         if LATEST not in written and numbered.name in written and not replaces_numbered:
-            numbered.unlink(missing_ok=True)  # ckpt.pt stays the latest: no newer numbered file beside it
-            written.remove(numbered.name)
+            with contextlib.suppress(OSError):  # a folder turned read-only keeps it: the line says it was written
+                numbered.unlink(missing_ok=True)  # ckpt.pt stays the latest: no newer numbered file beside it
+                written.remove(numbered.name)
         if LATEST in written:
             outcome = f"{', '.join(written)} were written"
         else:

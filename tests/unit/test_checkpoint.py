@@ -94,6 +94,33 @@ def test_failed_save_is_one_line_and_leaves_previous_checkpoint(monkeypatch, tmp
     assert iter_of(tmp_path / "ckpt.pt") == 1 and iter_of(tmp_path / "best.pt") == 1
 
 
+def test_a_folder_that_turns_read_only_mid_save_is_one_line(monkeypatch, tmp_path):
+    """The numbered file is written, then the folder takes no more changes: the copy fails, and so does removing
+    the numbered file again. One line that says what was written, not the second failure's traceback."""
+    save_checkpoint(small_state(1), tmp_path, 1, keep_last_k=2, is_best=True)
+    real_unlink, read_only = Path.unlink, []
+
+    def copyfile(source, target, **kwargs):
+        read_only.append(True)  # from the first copy on
+        raise PermissionError(errno.EACCES, "Permission denied", str(target))
+
+    def unlink(path, missing_ok=False):
+        if read_only and Path(path).parent == tmp_path:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(checkpoint.shutil, "copyfile", copyfile)
+    monkeypatch.setattr(Path, "unlink", unlink)
+    with pytest.raises(CheckpointError) as error:
+        save_checkpoint(small_state(2), tmp_path, 2, keep_last_k=2, is_best=True)
+    assert str(error.value) == (
+        f"could not save iter 2: {tmp_path / 'best.pt'}: Permission denied [EACCES]; ckpt-0000002.pt written, "
+        "ckpt.pt is unchanged"
+    )
+    monkeypatch.undo()
+    assert iter_of(tmp_path / "ckpt.pt") == 1 and iter_of(tmp_path / "ckpt-0000002.pt") == 2
+
+
 KILL_HARNESS = """
 import os, sys, torch
 from storage.checkpoint import save_checkpoint
