@@ -589,14 +589,32 @@ SCALER_VALUES = {
 }
 
 
+STEP_COUNT = (lambda v: _is_number(v) and 0 <= v < math.inf, "a finite number >= 0")  # AdamW's bias correction
+
+
 def check_resume_values(state: dict, path) -> None:
-    """The counters and the GradScaler's state a resume restores, in range (their types are checked before)."""
+    """The counters, the optimizer's step counts and the GradScaler's state a resume restores, in range (their
+    containers' types are checked before)."""
     scaler = state["scaler"]
     entries = [(key, state[key], rule) for key, rule in RESUME_VALUES.items()]
     entries += [(f"scaler's {key}", scaler[key], rule) for key, rule in SCALER_VALUES.items() if key in scaler]
+    entries += [(f"optimizer's step of parameter {key}", step, STEP_COUNT) for key, step in _step_counts(state)]
     for name, value, (allowed, what) in entries:
         if not allowed(value):
             raise CheckpointError(f"{path}: {name} is {value!r}; it must be {what}")
+
+
+def _step_counts(state: dict) -> list[tuple]:
+    """(parameter id, AdamW step count) in a plain optimizer state dict; none in another layout (FSDP's shards)."""
+    param_states = state["optimizer"].get("state")
+    counts = []
+    for key, param_state in param_states.items() if isinstance(param_states, dict) else ():
+        step = param_state.get("step") if isinstance(param_state, dict) else None
+        if isinstance(step, torch.Tensor) and step.numel() == 1:
+            step = step.item()
+        if step is not None:
+            counts.append((key, step))
+    return counts
 
 
 def check_model_weights(expected: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], path) -> None:

@@ -491,6 +491,12 @@ SCHEMA = [  # (change to a good checkpoint, load for resume?, words in the messa
     pytest.param(put_in("scaler", "scale", math.nan), True, ("scaler's scale is nan",), id="scale-nan"),
     pytest.param(put_in("scaler", "backoff_factor", 1.5), True, ("backoff_factor is 1.5",), id="backoff-1.5"),
     pytest.param(put_in("scaler", "growth_interval", 0), True, ("growth_interval is 0",), id="growth_interval-0"),
+    pytest.param(
+        lambda state: next(iter(state["optimizer"]["state"].values())).update(step=torch.tensor(-3.0)),
+        True,
+        ("optimizer's step of parameter 0 is -3.0; it must be a finite number >= 0",),
+        id="optimizer-step-negative",
+    ),
 ]
 
 
