@@ -315,13 +315,31 @@ def test_a_resume_keeps_the_checkpoints_block_size_and_a_fine_tune_crops_it(trai
     assert load_checkpoint(out / "ckpt.pt")["model_config"]["block_size"] == 16
 
 
-@pytest.mark.parametrize("source", ["resume", "pt", "hf"])
-def test_eval_only_says_which_weights_it_evaluated(trained_out, char_data, tmp_path, capsys, source):
+def cached_hub_model(monkeypatch, cache, name: str, checkpoint) -> None:
+    """The Hugging Face cache in `cache`, offline, holding `checkpoint` exported as the hub model `name`."""
+    from huggingface_hub import constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (cache / f"models--{name}" / "refs").mkdir(parents=True)
+    (cache / f"models--{name}" / "refs" / "main").write_text(commit)
+    export_hf(checkpoint, cache / f"models--{name}" / "snapshots" / commit)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # read when huggingface_hub was imported
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+
+
+@pytest.mark.parametrize("source", ["resume", "pt", "hf", "gpt2"])
+def test_eval_only_says_which_weights_it_evaluated(monkeypatch, trained_out, char_data, tmp_path, capsys, source):
+    """eval_only from out_dir's checkpoint, a .pt, a Hugging Face folder, or a hub name (nanoGPT's eval_gpt2
+    configs: eval_only with init_from='gpt2'); the last line names it."""
     out = tmp_path / "out"
     shutil.copytree(trained_out, out)
-    init_from = {"resume": "resume", "pt": out / "ckpt-0000002.pt", "hf": tmp_path / "hf"}[source]
+    init_from = {"resume": "resume", "pt": out / "ckpt-0000002.pt", "hf": tmp_path / "hf", "gpt2": "gpt2"}[source]
     if source == "hf":
         export_hf(out / "ckpt.pt", init_from)
+    elif source == "gpt2":
+        cached_hub_model(monkeypatch, tmp_path / "hub", "gpt2", out / "ckpt.pt")
     before = tree_digest(tmp_path)
     assert train.main(tiny_args(char_data, out, f"--init_from={init_from}", "--eval_only=true")) == 0
     stdout = capsys.readouterr().out
@@ -329,6 +347,7 @@ def test_eval_only_says_which_weights_it_evaluated(trained_out, char_data, tmp_p
         "resume": f"{out / 'ckpt.pt'} (iter 4)",
         "pt": f"the weights of {init_from}",
         "hf": f"the Hugging Face GPT-2 {init_from}",
+        "gpt2": "the Hugging Face GPT-2 gpt2",
     }[source]
     assert stdout.splitlines()[-1] == f"eval_only: evaluated {evaluated}; no checkpoint written", stdout
     assert len(EVAL_LINE.findall(stdout)) == 1
