@@ -177,9 +177,10 @@ def check_packing_and_lora(cfg) -> None:
 
 
 def check_before_training(cfg, runtime: Runtime) -> tuple[dict | None, Path, dict, int]:
-    """Everything that can be checked before the model is built, in this order: wandb, the checkpoint to start
-    from, the dataset (prepared if missing) and its tokenizer against the checkpoint's, the vocabulary size, and
-    memory. Returns (checkpoint or None, data_dir, the dataset's meta, the model's vocab_size)."""
+    """Everything that can be checked before the model is built, in this order: wandb, that eval_only has
+    weights to evaluate, the checkpoint to start from (a resume keeps its block_size), the dataset (prepared if
+    missing) and its tokenizer against the checkpoint's, the vocabulary size, and memory. Returns (checkpoint or
+    None, data_dir, the dataset's meta, the model's vocab_size)."""
     check_wandb(cfg)
     check_eval_only(cfg)
     checkpoint = read_checkpoint(cfg)
@@ -223,8 +224,8 @@ def check_eval_only(cfg) -> None:
     latest = Path(cfg.out_dir) / LATEST
     found = f"{latest} is there: --init_from=resume evaluates it" if latest.is_file() else f"there is no {latest}"
     raise UsageError(
-        f"eval_only=true with init_from=scratch would evaluate a randomly initialised model ({found}); pass the "
-        f"weights to evaluate: --init_from=resume (out_dir's {LATEST}), a .pt file, an out_dir, a Hugging Face "
+        f"eval_only=true with init_from=scratch would evaluate a randomly initialised model ({found}); name the "
+        f"weights to evaluate with --init_from: resume (out_dir's {LATEST}), a .pt file, an out_dir, a Hugging Face "
         f"GPT-2 folder, or {', '.join(HUB_NAMES)}"
     )
 
@@ -272,7 +273,8 @@ def with_weights_shape(cfg, checkpoint: dict | None):
 
 def claim_run_out_dir(cfg, runtime: Runtime, model: GPT, hold: contextlib.ExitStack) -> None:
     """Rank 0 of a run that will save claims out_dir (checkpoint.claim_out_dir: lock, write probe, free space
-    for the first save, no overwriting another run's checkpoints unless asked), held until `hold` closes."""
+    for the first save, no overwriting another run's checkpoints unless asked), held until `hold` closes; free
+    inodes for that save are counted first."""
     if runtime.master and not cfg.eval_only:
         check_free_inodes(cfg.out_dir, first_save_files(cfg, runtime))
         first_save = first_save_size(cfg, runtime, model)

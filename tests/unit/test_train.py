@@ -362,7 +362,7 @@ def test_eval_only_of_a_random_model_is_refused(char_data, tmp_path, capsys, ini
     line = error_line(capsys)
     assert line.startswith(
         f"error: eval_only=true with init_from=scratch would evaluate a randomly initialised model (there is no "
-        f"{out / 'ckpt.pt'}); pass the weights to evaluate: --init_from=resume (out_dir's ckpt.pt), a .pt file, "
+        f"{out / 'ckpt.pt'}); name the weights to evaluate with --init_from: resume (out_dir's ckpt.pt), a .pt file, "
     ), line
     assert line.endswith("or gpt2, gpt2-medium, gpt2-large, gpt2-xl"), line
     assert not out.exists()
