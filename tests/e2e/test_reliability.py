@@ -543,6 +543,13 @@ BAD_INPUTS = [
         ),
     ),
     case(
+        "finetune-other-shape-in-a-config-file",
+        "{tmp}/c.py",
+        "--init_from={tmp}/source.pt",
+        setup=chain(copy_source, write("c.py", "rope = True\n")),
+        expect=("--rope=True conflicts with the checkpoint's rope=False (", "source.pt); leave it out"),
+    ),
+    case(
         "resume-other-vocab",
         "--init_from=resume",
         "--vocab_size=128",
