@@ -64,6 +64,27 @@ def load_config(defaults, argv: list[str], deprecated: dict | None = None):
     """Return a new dataclass instance: `defaults` filled from the config files, then the --key=value
     overrides in argv (argv excludes the program name). `deprecated` maps an old key to
     (new_key, convert); convert gets the raw value and returns the new key's value."""
+    config, _, notices = _load(defaults, argv, deprecated)
+    _warn(notices)
+    return config
+
+
+def load_config_and_explicit_keys(defaults, argv: list[str], deprecated: dict | None = None):
+    """load_config's instance, and the frozenset of the fields that the config files and overrides set (an alias
+    or a deprecated key counts as the field it sets): a value the user chose, even one equal to its default, is
+    told apart from a default (train.py: a checkpoint's shape fills only the model settings the user left out)."""
+    config, explicit, notices = _load(defaults, argv, deprecated)
+    _warn(notices)
+    return config, explicit
+
+
+def _warn(notices: list[str]) -> None:
+    for message in notices:  # stacklevel 3: the line that called load_config, so Python shows it by default
+        warnings.warn(message, DeprecationWarning, stacklevel=3)
+
+
+def _load(defaults, argv: list[str], deprecated: dict | None) -> tuple[object, frozenset[str], list[str]]:
+    """(the filled instance, the fields set, the deprecation notices to warn of)."""
     if not dataclasses.is_dataclass(defaults) or isinstance(defaults, type):
         raise TypeError(f"defaults must be a dataclass instance, got {defaults!r}")
     if "-h" in argv or "--help" in argv:
@@ -71,7 +92,7 @@ def load_config(defaults, argv: list[str], deprecated: dict | None = None):
         raise SystemExit(0)
     deprecated = deprecated or {}
     types_ = _field_types(defaults)
-    changes, notices = {}, []  # notices: deprecation messages, warned below so they point at our caller
+    changes, notices = {}, []  # notices: deprecation messages, warned by the caller of _load
 
     def set_key(key, value, source, from_text):
         """Check one value and record it; source is the config file, or None for the command line."""
@@ -103,10 +124,8 @@ def load_config(defaults, argv: list[str], deprecated: dict | None = None):
     for key, text in overrides:
         set_key(key, text, None, from_text=True)
 
-    for message in notices:
-        warnings.warn(message, DeprecationWarning, stacklevel=2)
     try:
-        return dataclasses.replace(defaults, **changes)
+        return dataclasses.replace(defaults, **changes), frozenset(changes), notices
     except ValueError as e:  # the dataclass's own __post_init__ validation
         raise ConfigError(str(e)) from None
 

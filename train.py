@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 import generation  # noqa: F401  (registers paged_attention: a run may name it, for its checkpoint's sampling)
 import kernels  # noqa: F401  (registers flash-attn 3/4, flex_attention and auto's table)
-from configurator import load_config, parse_bool
+from configurator import load_config_and_explicit_keys, parse_bool
 from data.loader import Batches
 from errors import CheckpointError, ConfigError, DataError, PeerFailed, UsageError, stream_failure
 from model import GPT, GPTConfig
@@ -59,7 +59,6 @@ from training.preflight import (
     claim_run_out_dir,
     evaluated_weights,
     resolve_init_from,
-    with_weights_shape,
 )
 from training.profiling import StepProfiler
 from training.runtime import (
@@ -192,8 +191,9 @@ DEPRECATED = {  # old key: (new key, old value -> new value); configurator warns
 
 def build_model(cfg: TrainConfig, vocab_size: int, checkpoint: dict | None, *, shape_only: bool = False) -> GPT:
     """The model to train: fresh, or with a checkpoint's weights. shape_only: on the meta device, without
-    weights or memory (the ranks of an FSDP run but 0, which get rank 0's weights as the model is sharded)."""
-    model_config = with_weights_shape(cfg, checkpoint).model_config(vocab_size=vocab_size)
+    weights or memory (the ranks of an FSDP run but 0, which get rank 0's weights as the model is sharded).
+    cfg has the checkpoint's shape already (check_before_training)."""
+    model_config = cfg.model_config(vocab_size=vocab_size)
     if checkpoint is not None:
         check_checkpoint_shape(model_config, checkpoint["model_config"])
     if shape_only:
@@ -411,7 +411,11 @@ def clip_and_step(
 
 
 def setup_or_resume(
-    cfg: TrainConfig, runtime: Runtime, hold: contextlib.ExitStack, startup: StopOnSignals | None = None
+    cfg: TrainConfig,
+    runtime: Runtime,
+    hold: contextlib.ExitStack,
+    startup: StopOnSignals | None = None,
+    explicit: frozenset[str] = frozenset(),
 ) -> tuple[TrainState, Batches, dict]:
     """Data, model and optimizer state, from scratch or from a checkpoint; prints the run's header.
     Everything a user can get wrong is checked first, on every rank, and the ranks stop together if one
@@ -419,7 +423,7 @@ def setup_or_resume(
     raises). Returns (state, batches, the dataset's meta)."""
     error = None
     try:
-        checkpoint, data_dir, meta, vocab_size = check_before_training(cfg, runtime)
+        cfg, checkpoint, data_dir, meta, vocab_size = check_before_training(cfg, runtime, explicit)
         batches = Batches(
             data_dir,
             cfg.batch_size,
@@ -672,11 +676,12 @@ def save_and_exit_on_signal(state: TrainState, batches: Batches, meta: dict) -> 
 # The loop
 
 
-def train(cfg: TrainConfig) -> int:
+def train(cfg: TrainConfig, explicit: frozenset[str] = frozenset()) -> int:
     """Train until max_iters (exit code 0; 1 if the last state is not finite), a signal (saves, then 0) or
     max_bad_steps non-finite steps in a row (1). out_dir is this run's alone until it returns. A signal before
     the first step raises Stopped, once out_dir is let go of again (and removed, if the run created it and left
-    it empty). The last line says what is on disk."""
+    it empty). The last line says what is on disk. explicit: the settings the user set (configurator's
+    load_config_and_explicit_keys); the model settings left out take a checkpoint's shape."""
     with StopOnSignals() as startup, contextlib.ExitStack() as hold:
         try:
             cfg = resolve_init_from(cfg)
@@ -692,8 +697,8 @@ def train(cfg: TrainConfig) -> int:
             # last-resort handler prints them where logging is not set up), so they say errors only
             level = logging.INFO if runtime.master else logging.ERROR
             logging.basicConfig(level=level, format="%(levelname)s: %(message)s", force=True)
-            state, batches, meta = setup_or_resume(cfg, runtime, hold, startup)
-            wandb = start_wandb(cfg) if cfg.wandb_log and runtime.master else None
+            state, batches, meta = setup_or_resume(cfg, runtime, hold, startup, explicit)
+            wandb = start_wandb(state.cfg) if cfg.wandb_log and runtime.master else None
         except BaseException:
             startup.disarm()  # what `hold` lets go of is not cut short by another signal
             raise
@@ -739,8 +744,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     cfg = None
     try:
-        cfg = load_config(TrainConfig(), argv, deprecated=DEPRECATED)
-        code = train(cfg)
+        cfg, explicit = load_config_and_explicit_keys(TrainConfig(), argv, deprecated=DEPRECATED)
+        code = train(cfg, explicit)
         lost = stream_failure(sys.stdout)
         if lost is not None and lost.errno != errno.EPIPE:  # `| head` is a choice; a full disk is news
             emit(

@@ -16,11 +16,7 @@ batch_size = 1
 gradient_accumulation_steps = 32
 block_size = 1024
 
-# the model shape must match the checkpoint's
-n_layer = 12
-n_head = 12
-n_embd = 768
-bias = True
+# the model's shape (12 layers x 768, biases, its vocabulary) is the checkpoint's
 dropout = 0.0
 
 lora_rank = 8

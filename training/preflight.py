@@ -176,27 +176,24 @@ def check_packing_and_lora(cfg) -> None:
         check_targets(cfg.model_config(), cfg.lora_targets)
 
 
-def check_before_training(cfg, runtime: Runtime) -> tuple[dict | None, Path, dict, int]:
+def check_before_training(cfg, runtime: Runtime, explicit: frozenset[str] = frozenset()):
     """Everything that can be checked before the model is built, in this order: wandb, that eval_only has
-    weights to evaluate, the checkpoint to start from (a resume keeps its block_size), the dataset (prepared if
-    missing) and its tokenizer against the checkpoint's, the vocabulary size, and memory. Returns (checkpoint or
-    None, data_dir, the dataset's meta, the model's vocab_size)."""
+    weights to evaluate, the checkpoint to start from and the model shape it gives (with_weights_shape;
+    `explicit`: the settings the user set; a resume keeps its block_size), the dataset (prepared if missing) and
+    its tokenizer against the checkpoint's, the vocabulary size, and memory. Returns (cfg with the checkpoint's
+    shape, checkpoint or None, data_dir, the dataset's meta, the model's vocab_size)."""
     check_wandb(cfg)
     check_eval_only(cfg)
     checkpoint = read_checkpoint(cfg)
+    cfg = with_weights_shape(cfg, checkpoint, explicit)  # the run's header shows the shape taken
     check_resume_keeps_model(cfg, checkpoint)
-    shaped = with_weights_shape(cfg, checkpoint)
-    if shaped is not cfg:
-        shape = " ".join(f"--{key}={getattr(shaped, key)}" for key in SHAPE_FIELDS)
-        log.info(f"init_from={cfg.init_from}: the model's shape is its weights' ({shape}; resuming needs the same)")
-        cfg = shaped
     data_dir = ensure_dataset(cfg.dataset, cfg.data_dir, master=runtime.master, distributed=runtime.ddp)
     meta = read_meta(data_dir)
     if checkpoint is not None:
         check_same_tokenizer(checkpoint["meta"], meta, checkpoint_path(cfg), data_dir)
     vocab_size = model_vocab_size(cfg, meta)
     check_memory(cfg, vocab_size, runtime)
-    return checkpoint, data_dir, meta, vocab_size
+    return cfg, checkpoint, data_dir, meta, vocab_size
 
 
 def checkpoint_path(cfg) -> Path:
@@ -263,12 +260,44 @@ def read_checkpoint(cfg) -> dict | None:
     return load_weights(cfg.init_from, also=("scratch", "resume", "auto"))[0]
 
 
-def with_weights_shape(cfg, checkpoint: dict | None):
-    """cfg with the model shape of a Hugging Face checkpoint's weights (as nanoGPT's init_from=gpt2 does), so
-    that --init_from=gpt2 needs no shape settings; other checkpoints must match cfg (check_checkpoint_shape)."""
-    if checkpoint is None or checkpoint.get("source") != "huggingface":
+def with_weights_shape(cfg, checkpoint: dict | None, explicit: frozenset[str] = frozenset()):
+    """cfg with the model shape of the checkpoint's weights, as nanoGPT's resume and init_from=gpt2 take it, so
+    that --init_from needs no shape settings: every SHAPE_FIELDS setting the user did not set (`explicit`: those
+    of the config files and --key=value), and block_size too (a fine-tune may set a smaller one, which crops the
+    weights' context; a resume may not: check_resume_keeps_model). A shape setting the user set that the weights
+    do not have is refused."""
+    if checkpoint is None:
         return cfg
-    return dataclasses.replace(cfg, **{key: checkpoint["model_config"][key] for key in SHAPE_FIELDS})
+    saved = GPTConfig(**checkpoint["model_config"])  # a checkpoint of an older version: the fields it lacks at defaults
+    conflicts = shape_conflicts(cfg, saved, explicit)
+    if conflicts:
+        (mine, theirs), *others = conflicts
+        also = "".join(f", {other} with its {its}" for other, its in others)
+        raise UsageError(
+            f"{mine} conflicts with the checkpoint's {theirs}{also} ({checkpoint_path(cfg)}); "
+            f"leave {'them' if others else 'it'} out to take the checkpoint's shape"
+        )
+    taken = [key for key in (*SHAPE_FIELDS, "block_size") if key not in explicit]
+    try:
+        return dataclasses.replace(cfg, **{key: getattr(saved, key) for key in taken})
+    except ValueError as error:  # a setting that does not go with the weights' shape (context_parallel, LoRA, ...)
+        raise UsageError(f"with the model shape of {checkpoint_path(cfg)}: {error}") from None
+
+
+def shape_conflicts(cfg, saved: GPTConfig, explicit: frozenset[str]) -> list[tuple[str, str]]:
+    """("--name=value", "name=the checkpoint's value") for each shape setting the user set that makes another
+    model than the saved one; compared as the model sees them (n_kv_head=None and n_kv_head=n_head are one)."""
+    given = {key: getattr(cfg, key) for key in SHAPE_FIELDS if key in explicit}
+    try:
+        mine = dataclasses.replace(saved, **given)
+        differs = {key for key, attr in SHAPE_FIELDS.items() if getattr(mine, attr) != getattr(saved, attr)}
+    except ValueError:  # no model at all (n_head=3 on the weights' n_embd=32): compare the values as set
+        differs = {key for key, value in given.items() if value != getattr(saved, key)}
+    return [
+        (f"--{key}={value}", f"{key}={getattr(saved, SHAPE_FIELDS[key])}")
+        for key, value in given.items()
+        if key in differs
+    ]
 
 
 def claim_run_out_dir(cfg, runtime: Runtime, model: GPT, hold: contextlib.ExitStack) -> None:
@@ -371,7 +400,7 @@ def check_checkpoint_shape(model_config: GPTConfig, saved: dict) -> None:
     if differ:
         raise UsageError(
             f"the checkpoint's model has another shape: {', '.join(differ)}; "
-            f"use the same model settings or another out_dir"
+            f"build the model with the checkpoint's shape (with_weights_shape)"
         )
     if model_config.block_size > saved["block_size"]:
         raise UsageError(f"block_size {model_config.block_size} is larger than the checkpoint's {saved['block_size']}")

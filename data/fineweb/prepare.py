@@ -1,19 +1,21 @@
 """FineWeb-Edu, the 10B-token sample (HuggingFaceFW/fineweb-edu, config sample-10BT), as GPT-2 tokens.
 
-Run from the repo root:
-    python -m data.fineweb.prepare [--num_proc 8]              # downloads into the HF cache (large)
-    python -m data.fineweb.prepare --hf_config sample-100BT    # a bigger sample
-    python -m data.fineweb.prepare --dataset_path DIR_OR_FILE  # a save_to_disk folder or json/parquet/txt
+Run from anywhere (`python -m data.fineweb.prepare` from the repo root is the same):
+    python data/fineweb/prepare.py [--num_proc 8]              # downloads into the HF cache (large)
+    python data/fineweb/prepare.py --hf_config sample-100BT    # a bigger sample
+    python data/fineweb/prepare.py --dataset_path DIR_OR_FILE  # a save_to_disk folder or json/parquet/txt
 Options: --out_dir DIR (default: this folder), --val_fraction F (default 0.0005) or --val_size N documents,
 --hf_name, --text_column. Writes train.bin, val.bin (uint16 ids) and meta.json.
 """
 
+import os
 import sys
 from pathlib import Path
 
-if not __package__:  # `python data/fineweb/prepare.py`: the repo's packages are importable only with -m
-    print("error: run it from the repo root as: python -m data.fineweb.prepare", file=sys.stderr)
-    sys.exit(2)
+if __name__ == "__main__" and not __package__:  # run by its path (nanoGPT's way): again as the module
+    repo = str(Path(__file__).resolve().parents[2])
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH"))))
+    os.execv(sys.executable, [sys.executable, "-m", "data.fineweb.prepare", *sys.argv[1:]])
 
 from errors import as_command
 

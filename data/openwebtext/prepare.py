@@ -1,18 +1,20 @@
 """OpenWebText (Skylion007/openwebtext on the Hugging Face hub) as GPT-2 tokens, as in nanoGPT.
 
-Run from the repo root:
-    python -m data.openwebtext.prepare [--num_proc 8]              # downloads into the HF cache (large)
-    python -m data.openwebtext.prepare --dataset_path DIR_OR_FILE  # a save_to_disk folder or json/parquet/txt
+Run from anywhere (`python -m data.openwebtext.prepare` from the repo root is the same):
+    python data/openwebtext/prepare.py [--num_proc 8]              # downloads into the HF cache (large)
+    python data/openwebtext/prepare.py --dataset_path DIR_OR_FILE  # a save_to_disk folder or json/parquet/txt
 Options: --out_dir DIR (default: this folder), --val_fraction F (default 0.0005) or --val_size N documents,
 --hf_name/--hf_config, --text_column. Writes train.bin, val.bin (uint16 ids) and meta.json.
 """
 
+import os
 import sys
 from pathlib import Path
 
-if not __package__:  # `python data/openwebtext/prepare.py`: the repo's packages are importable only with -m
-    print("error: run it from the repo root as: python -m data.openwebtext.prepare", file=sys.stderr)
-    sys.exit(2)
+if __name__ == "__main__" and not __package__:  # run by its path (nanoGPT's way): again as the module
+    repo = str(Path(__file__).resolve().parents[2])
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH"))))
+    os.execv(sys.executable, [sys.executable, "-m", "data.openwebtext.prepare", *sys.argv[1:]])
 
 from errors import as_command
 

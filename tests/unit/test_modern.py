@@ -305,11 +305,14 @@ def test_training_with_all_switches_lowers_the_loss_and_its_checkpoint_keeps_the
     assert {k: state["model_config"][k] for k in ALL} == ALL
     gpt, *_ = sample.load_model(sample.SampleConfig(checkpoint=str(out / "ckpt.pt")), torch.device("cpu"))
     assert gpt.config.rope and gpt.rotary is not None and "wpe" not in gpt.transformer
-    # Resuming needs the same model; without the switches it is one line naming them
-    code, _, err = run([*tiny_args(char_data, out, "--init_from=resume", "--max_iters=25"), "--n_head=4"])
-    assert code == 2 and err.count("\n") == 1 and err.startswith("error: the checkpoint's model has another shape")
-    assert "rope=True (config says False)" in err and "n_kv_head=2 (config says 4)" in err, err
-    code, _, err = run([*args, "--init_from=resume", "--max_iters=25", "--eval_interval=25"])
+    # Resuming takes the checkpoint's model: a switch set against it is one line naming both values
+    resume = [*tiny_args(char_data, out, "--init_from=resume", "--eval_interval=1"), "--n_head=4"]
+    code, _, err = run([*resume, "--max_iters=25", "--rope=false", "--n_kv_head=4"])
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: --rope=False conflicts with the checkpoint's rope=True, --n_kv_head=4 with its "), err
+    code, _, err = run([*resume, "--max_iters=25"])  # the switches left out: the checkpoint's
+    assert code == 0, err
+    code, _, err = run([*args, "--init_from=resume", "--max_iters=26", "--eval_interval=26"])
     assert code == 0, err
 
 

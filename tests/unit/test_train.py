@@ -21,7 +21,7 @@ import torch
 import torch._dynamo
 
 import train
-from configurator import load_config
+from configurator import load_config, load_config_and_explicit_keys
 from data import common, loader
 from data.common import prepare_text
 from errors import DataError
@@ -450,6 +450,22 @@ def config_files():
 def test_every_config_file_loads(path):
     cfg = load_config(TrainConfig(), [str(path)])
     assert cfg != TrainConfig() or path.name == "train_shakespeare_char.py"
+
+
+@pytest.mark.parametrize("size", ["", "_medium", "_large", "_xl"])
+def test_nanogpts_eval_configs_evaluate_gpt2_on_openwebtext(size):
+    """config/eval_gpt2*.py as nanoGPT's: GPT-2 of that size, evaluated once over 500 batches of 8, no wandb;
+    the shape settings are left to the weights."""
+    cfg, explicit = load_config_and_explicit_keys(TrainConfig(), [str(REPO / "config" / f"eval_gpt2{size}.py")])
+    assert cfg == TrainConfig(
+        batch_size=8,
+        eval_iters=500,
+        eval_only=True,
+        init_from=f"gpt2{size.replace('_', '-')}",
+        dataset="openwebtext",
+        wandb_log=False,
+    )
+    assert not explicit & {"n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size"}
 
 
 # ---- learning rate schedule ----
