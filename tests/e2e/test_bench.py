@@ -188,11 +188,6 @@ def test_step_phases_time_train_pys_own_step_phase_by_phase(runs):
         assert row["rank_wall_ms"] == f"{row['wall_ms']:.2f}" and row["ranks"] == 1
 
 
-def test_benches_run_as_modules_of_the_repo_root_without_editing_sys_path():
-    for path in sorted((ROOT / "bench").glob("*.py")):
-        assert "sys.path" not in path.read_text(), f"{path.name} edits sys.path; run it as python -m bench.X"
-
-
 def test_every_bench_takes_its_models_from_one_place():
     assert report.model_shape(quick=True) == report.TINY == {"n_layer": 2, "n_head": 2, "n_embd": 64}
     assert report.model_shape(quick=False) == report.GPT2_124M

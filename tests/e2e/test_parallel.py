@@ -406,16 +406,21 @@ def test_fsdp_keeps_gathered_weights_for_backward_only_when_asked(monkeypatch, g
 
 
 def test_fsdp_gathers_runs_of_blocks_as_one_unit_with_the_same_loss_and_gradients(gloo_world_of_one):
-    """fsdp_blocks_per_unit=2 over 3 blocks: blocks 0 and 1 are one FSDP unit (one state, one all-gather of both
-    blocks' weights), block 2 its own; the loss and gradients are those of one unit per block."""
+    """fsdp_blocks_per_unit=2 over 3 blocks: blocks 0 and 1 are one FSDP unit (gathering block 0 gathers block 1's
+    weights too), block 2 its own; the loss and gradients are those of one unit per block."""
+    from torch.distributed.tensor import DTensor
+
     runtime = Runtime(torch.device("cpu"), torch.float32, world_size=2)  # shards; one process here
     idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     results = {}
     for blocks_per_unit in (1, 2):
         torch.manual_seed(0)
         model = parallel.place_model(GPT(tiny_config(n_layer=3)), runtime, "fsdp", blocks_per_unit=blocks_per_unit)
-        states = [block._get_fsdp_state() for block in model.transformer.h]
-        assert (states[0] is states[1], states[1] is states[2]) == (blocks_per_unit == 2, False)
+        blocks = model.transformer.h
+        blocks[0].unshard()  # FSDPModule's public all-gather: the unit of block 0, and nothing else
+        gathered = [not isinstance(block.attn.c_attn.weight, DTensor) for block in blocks]
+        assert gathered == [True, blocks_per_unit == 2, False]
+        blocks[0].reshard()
         _, loss = model(idx, idx)
         loss.backward()
         results[blocks_per_unit] = (loss.detach(), [parallel.replicated(p.grad) for p in model.parameters()])
