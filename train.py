@@ -6,9 +6,9 @@ Train a GPT on one CPU or GPU, or on many GPUs with DDP.
     torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py
     python train.py --help                                 # every setting, its default and what it does
 
-Every setting lives in TrainConfig below; config files and --key=value overrides only fill it. Below it: the
-run, train(); its loop; one optimizer step, train_step(), which bench/bench_train.py times as it is; the helpers.
-One step reads three files: this one, training/parallel.py and training/progress.py.
+Every setting lives in TrainConfig below; config files and --key=value overrides only fill it. Then the run,
+train(), its loop, train_loop(), and one optimizer step, train_step() (bench/bench_train.py times it as it is).
+One step reads three files: this one, training/parallel.py and training/progress.py; a run's end, training/ending.py.
 """
 
 from __future__ import annotations
