@@ -153,8 +153,8 @@ def nothing_saved(state: TrainState) -> str:
 # main's table: how a run that failed ends
 
 
-RUN_FAILURES = (PeerFailed, ConfigError, DataError, CheckpointError, UsageError, KeyboardInterrupt)
-RUN_FAILURES += (torch.cuda.OutOfMemoryError,)
+# what main() turns into an exit code and one line; anything else is a bug, and its traceback is the report
+RUN_FAILURES = (ConfigError, DataError, CheckpointError, UsageError, KeyboardInterrupt, torch.cuda.OutOfMemoryError)
 
 
 def exit_for(error: BaseException, cfg) -> tuple[int, str]:
