@@ -6,8 +6,9 @@ Train a GPT on one CPU or GPU, or on many GPUs with DDP.
     torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py
     python train.py --help                                 # every setting, its default and what it does
 
-Every setting lives in TrainConfig below; config files and --key=value overrides only fill it. The loop is
-train(); one optimizer step is train_step(), which bench/bench_train.py times as it is.
+Every setting lives in TrainConfig below; config files and --key=value overrides only fill it. Then the run,
+train(), its loop, train_loop(), and one optimizer step, train_step() (bench/bench_train.py times it as it is).
+One step reads three files: this one, training/parallel.py and training/progress.py; a run's end, training/ending.py.
 """
 
 from __future__ import annotations
@@ -21,14 +22,10 @@ if __name__ == "__main__":  # before torch's seconds of importing: see as_comman
 
 import contextlib
 import dataclasses
-import errno
 import logging
 import math
-import textwrap
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -37,19 +34,10 @@ import generation  # noqa: F401  (registers paged_attention: a run may name it, 
 import kernels  # noqa: F401  (registers flash-attn 3/4, flex_attention and auto's table)
 from configurator import load_config_and_explicit_keys, parse_bool
 from data.loader import Batches
-from errors import CheckpointError, ConfigError, DataError, PeerFailed, UsageError, stream_failure
+from errors import CheckpointError, DataError, UsageError
 from model import GPT, GPTConfig
-from storage.checkpoint import BEST, LATEST, checkpoint_names
+from training import ending, parallel
 from training.context import context_shard, use_context_parallel_attention
-from training.parallel import (
-    grad_scaler,
-    gradient_sync,
-    local_optimizer,
-    place_model,
-    replicated,
-    shard_optimizer,
-    wrap_model,
-)
 from training.preflight import (
     CUDA_GRAPH_MODES,
     check_before_training,
@@ -57,24 +45,18 @@ from training.preflight import (
     check_config,
     checkpoint_path,
     claim_run_out_dir,
-    evaluated_weights,
     resolve_init_from,
 )
 from training.profiling import StepProfiler
+from training.progress import StepReport, StopFlags, Throughput, TrainState, log_step, print_header, start_wandb
 from training.runtime import (
     Runtime,
-    StopFlags,
     StopOnSignals,
-    Stopped,
     agree,
     emit,
     leave_process_group,
-    model_flops_utilization,
     naming_the_failed_rank,
-    peak_flops_for,
-    peak_memory_gib,
     setup_runtime,
-    synchronize,
 )
 from training.state import restore_progress, write_checkpoint
 from weights.lora import load_model_weights, setup_lora
@@ -186,27 +168,121 @@ DEPRECATED = {  # old key: (new key, old value -> new value); configurator warns
 
 
 # ----------------------------------------------------------------------------------------------
-# Model and checkpoints
+# The run, its loop and one step
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, checkpoint: dict | None, *, shape_only: bool = False) -> GPT:
-    """The model to train: fresh, or with a checkpoint's weights. shape_only: on the meta device, without
-    weights or memory (the ranks of an FSDP run but 0, which get rank 0's weights as the model is sharded).
-    cfg has the checkpoint's shape already (check_before_training)."""
-    model_config = cfg.model_config(vocab_size=vocab_size)
-    if checkpoint is not None:
-        check_checkpoint_shape(model_config, checkpoint["model_config"])
-    if shape_only:
-        with torch.device("meta"):
-            return GPT(model_config)  # a checkpoint's longer context is cropped to this block_size on rank 0
-    if checkpoint is None:
-        return setup_lora(GPT(model_config), cfg, None, "")
-    saved = checkpoint["model_config"]
-    model = GPT(dataclasses.replace(model_config, block_size=saved["block_size"]))
-    load_model_weights(model, checkpoint, checkpoint_path(cfg), keep_adapters=cfg.init_from == "resume")
-    if cfg.block_size < saved["block_size"]:
-        model.crop_block_size(cfg.block_size)
-    return setup_lora(model, cfg, checkpoint, checkpoint_path(cfg))
+def train(cfg: TrainConfig, explicit: frozenset[str] = frozenset()) -> int:
+    """Train until max_iters (exit code 0; 1 if the last state is not finite), a signal (saves, then 0) or
+    max_bad_steps non-finite steps in a row (1). out_dir is this run's alone until it returns. A signal before
+    the first step raises Stopped, once out_dir is let go of again (and removed, if the run created it and left
+    it empty). The last line says what is on disk. explicit: the settings the user set (configurator's
+    load_config_and_explicit_keys); the model settings left out take a checkpoint's shape."""
+    with StopOnSignals() as startup, contextlib.ExitStack() as hold:
+        try:
+            cfg = resolve_init_from(cfg)
+            runtime = setup_runtime(
+                cfg.device,
+                cfg.dtype,
+                cfg.dist_backend,
+                cfg.gradient_accumulation_steps,
+                timeout_s=cfg.dist_timeout_s,
+                context_parallel=cfg.context_parallel,
+            )
+            # rank 0 speaks for the job; the other ranks' warnings would repeat its own, unprefixed (Python's
+            # last-resort handler prints them where logging is not set up), so they say errors only
+            level = logging.INFO if runtime.master else logging.ERROR
+            logging.basicConfig(level=level, format="%(levelname)s: %(message)s", force=True)
+            state, batches, meta = setup_or_resume(cfg, runtime, hold, startup, explicit)
+            wandb = start_wandb(state.cfg) if cfg.wandb_log and runtime.master else None
+        except BaseException:
+            startup.disarm()  # what `hold` lets go of is not cut short by another signal
+            raise
+        with state.stop.handling_signals(), naming_the_failed_rank(runtime):
+            startup.disarm()  # from here on a signal finishes the step, saves and exits 0
+            code = train_loop(state, batches, meta, wandb)
+    ending.say_if_nothing_saved(state, code)  # once out_dir is let go of: what it holds now
+    return code
+
+
+def train_loop(state: TrainState, batches: Batches, meta: dict, wandb) -> int:
+    """Steps, evaluations and checkpoints until the run ends; its exit code."""
+    cfg = state.cfg
+    throughput = Throughput(state)
+    with StepProfiler(cfg.profile_steps, cfg.out_dir, state.runtime.rank, state.runtime.device) as profiler:
+        while True:
+            if evaluation_due(state):
+                with throughput.paused():
+                    if not evaluate_and_maybe_save(state, batches, meta, wandb):
+                        return 1
+            if state.iter_num >= cfg.max_iters or cfg.eval_only:
+                return 0
+            report = train_step(state)
+            throughput.step_done(state.iter_num)
+            profiler.step()
+            if report.bad_streak and ending.too_many_bad_steps(state, report.bad_streak):
+                return 1
+            if state.iter_num % cfg.log_interval == 0 or report.stop_requested:
+                log_step(state, report, throughput, wandb)
+            if report.stop_requested:
+                return ending.save_and_exit_on_signal(state, batches, meta)
+
+
+def train_step(state: TrainState) -> StepReport:
+    """One optimizer step at state.iter_num's learning rate, over state.accum micro-batches; the last
+    micro-step prefetches the next step's first batch. Non-finite gradients skip the update, on the device."""
+    cfg, runtime = state.cfg, state.runtime
+    lr = learning_rate_at(state.iter_num, cfg)
+    for group in state.optimizer.param_groups:
+        group["lr"] = lr
+    batch = state.batch if state.batch is not None else state.next_batch()  # the model's arguments
+    loss_sum = torch.zeros((), device=runtime.device)
+    for micro_step in range(state.accum):
+        last_micro_step = micro_step == state.accum - 1
+        # gradients are averaged over ranks on the last micro-step only
+        with parallel.gradient_sync(state.model, state.train_model, enabled=last_micro_step):
+            with runtime.autocast():
+                _, loss = state.train_model(*batch)
+                loss = loss / state.accum
+            batch = state.next_batch()  # prefetch while the GPU works
+            state.scaler.scale(loss).backward()
+        loss_sum += loss.detach()
+    state.batch = batch
+    grad_clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+    grad_norm = clip_and_step(state.optimizer, state.scaler, state.model, grad_clip, runtime.dtype)
+    state.optimizer.zero_grad(set_to_none=not state.own_grads)
+    state.iter_num += 1
+    stop_requested, bad_streak = state.stop.record(grad_norm + loss_sum)  # both non-finite-checked in one number
+    return StepReport(loss_sum, grad_norm, lr, stop_requested, bad_streak)
+
+
+def clip_and_step(
+    optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, model: torch.nn.Module, grad_clip: float, dtype
+) -> torch.Tensor:
+    """Clip the gradients to norm grad_clip and take the optimizer step, which inf/NaN gradients skip, decided
+    on the device (no host sync). Returns the norm before clipping.
+    float16 trains with a loss scale: the GradScaler unscales the gradients, then steps. With any other dtype
+    the scale is 1 and a fused AdamW is told of a non-finite norm directly, through the attribute by which the
+    GradScaler itself tells it (found_inf): one pass over all gradients less, per step. Under ZeRO the gradients
+    are whole on every rank (DDP averaged them), so the norm is the global one; the flag goes to this rank's own
+    AdamW, which steps its share of the parameters. Under FSDP the norm, and so the flag, is a DTensor replicated
+    over the ranks, which the fused kernel takes beside the sharded parameters."""
+    if dtype == torch.float16 or not optimizer.defaults.get("fused"):  # param groups agree (keep_kernels)
+        scaler.unscale_(optimizer)
+        grad_norm = parallel.replicated(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+        if scaler.is_enabled():
+            scaler.step(optimizer)
+            scaler.update(None if dtype == torch.float16 else 1.0)
+        elif torch.isfinite(grad_norm):  # no GradScaler for this device type: check on the host
+            optimizer.step()
+        return grad_norm
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)  # under FSDP a DTensor, as the flag
+    fused = parallel.local_optimizer(optimizer)  # the fused AdamW itself, which reads found_inf
+    fused.found_inf = (~torch.isfinite(grad_norm)).float()  # the fused kernel leaves everything as it was
+    try:
+        optimizer.step()
+    finally:
+        del fused.found_inf
+    return parallel.replicated(grad_norm)
 
 
 def learning_rate_at(it: int, cfg: TrainConfig) -> float:
@@ -219,6 +295,41 @@ def learning_rate_at(it: int, cfg: TrainConfig) -> float:
         return cfg.min_lr
     progress = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation and checkpoints
+
+
+def evaluation_due(state: TrainState) -> bool:
+    cfg, it = state.cfg, state.iter_num
+    return (it % cfg.eval_interval == 0 and (it > 0 or cfg.eval_on_start)) or it >= cfg.max_iters or cfg.eval_only
+
+
+def evaluate_and_maybe_save(state: TrainState, batches: Batches, meta: dict, wandb) -> bool:
+    """Eval line, then a checkpoint when val loss improved, at every evaluation with always_save_checkpoint, and
+    at max_iters, so that a run always leaves its last state. Never at iter 0, in eval_only, twice for one
+    iteration, or from a non-finite state. Returns False when the run's last state could not be saved."""
+    cfg, runtime, it = state.cfg, state.runtime, state.iter_num
+    losses = evaluate(state.eval_model, batches, cfg, runtime)
+    if runtime.master:
+        emit(f"eval {it} | train {losses['train']:.4f} | val {losses['val']:.4f}")
+        if wandb:
+            lr = learning_rate_at(it, cfg)
+            wandb.log({"iter": it, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr})
+    improved = losses["val"] < state.best_val_loss
+    final = it >= cfg.max_iters
+    if cfg.eval_only or it == 0 or it == state.ckpt_iter or not (improved or cfg.always_save_checkpoint or final):
+        state.best_val_loss = min(state.best_val_loss, losses["val"])  # eval 0's: the loss to beat
+        return True
+    why_not = ending.unsafe_to_save(state, losses)
+    if why_not:  # best_val_loss stays that of a state on disk (or eval 0's)
+        ending.say_not_saved(state, why_not, final)
+        return not final
+    previous_best, state.best_val_loss = state.best_val_loss, min(state.best_val_loss, losses["val"])
+    path = write_checkpoint(state, batches, meta, improved)
+    ending.say_saved(state, path, losses["val"], previous_best, improved)
+    return True
 
 
 @torch.no_grad()
@@ -243,171 +354,7 @@ def evaluate(model, batches: Batches, cfg: TrainConfig, runtime: Runtime) -> dic
 
 
 # ----------------------------------------------------------------------------------------------
-# The training state and its step: train() and bench/bench_train.py share both
-
-
-@dataclass
-class TrainState:
-    """Everything an optimizer step reads and changes."""
-
-    cfg: TrainConfig
-    runtime: Runtime
-    model: GPT  # the plain module: checkpoints save its state_dict (no _orig_mod. or module. prefixes)
-    eval_model: torch.nn.Module  # compiled when compile is on
-    train_model: torch.nn.Module  # eval_model, wrapped in DDP under torchrun
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    stop: StopFlags
-    next_batch: Callable[[], tuple[torch.Tensor, ...]]  # the training stream: model arguments, (x, y[, doc_ids])
-    attention: object  # what model.setup_attention resolved: .used (the backend that runs) and .reason
-    iter_num: int = 0  # optimizer steps done
-    best_val_loss: float = math.inf
-    ckpt_iter: int | None = None  # the iteration out_dir/ckpt.pt holds, saved or resumed from by this run
-    resumed_iter: int | None = None
-    batch: tuple[torch.Tensor, ...] | None = None  # the next step's first micro-batch, prefetched
-    own_grads: bool = False  # .grad buffers allocated once and zeroed in place (CUDA graphs: build_train_state)
-
-    @property
-    def accum(self) -> int:
-        """Micro-steps per optimizer step on this rank."""
-        return self.runtime.micro_steps(self.cfg.gradient_accumulation_steps)
-
-
-@dataclass
-class Step:
-    """What train_step reports; the tensors stay on the device (reading them would wait for the GPU)."""
-
-    loss: torch.Tensor  # mean loss over the step's micro-batches, this rank
-    grad_norm: torch.Tensor  # before clipping; inf/NaN when the step was skipped
-    lr: float
-    stop_requested: bool  # a rank got SIGTERM/SIGINT (as of the previous step)
-    bad_streak: int  # consecutive non-finite steps (as of the previous step)
-
-
-def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch: Callable) -> TrainState:
-    """Place the model, resolve its attention for this device and dtype (before torch.compile, which then
-    sees one backend), and build the compiled and DDP-wrapped (or FSDP-sharded) views, optimizer, GradScaler."""
-    device = runtime.device
-    model = place_model(
-        model,
-        runtime,
-        cfg.parallelism,
-        reshard_after_forward=cfg.fsdp_reshard_after_forward,
-        blocks_per_unit=cfg.fsdp_blocks_per_unit,
-    )
-    attention = model.setup_attention(
-        device, runtime.dtype, training=True, seq_len=cfg.block_size, documents=cfg.packed_documents, measure=True
-    )
-    use_context_parallel_attention(model, runtime, cfg.attention_backend, log)  # before torch.compile traces it
-    # float16 needs the GradScaler's loss scaling; other dtypes keep its scale at exactly 1 (clip_and_step)
-    scaled = runtime.dtype == torch.float16
-    scaler = grad_scaler(
-        model, device.type, init_scale=2.0**16 if scaled else 1.0, enabled=device.type in ("cuda", "cpu")
-    )
-    use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
-    eval_model, train_model = wrap_model(
-        model,
-        runtime,
-        use_compile=use_compile,
-        compile_mode=cfg.compile_mode,
-        per_block=cfg.compile_blocks,
-        bucket_cap_mb=cfg.ddp_bucket_cap_mb,
-        graph_split=cfg.ddp_graph_split,
-        reduce_dtype=cfg.ddp_reduce_dtype,
-    )
-    optimizer = build_optimizer(cfg, runtime, model)
-    # Under CUDA graphs the compiled backward returns gradients in graph memory, which the next micro-step's replay
-    # overwrites; taken as .grad they would be lost to accumulation (pytorch/pytorch#169545). With .grad buffers of
-    # our own, every backward adds into them instead.
-    own_grads = use_compile and cfg.compile_mode in CUDA_GRAPH_MODES
-    if own_grads:
-        for param in model.parameters():
-            if param.requires_grad:
-                param.grad = torch.zeros_like(param)
-    state = TrainState(
-        cfg, runtime, model, eval_model, train_model, optimizer, scaler, StopFlags(runtime), next_batch, attention
-    )
-    state.own_grads = own_grads
-    return state
-
-
-def build_optimizer(cfg: TrainConfig, runtime: Runtime, model: GPT) -> torch.optim.Optimizer:
-    """The model's AdamW (configure_optimizers); with shard_optimizer under DDP, its state and step split over
-    the ranks (ZeRO-1)."""
-    betas = (cfg.beta1, cfg.beta2)
-    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, betas, runtime.device.type)
-    if not cfg.shard_optimizer:
-        return optimizer
-    if not runtime.ddp:
-        log.info("shard_optimizer: one process, nothing to shard; the optimizer steps as usual")
-        return optimizer
-    ranks = runtime.world_size
-    log.info(
-        f"optimizer step sharded over {ranks} ranks (ZeRO-1): each steps ~1/{ranks} of the weights, keeps their state"
-    )
-    return shard_optimizer(optimizer)
-
-
-def train_step(state: TrainState) -> Step:
-    """One optimizer step at state.iter_num's learning rate, over state.accum micro-batches; the last
-    micro-step prefetches the next step's first batch. Non-finite gradients skip the update, on the device."""
-    cfg, runtime = state.cfg, state.runtime
-    lr = learning_rate_at(state.iter_num, cfg)
-    for group in state.optimizer.param_groups:
-        group["lr"] = lr
-    batch = state.batch if state.batch is not None else state.next_batch()  # the model's arguments
-    loss_sum = torch.zeros((), device=runtime.device)
-    for micro_step in range(state.accum):
-        last_micro_step = micro_step == state.accum - 1
-        # gradients are averaged over ranks on the last micro-step only
-        with gradient_sync(state.model, state.train_model, enabled=last_micro_step):
-            with runtime.autocast():
-                _, loss = state.train_model(*batch)
-                loss = loss / state.accum
-            batch = state.next_batch()  # prefetch while the GPU works
-            state.scaler.scale(loss).backward()
-        loss_sum += loss.detach()
-    state.batch = batch
-    grad_clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-    grad_norm = clip_and_step(state.optimizer, state.scaler, state.model, grad_clip, runtime.dtype)
-    state.optimizer.zero_grad(set_to_none=not state.own_grads)
-    state.iter_num += 1
-    stop_requested, bad_streak = state.stop.record(grad_norm + loss_sum)  # both non-finite-checked in one number
-    return Step(loss_sum, grad_norm, lr, stop_requested, bad_streak)
-
-
-def clip_and_step(
-    optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, model: torch.nn.Module, grad_clip: float, dtype
-) -> torch.Tensor:
-    """Clip the gradients to norm grad_clip and take the optimizer step, which inf/NaN gradients skip, decided
-    on the device (no host sync). Returns the norm before clipping.
-    float16 trains with a loss scale: the GradScaler unscales the gradients, then steps. With any other dtype
-    the scale is 1 and a fused AdamW is told of a non-finite norm directly, through the attribute by which the
-    GradScaler itself tells it (found_inf): one pass over all gradients less, per step. Under ZeRO the gradients
-    are whole on every rank (DDP averaged them), so the norm is the global one; the flag goes to this rank's own
-    AdamW, which steps its share of the parameters. Under FSDP the norm, and so the flag, is a DTensor replicated
-    over the ranks, which the fused kernel takes beside the sharded parameters."""
-    if dtype == torch.float16 or not optimizer.defaults.get("fused"):  # param groups agree (keep_kernels)
-        scaler.unscale_(optimizer)
-        grad_norm = replicated(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
-        if scaler.is_enabled():
-            scaler.step(optimizer)
-            scaler.update(None if dtype == torch.float16 else 1.0)
-        elif torch.isfinite(grad_norm):  # no GradScaler for this device type: check on the host
-            optimizer.step()
-        return grad_norm
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)  # under FSDP a DTensor, as the flag
-    fused = local_optimizer(optimizer)  # the fused AdamW itself, which reads found_inf
-    fused.found_inf = (~torch.isfinite(grad_norm)).float()  # the fused kernel leaves everything as it was
-    try:
-        optimizer.step()
-    finally:
-        del fused.found_inf
-    return replicated(grad_norm)
-
-
-# ----------------------------------------------------------------------------------------------
-# The run around the steps: setup or resume, evaluation and checkpoints, log lines, stops
+# Setting up: data, model, optimizer, from scratch or from a checkpoint
 
 
 def setup_or_resume(
@@ -456,330 +403,104 @@ def setup_or_resume(
     return state, batches, meta
 
 
-def tokens_per_iter(cfg: TrainConfig) -> int:
-    return cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size  # over all ranks
+def build_model(cfg: TrainConfig, vocab_size: int, checkpoint: dict | None, *, shape_only: bool = False) -> GPT:
+    """The model to train: fresh, or with a checkpoint's weights. shape_only: on the meta device, without
+    weights or memory (the ranks of an FSDP run but 0, which get rank 0's weights as the model is sharded).
+    cfg has the checkpoint's shape already (check_before_training)."""
+    model_config = cfg.model_config(vocab_size=vocab_size)
+    if checkpoint is not None:
+        check_checkpoint_shape(model_config, checkpoint["model_config"])
+    if shape_only:
+        with torch.device("meta"):
+            return GPT(model_config)  # a checkpoint's longer context is cropped to this block_size on rank 0
+    if checkpoint is None:
+        return setup_lora(GPT(model_config), cfg, None, "")
+    saved = checkpoint["model_config"]
+    model = GPT(dataclasses.replace(model_config, block_size=saved["block_size"]))
+    load_model_weights(model, checkpoint, checkpoint_path(cfg), keep_adapters=cfg.init_from == "resume")
+    if cfg.block_size < saved["block_size"]:
+        model.crop_block_size(cfg.block_size)
+    return setup_lora(model, cfg, checkpoint, checkpoint_path(cfg))
 
 
-def print_header(cfg: TrainConfig, runtime: Runtime, model: GPT, resume_iter: int | None) -> None:
-    settings = " ".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg).items())
-    emit("config: " + textwrap.fill(settings, 110, subsequent_indent="  "))
-    accum = runtime.micro_steps(cfg.gradient_accumulation_steps)
-    split = f", each sequence split over {runtime.context_parallel} ranks" if runtime.context_parallel > 1 else ""
-    emit(
-        f"parameters: {model.num_params() / 1e6:.2f}M | tokens per iteration: {tokens_per_iter(cfg):,} "
-        f"({runtime.data_ranks} ranks x {accum} micro-steps x {cfg.batch_size} x {cfg.block_size}{split}) | "
-        f"device {runtime.device} {str(runtime.dtype).removeprefix('torch.')}"
-        + (f" | resuming at iter {resume_iter}" if resume_iter is not None else "")
+def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch: Callable) -> TrainState:
+    """Place the model, resolve its attention for this device and dtype (before torch.compile, which then
+    sees one backend), and build the compiled and DDP-wrapped (or FSDP-sharded) views, optimizer, GradScaler."""
+    device = runtime.device
+    model = parallel.place_model(
+        model,
+        runtime,
+        cfg.parallelism,
+        reshard_after_forward=cfg.fsdp_reshard_after_forward,
+        blocks_per_unit=cfg.fsdp_blocks_per_unit,
     )
-    if cfg.compile is None and runtime.device.type != "cuda":
-        emit(f"compile off on {runtime.device.type} (slow to compile for little gain there); --compile=true forces it")
-    _, no_mfu_reason = peak_flops_for(runtime.device, runtime.dtype, cfg.peak_flops)
-    if no_mfu_reason:
-        emit(f"MFU n/a: {no_mfu_reason}")
-
-
-def evaluation_due(state: TrainState) -> bool:
-    cfg, it = state.cfg, state.iter_num
-    return (it % cfg.eval_interval == 0 and (it > 0 or cfg.eval_on_start)) or it >= cfg.max_iters or cfg.eval_only
-
-
-def evaluate_and_maybe_save(state: TrainState, batches: Batches, meta: dict, wandb) -> bool:
-    """Eval line, then a checkpoint when val loss improved, at every evaluation with always_save_checkpoint, and
-    at max_iters, so that a run always leaves its last state. Never at iter 0, in eval_only, twice for one
-    iteration, or from a non-finite state. Returns False when the run's last state could not be saved."""
-    cfg, runtime, it = state.cfg, state.runtime, state.iter_num
-    losses = evaluate(state.eval_model, batches, cfg, runtime)
-    if runtime.master:
-        emit(f"eval {it} | train {losses['train']:.4f} | val {losses['val']:.4f}")
-        if wandb:
-            lr = learning_rate_at(it, cfg)
-            wandb.log({"iter": it, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr})
-    improved = losses["val"] < state.best_val_loss
-    final = it >= cfg.max_iters
-    if cfg.eval_only or it == 0 or it == state.ckpt_iter or not (improved or cfg.always_save_checkpoint or final):
-        state.best_val_loss = min(state.best_val_loss, losses["val"])  # eval 0's: the loss to beat
-        return True
-    why_not = unsafe_to_save(state, losses)
-    if why_not:  # best_val_loss stays that of a state on disk (or eval 0's)
-        if runtime.master and final:
-            emit(f"not saving iter {it}: {why_not}; {on_disk(state)}", file=sys.stderr)
-        elif runtime.master:
-            log.warning(f"not saving iter {it}: {why_not}; {on_disk(state)}")
-        return not final
-    previous_best, state.best_val_loss = state.best_val_loss, min(state.best_val_loss, losses["val"])
-    path = write_checkpoint(state, batches, meta, improved)
-    if runtime.master:
-        note = ""
-        if not improved:  # the last iteration's state, saved although it is not the best
-            best = Path(cfg.out_dir) / BEST
-            note = (
-                f"; not below the best val {previous_best:.4f}, which {best} keeps"
-                if best.exists()
-                else f"; val never went below {previous_best:.4f}, the starting loss, so there is no {best}"
-            )
-        emit(f"saved {path} (iter {it}, val {losses['val']:.4f}{note})")
-    return True
-
-
-def unsafe_to_save(state: TrainState, losses: dict[str, float]) -> str:
-    """Why the current state must not become a checkpoint ('' when it may): a non-finite eval loss, or skipped
-    non-finite steps just before (the same answer on every rank)."""
-    if not (math.isfinite(losses["train"]) and math.isfinite(losses["val"])):
-        return f"the eval loss is not finite (train {losses['train']:.4f}, val {losses['val']:.4f})"
-    bad_streak = state.stop.bad_streak_now()
-    if bad_streak:
-        return f"the last {bad_streak} step(s) had non-finite loss or gradients"
-    return ""
-
-
-def on_disk(state: TrainState) -> str:
-    """What out_dir holds of this run, for the last words of a run that could not save its last state."""
-    latest = Path(state.cfg.out_dir) / LATEST
-    if state.ckpt_iter is None:
-        return "this run saved no checkpoint" + (
-            f" ({latest} is an earlier run's, unchanged)" if latest.exists() else ""
-        )
-    if state.ckpt_iter == state.resumed_iter:
-        return f"{latest} still holds iter {state.ckpt_iter}, the checkpoint this run resumed from"
-    return f"{latest} holds iter {state.ckpt_iter}, the last state this run saved"
-
-
-def out_dir_state(out_dir, unchanged: bool = True) -> str:
-    """What out_dir holds (unchanged: and that this run wrote none of it), for a run's last words."""
-    path = Path(out_dir)
-    if not path.is_dir():
-        return f"out_dir {path} does not exist"
-    names = checkpoint_names(path)
-    return f"out_dir {path} holds " + (
-        ", ".join(names) + (", unchanged" if unchanged else "") if names else "no checkpoint"
+    attention = model.setup_attention(
+        device, runtime.dtype, training=True, seq_len=cfg.block_size, documents=cfg.packed_documents, measure=True
     )
-
-
-def nothing_saved(state: TrainState) -> str:
-    """The last line of a run that ends without a checkpoint of its last iteration (eval_only, max_iters=0, or
-    resumed at max_iters already): why, and what is on disk."""
-    cfg, it = state.cfg, state.iter_num
-    if cfg.eval_only:
-        return f"eval_only: evaluated {evaluated_weights(cfg, state.resumed_iter)}; no checkpoint written"
-    if state.resumed_iter is not None and it == state.resumed_iter:
-        return (
-            f"nothing to train: resumed at iter {it} and max_iters={cfg.max_iters}; no checkpoint written; "
-            f"{Path(cfg.out_dir) / LATEST} still holds iter {it}"
-        )
-    return f"max_iters={cfg.max_iters}: no step taken, no checkpoint written; {out_dir_state(cfg.out_dir)}"
-
-
-def too_many_bad_steps(state: TrainState, bad_streak: int) -> bool:
-    """Warn about skipped non-finite steps; True (after saying why) once there were max_bad_steps in a row."""
-    cfg, master = state.cfg, state.runtime.master
-    if master:
-        log.warning(
-            f"iter {state.iter_num - 1}: loss or gradients not finite for {bad_streak} consecutive "
-            f"step(s); those steps were skipped"
-        )
-    if bad_streak < cfg.max_bad_steps:
-        return False
-    if master:
-        emit(
-            f"stopping at iter {state.iter_num}: {bad_streak} consecutive steps with non-finite loss or "
-            f"gradients (max_bad_steps={cfg.max_bad_steps}); {on_disk(state)}",
-            file=sys.stderr,
-        )
-    return True
-
-
-class Throughput:
-    """Time per iteration, tokens/s and MFU, averaged over the iterations since the previous log line. Kept out
-    of the averages: the run's first step (it compiles and allocates) and evaluations with their checkpoints."""
-
-    def __init__(self, state: TrainState):
-        cfg, runtime = state.cfg, state.runtime
-        self.tokens_per_iter = tokens_per_iter(cfg)
-        self.flops_per_iter = state.model.flops_per_token() * self.tokens_per_iter
-        self.peak_flops, _ = peak_flops_for(runtime.device, runtime.dtype, cfg.peak_flops)
-        self.devices, self.device = runtime.world_size, runtime.device
-        self.last_time, self.last_iter = time.time(), state.iter_num
-        self.first_iter, self.first_step_s = state.iter_num + 1, 0.0
-
-    def step_done(self, iter_num: int) -> None:
-        if iter_num == self.first_iter:  # wait for the first step once, and start the clock after it
-            synchronize(self.device)
-            now = time.time()
-            self.first_step_s, self.last_time, self.last_iter = now - self.last_time, now, iter_num
-
-    @contextlib.contextmanager
-    def paused(self):
-        synchronize(self.device)
-        start = time.time()
-        yield
-        self.last_time += time.time() - start
-
-    def lap(self, iter_num: int) -> tuple[float, float, float | None]:
-        """(seconds per iteration, tokens/s, MFU or None) since the previous lap; the first step's own
-        time when it is the only one."""
-        now = time.time()
-        dt = (now - self.last_time) / (iter_num - self.last_iter) if iter_num > self.last_iter else self.first_step_s
-        self.last_time, self.last_iter = now, iter_num
-        return (
-            dt,
-            self.tokens_per_iter / dt,
-            model_flops_utilization(self.flops_per_iter, dt, self.peak_flops, self.devices),
-        )
-
-
-def format_log_line(
-    it: int, loss: float, lr: float, dt: float, tokens_per_sec: float, mfu: float | None, mem_gib: float
-) -> str:
-    mfu_text = f"{mfu * 100:.1f}%" if mfu is not None else "n/a"
-    return (
-        f"iter {it} | loss {loss:.4f} | lr {lr:.1e} | {dt * 1000:.1f} ms | {tokens_per_sec:,.0f} tok/s | "
-        f"MFU {mfu_text} | mem {mem_gib:.1f} GiB"
+    use_context_parallel_attention(model, runtime, cfg.attention_backend, log)  # before torch.compile traces it
+    # float16 needs the GradScaler's loss scaling; other dtypes keep its scale at exactly 1 (clip_and_step)
+    scaled = runtime.dtype == torch.float16
+    scaler = parallel.grad_scaler(
+        model, device.type, init_scale=2.0**16 if scaled else 1.0, enabled=device.type in ("cuda", "cpu")
     )
+    use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
+    eval_model, train_model = parallel.wrap_model(
+        model,
+        runtime,
+        use_compile=use_compile,
+        compile_mode=cfg.compile_mode,
+        per_block=cfg.compile_blocks,
+        bucket_cap_mb=cfg.ddp_bucket_cap_mb,
+        graph_split=cfg.ddp_graph_split,
+        reduce_dtype=cfg.ddp_reduce_dtype,
+    )
+    optimizer = build_optimizer(cfg, runtime, model)
+    # Under CUDA graphs the compiled backward returns gradients in graph memory, which the next micro-step's replay
+    # overwrites; taken as .grad they would be lost to accumulation (pytorch/pytorch#169545). With .grad buffers of
+    # our own, every backward adds into them instead.
+    own_grads = use_compile and cfg.compile_mode in CUDA_GRAPH_MODES
+    if own_grads:
+        for param in model.parameters():
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)
+    state = TrainState(
+        cfg, runtime, model, eval_model, train_model, optimizer, scaler, StopFlags(runtime), next_batch, attention
+    )
+    state.own_grads = own_grads
+    return state
 
 
-def log_step(state: TrainState, step: Step, throughput: Throughput, wandb) -> None:
-    """The iter line (rank 0), with the loss averaged over ranks: the only host sync of a logged step."""
-    runtime, it = state.runtime, state.iter_num
-    loss = step.loss
-    if runtime.ddp:
-        dist.all_reduce(loss)
-        loss /= runtime.world_size
-    loss_value = loss.item()
-    dt, tokens_per_sec, mfu = throughput.lap(it)
-    if not runtime.master:
-        return
-    emit(format_log_line(it, loss_value, step.lr, dt, tokens_per_sec, mfu, peak_memory_gib(runtime.device)))
-    if wandb:
-        metrics = {"iter": it, "train/step_loss": loss_value, "lr": step.lr, "tokens_per_sec": tokens_per_sec}
-        wandb.log({**metrics, **({"mfu": mfu} if mfu else {})})
-
-
-def save_and_exit_on_signal(state: TrainState, batches: Batches, meta: dict) -> int:
-    """Save (unless the last steps were non-finite: then say what is on disk) and return the exit code."""
-    signal_name = state.stop.signal_name or "a stop signal"  # another rank may have got it
-    bad_streak = state.stop.bad_streak_now()
-    if bad_streak:
-        if state.runtime.master:
-            emit(
-                f"received {signal_name}; not saving iter {state.iter_num}: the last {bad_streak} step(s) had "
-                f"non-finite loss or gradients; {on_disk(state)}; exiting",
-                file=sys.stderr,
-            )
-        return 1
-    path = write_checkpoint(state, batches, meta, is_best=False)
-    if state.runtime.master:
-        emit(f"received {signal_name}; saved {path} at iter {state.iter_num}; exiting")
-    return 0
-
-
-# ----------------------------------------------------------------------------------------------
-# The loop
-
-
-def train(cfg: TrainConfig, explicit: frozenset[str] = frozenset()) -> int:
-    """Train until max_iters (exit code 0; 1 if the last state is not finite), a signal (saves, then 0) or
-    max_bad_steps non-finite steps in a row (1). out_dir is this run's alone until it returns. A signal before
-    the first step raises Stopped, once out_dir is let go of again (and removed, if the run created it and left
-    it empty). The last line says what is on disk. explicit: the settings the user set (configurator's
-    load_config_and_explicit_keys); the model settings left out take a checkpoint's shape."""
-    with StopOnSignals() as startup, contextlib.ExitStack() as hold:
-        try:
-            cfg = resolve_init_from(cfg)
-            runtime = setup_runtime(
-                cfg.device,
-                cfg.dtype,
-                cfg.dist_backend,
-                cfg.gradient_accumulation_steps,
-                timeout_s=cfg.dist_timeout_s,
-                context_parallel=cfg.context_parallel,
-            )
-            # rank 0 speaks for the job; the other ranks' warnings would repeat its own, unprefixed (Python's
-            # last-resort handler prints them where logging is not set up), so they say errors only
-            level = logging.INFO if runtime.master else logging.ERROR
-            logging.basicConfig(level=level, format="%(levelname)s: %(message)s", force=True)
-            state, batches, meta = setup_or_resume(cfg, runtime, hold, startup, explicit)
-            wandb = start_wandb(state.cfg) if cfg.wandb_log and runtime.master else None
-        except BaseException:
-            startup.disarm()  # what `hold` lets go of is not cut short by another signal
-            raise
-        with state.stop.handling_signals(), naming_the_failed_rank(runtime):
-            startup.disarm()  # from here on a signal finishes the step, saves and exits 0
-            code = train_loop(state, batches, meta, wandb)
-    if code == 0 and runtime.master and (state.ckpt_iter != state.iter_num or state.resumed_iter == state.iter_num):
-        emit(nothing_saved(state))  # once out_dir is let go of: what it holds now (a run that saved said so last)
-    return code
-
-
-def train_loop(state: TrainState, batches: Batches, meta: dict, wandb) -> int:
-    """Steps, evaluations and checkpoints until the run ends; its exit code."""
-    cfg = state.cfg
-    throughput = Throughput(state)
-    with StepProfiler(cfg.profile_steps, cfg.out_dir, state.runtime.rank, state.runtime.device) as profiler:
-        while True:
-            if evaluation_due(state):
-                with throughput.paused():
-                    if not evaluate_and_maybe_save(state, batches, meta, wandb):
-                        return 1
-            if state.iter_num >= cfg.max_iters or cfg.eval_only:
-                return 0
-            step = train_step(state)
-            throughput.step_done(state.iter_num)
-            profiler.step()
-            if step.bad_streak and too_many_bad_steps(state, step.bad_streak):
-                return 1
-            if state.iter_num % cfg.log_interval == 0 or step.stop_requested:
-                log_step(state, step, throughput, wandb)
-            if step.stop_requested:
-                return save_and_exit_on_signal(state, batches, meta)
-
-
-def start_wandb(cfg: TrainConfig):
-    import wandb
-
-    wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=dataclasses.asdict(cfg))
-    return wandb
+def build_optimizer(cfg: TrainConfig, runtime: Runtime, model: GPT) -> torch.optim.Optimizer:
+    """The model's AdamW (configure_optimizers); with shard_optimizer under DDP, its state and step split over
+    the ranks (ZeRO-1)."""
+    betas = (cfg.beta1, cfg.beta2)
+    optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, betas, runtime.device.type)
+    if not cfg.shard_optimizer:
+        return optimizer
+    if not runtime.ddp:
+        log.info("shard_optimizer: one process, nothing to shard; the optimizer steps as usual")
+        return optimizer
+    ranks = runtime.world_size
+    log.info(
+        f"optimizer step sharded over {ranks} ranks (ZeRO-1): each steps ~1/{ranks} of the weights, keeps their state"
+    )
+    return parallel.shard_optimizer(optimizer)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command: exit code 0 when the run ended well; what ended it early maps to a code and a line (exit_for)."""
     argv = sys.argv[1:] if argv is None else argv
     cfg = None
     try:
         cfg, explicit = load_config_and_explicit_keys(TrainConfig(), argv, deprecated=DEPRECATED)
         code = train(cfg, explicit)
-        lost = stream_failure(sys.stdout)
-        if lost is not None and lost.errno != errno.EPIPE:  # `| head` is a choice; a full disk is news
-            emit(
-                f"note: stdout could not be written ({lost.strerror or lost}), so the log lines were dropped; "
-                f"the run went on: {out_dir_state(cfg.out_dir, unchanged=False)}",
-                file=sys.stderr,
-            )
+        ending.say_if_stdout_lost(cfg.out_dir)
         return code
-    except PeerFailed:  # another rank failed and printed why
-        return 2
-    except (ConfigError, DataError, CheckpointError, UsageError) as error:
-        emit(f"error: {error}", file=sys.stderr)
-        return 2
-    except Stopped as stop:  # a signal during start-up: nothing trained
-        where = f"; {out_dir_state(cfg.out_dir)}" if cfg is not None else ""
-        message = f"received {stop.signal_name} during start-up, before the first step: nothing saved{where}"
-        emit(message, file=sys.stderr)
-        return stop.exit_code
-    except KeyboardInterrupt:  # Ctrl-C before train() took the signals (reading the config)
-        emit("interrupted before training started: nothing saved", file=sys.stderr)
-        return 130
-    except torch.cuda.OutOfMemoryError:
-        example = ""
-        if cfg is not None and cfg.batch_size > 1:
-            example = (
-                f" (e.g. --batch_size={cfg.batch_size // 2} "
-                f"--gradient_accumulation_steps={cfg.gradient_accumulation_steps * 2})"
-            )
-        emit(
-            f"error: CUDA out of memory; lower --batch_size and raise --gradient_accumulation_steps by the same "
-            f"factor{example}: same tokens per step, less memory; or shorten --block_size",
-            file=sys.stderr,
-        )
-        return 2
+    except ending.RUN_FAILURES as error:
+        code, line = ending.exit_for(error, cfg)
+        if line:
+            emit(line, file=sys.stderr)
+        return code
     finally:
         if dist.is_initialized():
             leave_process_group()

@@ -31,7 +31,8 @@ import torch
 
 from bench.grid import BenchParser, Grid, fresh_row, number, run_grid
 from bench.report import GPT2_VOCAB, Column, model_shape, plot_lines
-from train import TrainConfig, TrainState, build_model, build_train_state, train_step
+from train import TrainConfig, build_model, build_train_state, train_step
+from training.progress import TrainState
 from training.runtime import model_flops_utilization, peak_flops_for, setup_runtime, synchronize
 
 BACKENDS = ("auto", "sdpa", "flash_attn_2", "flash_attn_4", "flex_attention", "manual")

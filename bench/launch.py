@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # ----------------------------------------------------------------------------------------------
-# train.py's log lines (train.format_log_line)
+# train.py's log lines (training/progress.py's format_log_line)
 
 LOG_LINE = re.compile(
     r"iter (?P<iter>\d+) \| loss (?P<loss>\S+) \| lr (?P<lr>\S+) \| (?P<ms>[\d.]+) ms \| (?P<tok_s>[\d,]+) tok/s \| "

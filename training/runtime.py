@@ -1,5 +1,5 @@
-"""Where a run executes: device, compute dtype, DDP ranks, and stop requests agreed on by all ranks; and what
-the hardware can do (peak FLOP/s, MFU, peak memory). train.py, sample.py and bench/ all pick their device here."""
+"""Where a run executes: device, compute dtype, DDP ranks, and the stop signals; and what the hardware can do
+(peak FLOP/s, MFU, peak memory). train.py, sample.py and bench/ all pick their device here."""
 
 from __future__ import annotations
 
@@ -316,7 +316,8 @@ def emit(*values, file=None) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Stop requests: signals, and non-finite steps, agreed on by all ranks without a sync per step
+# Stop signals: at start-up they stop the run at once (StopOnSignals); from the first step on, the loop's
+# StopFlags (progress.py) take them and the run saves first
 
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name))
@@ -375,62 +376,6 @@ class StopOnSignals:
     def disarm(self) -> None:
         """Start-up is over: the loop's handlers (StopFlags) take the signals, or the run is ending."""
         self.armed = False
-
-
-class StopFlags:
-    """SIGTERM/SIGINT/SIGHUP set a flag; the step that is running finishes, then the loop saves and exits.
-
-    Each step puts [signal seen, consecutive non-finite steps] in a device tensor (max over ranks)
-    and copies it to pinned host memory without waiting; the host reads it one step later, when that
-    copy has long finished. So no step waits for the GPU, and every rank stops at the same step.
-    """
-
-    def __init__(self, runtime: Runtime):
-        self.runtime, self.signal_name = runtime, ""
-        self.signal_seen = torch.zeros((), device=runtime.device)
-        self.bad_streak = torch.zeros((), device=runtime.device)
-        self.host = torch.zeros(2, pin_memory=runtime.device.type == "cuda")
-        self.pending = None
-
-    @contextlib.contextmanager
-    def handling_signals(self):
-        previous = take_stop_signals(self._on_signal)
-        try:
-            yield
-        finally:
-            give_back_stop_signals(previous)
-
-    def _on_signal(self, signum, frame):
-        self.signal_name = signal.Signals(signum).name
-        signal.signal(signum, signal.SIG_DFL)  # a second signal stops at once
-
-    def record(self, grad_norm: torch.Tensor) -> tuple[bool, int]:
-        """Add this step's result; return (stop requested, consecutive bad steps) as of the previous step."""
-        previous = self._read()
-        bad = ~torch.isfinite(grad_norm)
-        self.bad_streak = torch.where(bad, self.bad_streak + 1, torch.zeros_like(self.bad_streak))
-        if self.signal_name:
-            self.signal_seen.fill_(1.0)  # a kernel with the value as argument: no copy from host memory
-        flags = torch.stack([self.signal_seen, self.bad_streak])
-        if self.runtime.ddp:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        self.host.copy_(flags, non_blocking=True)
-        self.pending = torch.cuda.Event() if self.runtime.device.type == "cuda" else None
-        if self.pending is not None:
-            self.pending.record()
-        return previous
-
-    def bad_streak_now(self) -> int:
-        """Consecutive non-finite steps up to the last one, the maximum over ranks; waits for the device."""
-        streak = self.bad_streak.clone()
-        if self.runtime.ddp:
-            dist.all_reduce(streak, op=dist.ReduceOp.MAX)
-        return int(streak.item())
-
-    def _read(self) -> tuple[bool, int]:
-        if self.pending is not None:
-            self.pending.synchronize()
-        return bool(self.host[0] > 0), int(self.host[1])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from bench.launch import parse_log_line
 from bench.report import card_slug
 from helpers import REPO as ROOT
 from helpers import WarmProcess, subprocess_env
-from train import format_log_line
+from training.progress import format_log_line
 
 HEADER_FIELDS = (
     "device_name",

@@ -24,7 +24,8 @@ import model
 import train
 from helpers import Child, WarmProcess, tiny_args, tree_digest
 from training import state as train_checkpoint
-from training.runtime import Runtime, StopFlags
+from training.progress import StopFlags
+from training.runtime import Runtime
 from weights.load import load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
