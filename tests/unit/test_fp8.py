@@ -1,0 +1,80 @@
+"""training/fp8.py: which recipe runs and why, which linears convert, and that checkpoints keep their format."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+from helpers import tiny_config
+from model import GPT
+from training import fp8
+
+float8_linear = pytest.importorskip("torchao.float8.float8_linear")
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("mode", ["tensorwise", "rowwise"])
+def test_an_explicit_recipe_on_a_cpu_trains_in_bf16_and_says_why_once(mode, caplog):
+    model = GPT(tiny_config())
+    with caplog.at_level(logging.INFO, logger="train"):
+        choice = fp8.setup_fp8(model, mode, CPU, torch.bfloat16, compiled=True, lora=False)
+    assert choice == fp8.Fp8Choice("off", "FP8 matmuls need a CUDA GPU (device is cpu)")
+    warnings = [r.message for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [f"fp8={mode} requested but FP8 matmuls need a CUDA GPU (device is cpu); training in bf16"]
+    assert not any(isinstance(m, float8_linear.Float8Linear) for m in model.modules())
+
+
+def test_lora_comes_before_every_other_reason():
+    choice = fp8.choose_fp8("tensorwise", 4096, CPU, torch.float32, compiled=False, lora=True)
+    assert choice.recipe == "off" and choice.reason.startswith("LoRA")
+
+
+def test_auto_is_off_where_no_measurement_says_fp8_wins(caplog, monkeypatch):
+    monkeypatch.setattr(fp8, "why_fp8_cannot_run", lambda *args, **kwargs: "")
+    monkeypatch.setattr(fp8, "card_family", lambda device: "sm90")
+    monkeypatch.setattr(fp8, "AUTO_FP8", {"sm90": (4096, "tensorwise")})
+    assert fp8.choose_fp8("auto", 768, CPU, torch.bfloat16, compiled=True, lora=False).recipe == "off"
+    wide = fp8.choose_fp8("auto", 4096, CPU, torch.bfloat16, compiled=True, lora=False)
+    assert wide == fp8.Fp8Choice("tensorwise", "auto: measured faster than bf16 on sm90 from width 4096")
+    monkeypatch.setattr(fp8, "AUTO_FP8", {})
+    model = GPT(tiny_config())
+    with caplog.at_level(logging.INFO, logger="train"):
+        assert fp8.setup_fp8(model, "auto", CPU, torch.bfloat16, compiled=True, lora=False).recipe == "off"
+    assert [r.levelname for r in caplog.records] == ["INFO"]  # auto falling back is no warning
+    assert "fp8: off, bf16 matmuls (auto: FP8 measured faster than bf16 on sm90 at no width yet" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("shape", "tensorwise", "rowwise"),
+    [
+        ((768, 768), False, False),  # GPT-2 124M's attention c_proj
+        ((2304, 768), True, False),  # its c_attn: wide enough for tensorwise, K too small for rowwise
+        ((768, 3072), False, False),  # its MLP c_proj
+        ((50304, 768), True, False),  # lm_head
+        ((12288, 4096), True, True),  # 6.7B's c_attn
+        ((4096, 16384), True, True),  # 6.7B's MLP c_proj
+        ((4104, 4096), False, False),  # not a multiple of 16: no FP8 kernel
+    ],
+)
+def test_the_conversion_rule_by_shape(shape, tensorwise, rowwise):
+    linear = nn.Linear(shape[1], shape[0], bias=False, device="meta")
+    assert (fp8.converts(linear, "tensorwise"), fp8.converts(linear, "rowwise")) == (tensorwise, rowwise)
+
+
+def test_converted_linears_keep_their_weights_the_tie_and_the_checkpoint_format():
+    model = GPT(tiny_config(n_embd=64, n_head=2, vocab_size=2048))  # c_attn 192x64: K <= 4096, N <= 1024 stays
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    names = fp8.convert_to_fp8(model, "tensorwise")
+    assert names == ["lm_head"]  # (2048, 64): N > 1024
+    assert isinstance(model.lm_head, float8_linear.Float8Linear)
+    assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    plain = GPT(tiny_config(n_embd=64, n_head=2, vocab_size=2048))
+    plain.load_state_dict(after)  # an FP8 run's checkpoint resumes without FP8, and the other way round
+    model.load_state_dict(plain.state_dict())

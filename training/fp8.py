@@ -1,0 +1,122 @@
+"""
+FP8 matmuls for training, through torchao's float8 training (Float8Linear): which recipe runs, on which linears.
+
+`--fp8` is off | tensorwise | rowwise | auto. A linear converts when its shape is one where FP8 beats bf16
+(`converts`, torchao's measured thresholds); `auto` turns FP8 on only for a model width that a measurement on this
+card family says wins as a whole (AUTO_FP8; no entry: bf16). Where FP8 cannot run (LoRA, eager, no CUDA GPU of
+sm89 or newer, bf16 not the compute dtype, torchao missing) training stays in bf16 with one WARNING saying why.
+Checkpoints keep their format: Float8Linear keeps the nn.Linear's weight and bias as they were, and casts them to
+FP8 inside each matmul; MFU keeps the bf16 peak as its denominator.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+
+log = logging.getLogger("train")
+
+FP8_MODES = ("off", "tensorwise", "rowwise", "auto")
+# auto: per card family, the narrowest model width from which a recipe measured faster than bf16 for the whole
+# train step (bench: python -m bench.bench_train --variants default fp8-tensorwise fp8-rowwise, per width). No
+# measurement has shown a win yet, so auto trains in bf16 everywhere.
+AUTO_FP8: dict[str, tuple[int, str]] = {}
+MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89), Hopper (sm90) and newer
+
+
+class Fp8Choice(NamedTuple):
+    recipe: str  # tensorwise | rowwise | off
+    reason: str  # why FP8 is off (or how auto chose); '' when the request runs as asked
+
+
+def card_family(device: torch.device) -> str:
+    return "sm{}{}".format(*torch.cuda.get_device_capability(device)) if device.type == "cuda" else device.type
+
+
+def why_fp8_cannot_run(device: torch.device, dtype: torch.dtype, *, compiled: bool, lora: bool) -> str:
+    """Why FP8 training cannot run here ('' when it can). Cheap: torchao is looked for, not imported."""
+    if lora:
+        return "LoRA adapters train in bf16 (their frozen base has no gradients to scale)"
+    if device.type != "cuda":
+        return f"FP8 matmuls need a CUDA GPU (device is {device.type})"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        return "FP8 matmuls need compute capability >= 8.9 (this GPU is sm{}{})".format(*capability)
+    if dtype != torch.bfloat16:
+        return f"FP8 training runs under bfloat16 autocast (this run is {str(dtype).removeprefix('torch.')})"
+    if not compiled:
+        return "FP8 without torch.compile is slower than bf16 (its casts run as separate kernels); compile=true"
+    if importlib.util.find_spec("torchao") is None:
+        return "torchao is not installed (pip install torchao)"
+    return ""
+
+
+def choose_fp8(mode: str, n_embd: int, device, dtype: torch.dtype, *, compiled: bool, lora: bool) -> Fp8Choice:
+    """The recipe that runs for a requested mode, and why it differs from the request."""
+    if mode == "off":
+        return Fp8Choice("off", "")
+    device = torch.device(device)
+    problem = why_fp8_cannot_run(device, dtype, compiled=compiled, lora=lora)
+    if mode != "auto":
+        return Fp8Choice("off", problem) if problem else Fp8Choice(mode, "")
+    if problem:
+        return Fp8Choice("off", f"auto: {problem}")
+    family = card_family(device)
+    width, recipe = AUTO_FP8.get(family, (0, "off"))
+    if recipe == "off" or n_embd < width:
+        measured = f"from width {width}" if width else "at no width yet"
+        return Fp8Choice("off", f"auto: FP8 measured faster than bf16 on {family} {measured} (this model: {n_embd})")
+    return Fp8Choice(recipe, f"auto: measured faster than bf16 on {family} from width {width}")
+
+
+def converts(linear: nn.Linear, recipe: str) -> bool:
+    """Whether FP8 pays for this linear's shape (out_features N, in_features K): both multiples of 16 (the FP8
+    kernels' rule), and past the sizes below which torchao's H100 measurements found the casts cost more than the
+    faster matmul saves. lm_head is a candidate like any other."""
+    n, k = linear.out_features, linear.in_features
+    if n % 16 or k % 16:
+        return False
+    if recipe == "rowwise":
+        return n > 2048 and k > 1024 and not (n <= 4096 and k <= 2048)
+    return not (k <= 4096 and n <= 1024)
+
+
+def convert_to_fp8(model: nn.Module, recipe: str) -> list[str]:
+    """Swap the linears that `converts` picks for torchao's Float8Linear (in place); their names."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    chosen: list[str] = []
+
+    def pick(module: nn.Module, name: str) -> bool:
+        if isinstance(module, nn.Linear) and converts(module, recipe):
+            chosen.append(name)
+            return True
+        return False
+
+    convert_to_float8_training(model, module_filter_fn=pick, config=Float8LinearConfig.from_recipe_name(recipe))
+    return chosen
+
+
+def setup_fp8(model: nn.Module, mode: str, device, dtype: torch.dtype, *, compiled: bool, lora: bool) -> Fp8Choice:
+    """Convert `model` for the recipe `mode` resolves to, before compile and the optimizer; log a WARNING when an
+    explicit request falls back (saying why) and one INFO line naming what runs."""
+    n_embd = model.config.n_embd
+    choice = choose_fp8(mode, n_embd, device, dtype, compiled=compiled, lora=lora)
+    if mode in ("tensorwise", "rowwise") and choice.recipe == "off":
+        log.warning(f"fp8={mode} requested but {choice.reason}; training in bf16")
+    if choice.recipe == "off":
+        if mode != "off":
+            log.info(f"fp8: off, bf16 matmuls ({choice.reason})")
+        return choice
+    names = convert_to_fp8(model, choice.recipe)
+    total = sum(isinstance(m, nn.Linear) for m in model.modules())
+    note = f"; {choice.reason}" if choice.reason else ""
+    log.info(
+        f"fp8: {choice.recipe} scaling on {len(names)} of {total} linears (torchao Float8Linear){note}; "
+        f"MFU stays against the bf16 peak"
+    )
+    return choice
