@@ -36,7 +36,7 @@ from configurator import load_config_and_explicit_keys, parse_bool
 from data.loader import Batches
 from errors import CheckpointError, DataError, UsageError
 from model import GPT, GPTConfig
-from training import ending, parallel
+from training import ending, fp8, parallel
 from training.context import context_shard, use_context_parallel_attention
 from training.preflight import (
     CUDA_GRAPH_MODES,
@@ -113,6 +113,7 @@ class TrainConfig:
     # context-parallel chunks': flash, cudnn, or for efficient and math SDPA under a lower-right mask)
     cross_entropy: str = "auto"  # plain (full logits) | chunked (lm_head + loss by rows) | auto: chunked if big
     activation_checkpointing: str = "none"  # recompute in backward to save memory: none | mlp | block
+    fp8: str = "auto"  # FP8 matmuls (torchao): off | tensorwise | rowwise | auto (where measured faster; fp8.py)
     disable_mps_fix: bool = False  # on MPS, let SDPA run with explicit (document) masks despite the NaN risk
     # ---- optimizer ----
     learning_rate: float = 2e-3  # peak learning rate
@@ -427,6 +428,8 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     """Place the model, resolve its attention for this device and dtype (before torch.compile, which then
     sees one backend), and build the compiled and DDP-wrapped (or FSDP-sharded) views, optimizer, GradScaler."""
     device = runtime.device
+    use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
+    fp8.setup_fp8(model, cfg.fp8, device, runtime.dtype, compiled=use_compile, lora=cfg.lora_rank > 0)  # then shard
     model = parallel.place_model(
         model,
         runtime,
@@ -443,7 +446,6 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     scaler = parallel.grad_scaler(
         model, device.type, init_scale=2.0**16 if scaled else 1.0, enabled=device.type in ("cuda", "cpu")
     )
-    use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
     eval_model, train_model = parallel.wrap_model(
         model,
         runtime,

@@ -33,6 +33,7 @@ from storage.checkpoint import (
     format_bytes,
     sharded_state_bytes,
 )
+from training.fp8 import FP8_MODES
 from training.parallel import PARALLELISMS, REDUCE_DTYPES
 from training.runtime import DIST_BACKENDS, DTYPES, Runtime, available_memory
 from weights.hf import HUB_NAMES, load_weights
@@ -123,6 +124,8 @@ def check_choices(cfg) -> None:
         raise ValueError(f"unknown dtype {cfg.dtype!r}; choose one of {', '.join(DTYPES)}")
     if cfg.dist_backend not in DIST_BACKENDS:
         raise ValueError(f"unknown dist_backend {cfg.dist_backend!r}; choose nccl or gloo")
+    if cfg.fp8 not in FP8_MODES:
+        raise ValueError(f"unknown fp8 {cfg.fp8!r}; choose one of {', '.join(FP8_MODES)}")
     if cfg.compile_mode not in COMPILE_MODES:
         raise ValueError(f"unknown compile_mode {cfg.compile_mode!r}; choose one of {', '.join(COMPILE_MODES)}")
     if not cfg.out_dir:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from helpers import tiny_config
+from helpers import tiny_args, tiny_config
 from model import GPT
 from training import fp8
 
@@ -78,3 +78,12 @@ def test_converted_linears_keep_their_weights_the_tie_and_the_checkpoint_format(
     plain = GPT(tiny_config(n_embd=64, n_head=2, vocab_size=2048))
     plain.load_state_dict(after)  # an FP8 run's checkpoint resumes without FP8, and the other way round
     model.load_state_dict(plain.state_dict())
+
+
+def test_train_py_with_fp8_on_a_cpu_trains_in_bf16_and_warns_once(char_data, tmp_path, capsys):
+    import train
+
+    args = tiny_args(char_data, tmp_path / "out", "--fp8=tensorwise", "--max_iters=1", "--eval_iters=1")
+    assert train.main(args) == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("WARNING: fp8=tensorwise requested but FP8 matmuls need a CUDA GPU (device is cpu)") == 1
