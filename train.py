@@ -429,7 +429,8 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     sees one backend), and build the compiled and DDP-wrapped (or FSDP-sharded) views, optimizer, GradScaler."""
     device = runtime.device
     use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
-    fp8.setup_fp8(model, cfg.fp8, device, runtime.dtype, compiled=use_compile, lora=cfg.lora_rank > 0)  # then shard
+    lora = cfg.lora_rank > 0
+    fp8_choice = fp8.setup_fp8(model, cfg.fp8, device, runtime.dtype, compiled=use_compile, lora=lora)  # then shard
     model = parallel.place_model(
         model,
         runtime,
@@ -468,7 +469,7 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     state = TrainState(
         cfg, runtime, model, eval_model, train_model, optimizer, scaler, StopFlags(runtime), next_batch, attention
     )
-    state.own_grads = own_grads
+    state.own_grads, state.fp8 = own_grads, fp8_choice
     return state
 
 

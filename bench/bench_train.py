@@ -19,6 +19,8 @@ from errors import as_command
 if __name__ == "__main__":  # before torch's seconds of importing: see as_command
     as_command()
 
+import argparse
+import ast
 import itertools
 import math
 import statistics
@@ -51,6 +53,9 @@ VARIANTS = {
     "ckpt-mlp": dict(activation_checkpointing="mlp"),
     "ckpt-block": dict(activation_checkpointing="block"),
     "docs": dict(packed_documents=True),  # 4 documents a row: attention and positions kept inside each
+    "bf16": dict(fp8="off"),  # the default, whatever fp8=auto decides: the baseline of the FP8 rows
+    "fp8-tensorwise": dict(fp8="tensorwise"),
+    "fp8-rowwise": dict(fp8="rowwise"),
 }
 
 
@@ -70,9 +75,22 @@ def variant_cases(variants, batch_sizes, long_seq_lens, seq_len: int = 1024) -> 
     return cases + [Case(backend(v), t, 1, v) for t in long_seq_lens for v in variants]
 
 
-def model_settings(quick: bool) -> dict:
-    """GPT-2 124M (or the tiny --quick model) as bench_train runs it: no bias, no dropout."""
-    return {**model_shape(quick), "vocab_size": 512 if quick else GPT2_VOCAB, "bias": False, "dropout": 0.0}
+def model_settings(quick: bool, model: dict | None = None) -> dict:
+    """GPT-2 124M (or the tiny --quick model) as bench_train runs it: no bias, no dropout; `model` (--model)
+    changes its settings, e.g. the width."""
+    base = {**model_shape(quick), "vocab_size": 512 if quick else GPT2_VOCAB, "bias": False, "dropout": 0.0}
+    return {**base, **(model or {})}
+
+
+def model_setting(text: str) -> tuple[str, object]:
+    """--model's KEY=VALUE, the value read as Python (n_embd=4096, rope=True)."""
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
 
 
 def cases_for(args) -> list[Case]:
@@ -106,9 +124,13 @@ def build_state(cfg: TrainConfig) -> TrainState:
 
 
 def fallback_reason(state: TrainState) -> str:
-    """Why the requested backend does not run here ('' when it does, or when auto was asked for)."""
+    """What runs instead of the requested backend or FP8 recipe, and why ('' when it runs, or auto was asked)."""
     requested, attention = state.cfg.attention_backend, state.attention
-    return attention.reason if requested != "auto" and attention.used != requested else ""
+    if requested != "auto" and attention.used != requested:
+        return f"falls back to {attention.used}: {attention.reason}"
+    if state.cfg.fp8 not in ("auto", "off") and state.fp8.recipe != state.cfg.fp8:
+        return f"falls back to bf16 matmuls: {state.fp8.reason}"
+    return ""
 
 
 def random_batches(cfg: TrainConfig, device: torch.device, count: int = 4):
@@ -139,7 +161,7 @@ def case_config(case: Case, args) -> TrainConfig:
         compile=args.compile,
         dtype=args.dtype,
         device=args.device,
-        **model_settings(args.quick),
+        **model_settings(args.quick, args.model),
     )
     return TrainConfig(**{**settings, **VARIANTS.get(case.variant, {})})
 
@@ -194,7 +216,7 @@ def time_row(row: dict, cfg: TrainConfig, args):
     row["compile"] = state.train_model is not state.model
     fallback = fallback_reason(state)
     if fallback:  # never time another backend under this one's name
-        row["status"] = f"falls back to {state.attention.used}: {fallback}"
+        row["status"] = fallback
         return
     row.update(time_steps(state, args))
     row["status"] = "ok" if math.isfinite(row["loss"]) else f"non-finite loss {row['loss']}"
@@ -336,16 +358,20 @@ def parse_args(argv=None):
     parser.add_argument(
         "--long-seq-lens", type=int, nargs="*", help="long-context rows at batch 1 (default 8192 32768)"
     )
+    parser.add_argument(
+        "--model", type=model_setting, nargs="*", default=[], help="model settings, e.g. n_embd=4096 n_head=32"
+    )
     parser.add_argument("--steps", type=int, help="timed steps per chunk (default 10)")
     parser.add_argument("--chunks", type=int, help="timed chunks; the median is kept (default 3)")
     parser.add_argument("--warmup-steps", type=int, help="untimed steps after the first (default 2)")
     args = parser.parse_args(argv)
     args.compile = None if args.compile is None else args.compile == "true"
+    args.model = dict(args.model)
     return args
 
 
 def header_fields(args, cases: list[Case], dtype: torch.dtype) -> dict:
-    model = model_settings(args.quick)
+    model = model_settings(args.quick, args.model)
     return {
         "model": model,
         "grid": {

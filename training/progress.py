@@ -50,6 +50,7 @@ class TrainState:
     resumed_iter: int | None = None
     batch: tuple[torch.Tensor, ...] | None = None  # the next step's first micro-batch, prefetched
     own_grads: bool = False  # .grad buffers allocated once and zeroed in place (CUDA graphs: build_train_state)
+    fp8: object = None  # training/fp8.py's Fp8Choice: .recipe (tensorwise, rowwise or off) and .reason
 
     @property
     def accum(self) -> int:
