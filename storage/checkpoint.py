@@ -42,6 +42,7 @@ import torch
 
 from errors import CheckpointError
 from storage.atomic import atomic_path, fsync_dir, tmp_path_for, tmp_target
+from storage.memory import check_archive_sizes, format_bytes
 
 LATEST, BEST = "ckpt.pt", "best.pt"
 NUMBERED = re.compile(r"ckpt-\d{7,}\.pt")  # f"ckpt-{iter_num:07d}.pt"
@@ -419,6 +420,7 @@ def read_torch_file(path: Path, map_location="cpu"):
     kind = other_file_kind(path)
     if kind:
         raise CheckpointError(kind)
+    check_archive_sizes(path)  # before torch.load inflates or allocates anything
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -657,11 +659,3 @@ def write_safetensors(weights: dict[str, torch.Tensor], out_path: Path, metadata
         reason = str(error).strip().splitlines()[0].rsplit("I/O error: ", 1)[-1][:200]
         raise CheckpointError(f"cannot write {out_path}: {reason}") from None
     return out_path
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if n < 1024 or unit == "PiB":
-            return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
