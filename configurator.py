@@ -60,14 +60,14 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"expected bool ({_BOOL_FORMS}), got {text!r}")
 
 
-def load_config(defaults, argv: list[str], deprecated: dict | None = None):
+def load_config(defaults, argv: list[str], deprecated: dict | None = None, prog: str = "train.py"):
     """Return a new dataclass instance: `defaults` filled from the config files, then the --key=value
     overrides in argv (argv excludes the program name). `deprecated` maps an old key to
-    (new_key, convert); convert gets the raw value and returns the new key's value."""
+    (new_key, convert); convert gets the raw value and returns the new key's value. `prog`: --help's name."""
     if not dataclasses.is_dataclass(defaults) or isinstance(defaults, type):
         raise TypeError(f"defaults must be a dataclass instance, got {defaults!r}")
     if "-h" in argv or "--help" in argv:
-        print(format_help(defaults))
+        print(format_help(defaults, prog))
         raise SystemExit(0)
     deprecated = deprecated or {}
     types_ = _field_types(defaults)
