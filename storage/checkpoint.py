@@ -32,6 +32,8 @@ import random
 import re
 import shlex
 import shutil
+import stat
+import time
 import warnings
 import zipfile
 from pathlib import Path
@@ -114,9 +116,18 @@ def claim_out_dir(out_dir, *, continuing: bool, overwrite: bool, first_save: Sav
     created = []
     try:
         for folder in reversed([out_dir, *out_dir.parents]):
-            if not folder.is_dir():
+            if folder.is_dir():
+                continue
+            broken = broken_link(folder)
+            if broken:
+                raise CheckpointError(f"out_dir {out_dir} cannot be created: {broken}")
+            try:
                 folder.mkdir()
                 created.append(folder)
+            except FileExistsError:
+                if not folder.is_dir():
+                    raise
+                # another run created it at the same moment: the lock below decides which of them goes on
         clones = _probe(out_dir)
         hold = OutDir(out_dir, _lock(out_dir / LOCK), created)
     except OSError as error:
@@ -147,6 +158,22 @@ def claim_out_dir(out_dir, *, continuing: bool, overwrite: bool, first_save: Sav
     return hold
 
 
+def broken_link(path: Path) -> str:
+    """'' unless `path` is a symbolic link that leads to no file: one line naming where it points, or the loop."""
+    if not path.is_symlink():
+        return ""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return (
+            f"{path} is a symbolic link to {os.readlink(path)}, which does not exist (create that, or remove the link)"
+        )
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return f"{path} is a symbolic link loop ({path} -> {os.readlink(path)} -> ...); remove the link"
+    return ""
+
+
 def _probe(out_dir: Path) -> bool:
     """A real write, fsynced: a read-only or full filesystem fails here, before training, not at the first save.
     Returns whether the filesystem clones files (see clone_or_copy)."""
@@ -174,7 +201,7 @@ def _lock(path: Path) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            holder = lock_holder_pid(fd)
             os.close(fd)
             raise CheckpointError(
                 f"out_dir {path.parent} is in use by another run (pid {holder}, which holds {path}); "
@@ -199,6 +226,33 @@ def _lock(path: Path) -> int:
         os.close(fd)  # lets go of the lock
         raise
     return fd
+
+
+PID_WAIT_S = 1.0  # a holder writes its pid right after it takes the lock: how long a loser waits to read it
+
+
+def lock_holder_pid(fd: int) -> str:
+    """The pid of the process holding the flock on the lock file open at `fd`: what it wrote there (waiting a
+    moment for a holder that has just taken the lock to write it), else the kernel's list (/proc/locks), else
+    'unknown'."""
+    deadline = time.monotonic() + PID_WAIT_S
+    while True:
+        written = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        if written or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    if written:
+        return written
+    inode = os.fstat(fd).st_ino
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            for line in f:  # 1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF
+                fields = line.split()
+                if len(fields) > 5 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] == str(inode):
+                    return fields[4]
+    except OSError:
+        pass
+    return "unknown"
 
 
 def _remove_if_empty(folders: list[Path]) -> None:
@@ -311,7 +365,7 @@ def save_checkpoint(state: dict, out_dir, iter_num: int, keep_last_k: int, is_be
             _atomic_copy(numbered, target)
             written.append(name)
         target = out_dir
-        _rotate(out_dir, keep_last_k)
+        _rotate(out_dir, keep_last_k, numbered)
     except OSError as error:
         if LATEST not in written and numbered.name in written and not replaces_numbered:
             numbered.unlink(missing_ok=True)  # ckpt.pt stays the latest: no newer numbered file beside it
@@ -335,14 +389,29 @@ def _remove_leftovers(out_dir: Path) -> None:
             path.unlink(missing_ok=True)
 
 
-def _rotate(out_dir: Path, keep_last_k: int) -> None:
-    numbered = [p for p in out_dir.iterdir() if NUMBERED.fullmatch(p.name)]
-    by_age = sorted(numbered, key=lambda p: (p.stat().st_mtime_ns, p.name))  # save order, not iteration order:
-    for old in by_age[:-keep_last_k]:  # a resumed run may save a lower iteration again
-        old.unlink()
+def _rotate(out_dir: Path, keep_last_k: int, saved: Path) -> None:
+    """Delete this run's oldest numbered saves beyond the last keep_last_k, `saved` (the one just written) always
+    kept. Save order, not iteration order: a resumed run may save a lower iteration again. Only regular files
+    count: a symbolic link or a folder with such a name is none of our saves, and is left alone; so is a file
+    dated after `saved` (copied in with its time kept, or from another clock), which no save of ours can be."""
+    saved_at = saved.lstat().st_mtime_ns
+    older = []
+    for path in out_dir.iterdir():
+        if not NUMBERED.fullmatch(path.name) or path.name == saved.name:
+            continue
+        try:
+            info = path.lstat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(info.st_mode) and info.st_mtime_ns <= saved_at:
+            older.append((info.st_mtime_ns, path.name, path))
+    older.sort()
+    for _, _, old in older[: max(0, len(older) - (keep_last_k - 1))]:
+        old.unlink(missing_ok=True)
     for folder in out_dir.iterdir():  # optimizer states whose ckpt-<iter>.pt is gone
-        if SHARDED.fullmatch(folder.name) and not folder.with_suffix(".pt").exists():
-            shutil.rmtree(folder)
+        if SHARDED.fullmatch(folder.name) and not folder.is_symlink() and folder.is_dir():
+            if not os.path.lexists(folder.with_suffix(".pt")):
+                shutil.rmtree(folder)
     fsync_dir(out_dir)
 
 
