@@ -255,6 +255,27 @@ def lock_holder_pid(fd: int) -> str:
     return "unknown"
 
 
+def live_lock_holder(out_dir) -> str | None:
+    """The pid of the run that holds out_dir's lock now; None when no live run does (no lock file, or a stale
+    one). Asked by taking a shared flock for an instant: a run starting in that instant is refused, as if a run
+    held the folder, and names this process."""
+    import fcntl  # POSIX only
+
+    try:
+        fd = os.open(Path(out_dir) / LOCK, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return lock_holder_pid(fd)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 def _remove_if_empty(folders: list[Path]) -> None:
     for folder in reversed(folders):  # deepest first
         try:

@@ -165,11 +165,15 @@ def export_safetensors(checkpoint_path, out_path) -> Path:
     """Model weights only (no optimizer, no pickle), with the model config in the file's metadata."""
     checkpoint_path, out_path = Path(checkpoint_path), Path(out_path)
     if out_path.resolve() == checkpoint_path.resolve() or is_checkpoint_name(out_path.name):
-        raise CheckpointError(f"refusing to write the export over the checkpoint {out_path}; name another file")
+        raise CheckpointError(
+            f"refusing to write the export over the checkpoint {out_path}; name another file (a checkpoint's name, "
+            f"{out_path.name}, would hold a safetensors file)"
+        )
     if not out_path.parent.is_dir():
         raise CheckpointError(f"cannot write {out_path}: folder {out_path.parent} does not exist")
     state = load_checkpoint(checkpoint_path)
     refuse_adapters(state, checkpoint_path)
+    check_finite_weights(state["model"], checkpoint_path, "an export of them is of no use to any tool")
     # lm_head.weight is tied to transformer.wte.weight; safetensors stores shared tensors only once
     weights = {k: v.contiguous() for k, v in state["model"].items() if k != "lm_head.weight"}
     metadata = {"model_config": json.dumps(state["model_config"]), "tied": "lm_head.weight=transformer.wte.weight"}

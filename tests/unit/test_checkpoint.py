@@ -552,9 +552,10 @@ def test_export_cli(trained_out, tmp_path):
         (["safetensors"], "the following arguments are required: checkpoint, out"),
         (["import", "a.pt", "b.safetensors"], "invalid choice: 'import'"),
         (["safetensors", "NO.pt", "x"], "no checkpoint at {tmp}/NO.pt"),
-        (["safetensors", "{ckpt}", "{ckpt}"], "refusing to write the export over the checkpoint {ckpt}"),
-        (["safetensors", "{ckpt}", "{folder}/../out/ckpt.pt"], "refusing to write the export over the checkpoint"),
-        (["safetensors", "{ckpt}", "{folder}/best.pt"], "refusing to write the export over the checkpoint"),
+        (["safetensors", "{ckpt}", "{ckpt}"], "refusing to write over {ckpt}, which this command reads"),
+        (["safetensors", "{ckpt}", "{folder}/../out/ckpt.pt"], "refusing to write over {ckpt}, which this command"),
+        (["safetensors", "{ckpt}", "{folder}/best.pt"], "refusing to replace {folder}/best.pt, a checkpoint a run"),
+        (["safetensors", "{ckpt}", "{folder}/best.pt", "--overwrite"], "export over the checkpoint {folder}/best.pt"),
         (["safetensors", "{ckpt}", "{folder}/no/such/folder/model.safetensors"], "folder {folder}/no/such/folder"),
         (["merge", "{ckpt}", "{folder}/merged.pt"], "{ckpt} holds no LoRA adapters; it is a plain checkpoint"),
     ],
@@ -566,6 +567,7 @@ def test_export_cli(trained_out, tmp_path):
         "onto-its-input",
         "onto-its-input-by-another-path",
         "onto-a-checkpoint",
+        "onto-a-checkpoint-name",
         "missing-folder",
         "merge-a-plain-checkpoint",
     ],
@@ -662,3 +664,34 @@ def test_a_lock_holder_that_has_not_written_its_pid_yet_is_named(tmp_path):
             claim_out_dir(out, continuing=False, overwrite=False)
     finally:
         os.close(fd)
+
+
+# ---- where an export may write, and what it may export ----
+
+
+@pytest.mark.parametrize("command", ["safetensors", "hf"])
+def test_an_export_into_a_training_runs_out_dir_is_refused_until_it_ends(trained_out, tmp_path, capsys, command):
+    """While a run holds its out_dir, nothing is written there, --overwrite or not; once it ends, the export is."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_out, run)
+    target = run / "best.safetensors" if command == "safetensors" else run
+    with claim_out_dir(run, continuing=True, overwrite=False):
+        before = tree_digest(run)
+        code, out, err = weights_cli(capsys, command, str(run / "best.pt"), str(target), "--overwrite")
+        assert code == 2 and out == "" and err.count("\n") == 1, err
+        assert f"is the out_dir of a run training now (pid {os.getpid()})" in err, err
+        assert tree_digest(run) == before
+    code, out, err = weights_cli(capsys, command, str(run / "best.pt"), str(target))
+    assert code == 0 and out.startswith(f"wrote {target}"), err
+
+
+@pytest.mark.parametrize("command", ["safetensors", "hf"])
+def test_an_export_of_non_finite_weights_is_refused_naming_the_tensor(trained_out, tmp_path, capsys, command):
+    state = torch.load(trained_out / "ckpt.pt", weights_only=True)
+    state["model"]["transformer.h.1.mlp.c_fc.weight"][3, 4] = float("nan")
+    torch.save(state, tmp_path / "nan.pt")
+    target = tmp_path / ("export.safetensors" if command == "safetensors" else "hf")
+    code, out, err = weights_cli(capsys, command, str(tmp_path / "nan.pt"), str(target))
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert f"{tmp_path / 'nan.pt'} has non-finite weights (NaN or inf in transformer.h.1.mlp.c_fc.weight)" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nan.pt"]
