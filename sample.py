@@ -32,6 +32,7 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from os.path import expanduser
 from pathlib import Path
 
 import torch
@@ -82,6 +83,10 @@ class SampleConfig:
     slide: str = "half"  # past block_size: half (re-read the last block_size/2, decode on) | exact (nanoGPT's)
 
     def __post_init__(self):
+        # paths as a person types them: a shell leaves the ~ of --out_dir=~/run as it is
+        self.out_dir, self.checkpoint, self.init_from = map(expanduser, (self.out_dir, self.checkpoint, self.init_from))
+        if self.start.startswith("FILE:"):
+            self.start = "FILE:" + expanduser(self.start.removeprefix("FILE:"))
         if self.init_from and self.checkpoint:
             raise ValueError("set init_from or checkpoint, not both")
         if self.num_samples < 1:

@@ -313,3 +313,15 @@ def test_logits_that_overflow_in_float32_do_not_suggest_float32(trained_out, tmp
     code, out, err = run_sample(capsys, *argv)
     assert code == 2 and err.splitlines()[-1].startswith("error: ") and "logits are not finite" in err, err
     assert "--dtype=float32" not in err and "earlier checkpoint" in err, err
+
+
+def test_paths_with_a_tilde_are_in_the_home_folder(trained_out, tmp_path, capsys, monkeypatch):
+    """A shell leaves the ~ of --out_dir=~/run alone: sample.py reads it as the home folder, as the shell would."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "run").symlink_to(trained_out)
+    (tmp_path / "prompt.txt").write_text("ROMEO:")
+    argv = ("--out_dir=~/run", "--start=FILE:~/prompt.txt", "--num_samples=1", "--max_new_tokens=3", "--device=cpu")
+    code, out, err = run_sample(capsys, *argv)
+    assert code == 0 and samples(out)[0].startswith("ROMEO:"), err
+    code, out, err = run_sample(capsys, "--checkpoint=~/run/ckpt.pt", "--max_new_tokens=3", "--device=cpu")
+    assert code == 0, err
