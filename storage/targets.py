@@ -67,7 +67,19 @@ def resumable_iteration(path: Path) -> int | None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (CheckpointError, pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError):
+    except (
+        CheckpointError,
+        pickle.UnpicklingError,
+        RuntimeError,
+        EOFError,
+        zipfile.BadZipFile,
+        OSError,
+        ValueError,
+        IndexError,
+        KeyError,
+        TypeError,
+        AttributeError,
+    ):  # what torch's loader raises on garbage
         return None
     if isinstance(state, dict) and "optimizer" in state and isinstance(state.get("iter_num"), int):
         return state["iter_num"]

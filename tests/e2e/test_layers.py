@@ -64,4 +64,5 @@ def test_the_model_alone_loads_no_other_module_falls_back_down_the_chain_and_say
 def test_the_ground_floor_imports_nothing_above_it():
     assert loaded_by("import errors") == ["errors"]
     assert loaded_by("import configurator") == ["configurator", "errors"]
-    assert set(loaded_by("import storage.checkpoint")) == {"errors", "storage", "storage.atomic", "storage.checkpoint"}
+    loaded = set(loaded_by("import storage.checkpoint"))
+    assert loaded == {"errors", "storage", "storage.atomic", "storage.memory", "storage.checkpoint"}
