@@ -60,20 +60,20 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"expected bool ({_BOOL_FORMS}), got {text!r}")
 
 
-def load_config(defaults, argv: list[str], deprecated: dict | None = None):
+def load_config(defaults, argv: list[str], deprecated: dict | None = None, prog: str = "train.py"):
     """Return a new dataclass instance: `defaults` filled from the config files, then the --key=value
     overrides in argv (argv excludes the program name). `deprecated` maps an old key to
-    (new_key, convert); convert gets the raw value and returns the new key's value."""
-    config, _, notices = _load(defaults, argv, deprecated)
+    (new_key, convert); convert gets the raw value and returns the new key's value. `prog`: --help's name."""
+    config, _, notices = _load(defaults, argv, deprecated, prog)
     _warn(notices)
     return config
 
 
-def load_config_and_explicit_keys(defaults, argv: list[str], deprecated: dict | None = None):
+def load_config_and_explicit_keys(defaults, argv: list[str], deprecated: dict | None = None, prog: str = "train.py"):
     """load_config's instance, and the frozenset of the fields that the config files and overrides set (an alias
     or a deprecated key counts as the field it sets): a value the user chose, even one equal to its default, is
     told apart from a default (train.py: a checkpoint's shape fills only the model settings the user left out)."""
-    config, explicit, notices = _load(defaults, argv, deprecated)
+    config, explicit, notices = _load(defaults, argv, deprecated, prog)
     _warn(notices)
     return config, explicit
 
@@ -83,12 +83,12 @@ def _warn(notices: list[str]) -> None:
         warnings.warn(message, DeprecationWarning, stacklevel=3)
 
 
-def _load(defaults, argv: list[str], deprecated: dict | None) -> tuple[object, frozenset[str], list[str]]:
+def _load(defaults, argv: list[str], deprecated: dict | None, prog: str) -> tuple[object, frozenset[str], list[str]]:
     """(the filled instance, the fields set, the deprecation notices to warn of)."""
     if not dataclasses.is_dataclass(defaults) or isinstance(defaults, type):
         raise TypeError(f"defaults must be a dataclass instance, got {defaults!r}")
     if "-h" in argv or "--help" in argv:
-        print(format_help(defaults))
+        print(format_help(defaults, prog))
         raise SystemExit(0)
     deprecated = deprecated or {}
     types_ = _field_types(defaults)

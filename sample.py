@@ -32,6 +32,7 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from os.path import expanduser
 from pathlib import Path
 
 import torch
@@ -52,9 +53,10 @@ from errors import (
 from generation import stream
 from generation.loop import check_generation
 from model import GPT, canonical_backend
+from storage.memory import fits_in_memory, format_bytes
 from training.runtime import Runtime, StopOnSignals, pick_device, pick_dtype
 from weights.hf import load_weights, model_from_checkpoint
-from weights.load import load_checkpoint
+from weights.load import check_finite_weights, load_checkpoint, saved_model_config
 
 SEPARATOR = "---------------"
 
@@ -81,6 +83,10 @@ class SampleConfig:
     slide: str = "half"  # past block_size: half (re-read the last block_size/2, decode on) | exact (nanoGPT's)
 
     def __post_init__(self):
+        # paths as a person types them: a shell leaves the ~ of --out_dir=~/run as it is
+        self.out_dir, self.checkpoint, self.init_from = map(expanduser, (self.out_dir, self.checkpoint, self.init_from))
+        if self.start.startswith("FILE:"):
+            self.start = "FILE:" + expanduser(self.start.removeprefix("FILE:"))
         if self.init_from and self.checkpoint:
             raise ValueError("set init_from or checkpoint, not both")
         if self.num_samples < 1:
@@ -186,9 +192,10 @@ def load_model(cfg: SampleConfig, device: torch.device):
     else:
         path = cfg.checkpoint or Path(cfg.out_dir) / "ckpt.pt"
         state = load_checkpoint(path)
+    saved_model_config(state, path, device)  # a model too large for the memory here is one line, not a traceback
     overrides = {"attention_backend": cfg.attention_backend, "disable_mps_fix": cfg.disable_mps_fix, "dropout": 0.0}
     model = model_from_checkpoint(state, path, **overrides)
-    check_finite_weights(model, path)
+    check_finite_weights(model.state_dict(), path, "nothing can be sampled from it")
     model.eval().to(device)  # the attention backend is resolved when generation starts, for its KV cache
     encode, decode = load_tokenizer(state["meta"])
     vocab_size = tokenizer_vocab_size(state["meta"])
@@ -197,22 +204,6 @@ def load_model(cfg: SampleConfig, device: torch.device):
             f"the checkpoint's tokenizer has {vocab_size} ids but its model only {model.config.vocab_size}"
         )
     return model, encode, decode, vocab_size
-
-
-def check_finite_weights(model: GPT, path) -> None:
-    """CheckpointError naming the tensors when a checkpoint's weights hold NaN or inf: nothing can be sampled
-    from them (training refuses to save such a state, but a file can come from elsewhere)."""
-    bad = [
-        name
-        for name, tensor in model.state_dict().items()
-        if tensor.is_floating_point() and not tensor.isfinite().all()
-    ]
-    if bad:
-        names = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-        raise CheckpointError(
-            f"{path} has non-finite weights (NaN or inf in {names}): nothing can be sampled from it; "
-            f"use an earlier checkpoint of the run (best.pt, ckpt-NNNNNNN.pt)"
-        )
 
 
 class OutputLost(Exception):
@@ -253,7 +244,28 @@ def encode_prompts(cfg: SampleConfig, encode, block_size: int) -> list[list[int]
     return prompts
 
 
+# What sampling keeps of each decode step until its samples are printed: the step's (B,) tensor (~520 bytes on
+# CPU, measured, most of it the tensor object), and per row its id stacked, as a Python int, and as text
+STEP_BYTES, ROW_TOKEN_BYTES = 512, 64
+
+
+def check_sample_memory(cfg: SampleConfig) -> None:
+    """UsageError (one line), before anything is loaded, for a max_new_tokens whose samples cannot be kept in
+    the memory there is until they are printed (each sample is printed whole)."""
+    rows = min(cfg.batch_size, cfg.num_samples)  # at least this many are generated together
+    per_step = STEP_BYTES + rows * ROW_TOKEN_BYTES
+    need = cfg.max_new_tokens * per_step
+    fits, available = fits_in_memory(need)
+    if not fits:
+        raise UsageError(
+            f"max_new_tokens={cfg.max_new_tokens:,} would keep about {format_bytes(need)} in memory until the "
+            f"samples are printed ({per_step} bytes a step for {rows} rows), and {format_bytes(available)} is "
+            f"available; ask for at most {available // per_step:,}"
+        )
+
+
 def sample(cfg: SampleConfig) -> int:
+    check_sample_memory(cfg)
     device = pick_device(cfg.device)
     runtime = Runtime(device, pick_dtype(cfg.dtype, device))
     model, encode, decode, vocab_size = load_model(cfg, device)
@@ -280,10 +292,14 @@ def sample(cfg: SampleConfig) -> int:
             )
             return code
         except NonFiniteLogits:
+            way_on = (  # only what would change something: a float32 run overflows in float32 already
+                "try --dtype=float32, or an earlier checkpoint"
+                if runtime.dtype != torch.float32
+                else "they overflow in float32 too; use an earlier checkpoint"
+            )
             raise CheckpointError(
                 f"{source}: the model's logits are not finite (NaN or inf) while sampling "
-                f"{'this prompt' if len(batch) == 1 else 'these prompts'}, with finite weights; "
-                f"try --dtype=float32, or an earlier checkpoint"
+                f"{'this prompt' if len(batch) == 1 else 'these prompts'}, with finite weights; {way_on}"
             ) from None
         print_samples(batch, new, decode)
     timing.report(len(jobs) * cfg.max_new_tokens, time.time() - started)
@@ -344,7 +360,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", force=True)  # the backend line
     try:
         with StopOnSignals():  # SIGTERM and SIGHUP stop it as Ctrl-C does
-            return sample(load_config(SampleConfig(), argv))
+            return sample(load_config(SampleConfig(), argv, prog="sample.py"))
     except (ConfigError, CheckpointError, DataError, UsageError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

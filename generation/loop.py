@@ -222,8 +222,10 @@ class Generation:
         self.keep = config.block_size if slide == "exact" else max(1, config.block_size // 2)
         self.model, self.block_size = model, config.block_size
         self.counts = [p.numel() for p in prompts]  # tokens per row so far, on the host
-        B, longest = len(prompts), max(self.counts)
-        self.tokens = torch.zeros(B, longest + max_new_tokens, dtype=torch.long, device=device)
+        B, self.longest = len(prompts), max(self.counts)
+        # room for every new token up to 2*block_size of them; past that, compact() keeps each row's last window
+        room = min(max_new_tokens, 2 * config.block_size)
+        self.tokens = torch.zeros(B, self.longest + room, dtype=torch.long, device=device)
         for b, prompt in enumerate(prompts):
             self.tokens[b, : prompt.numel()] = prompt
         self.rows, self.ends = torch.arange(B, device=device), torch.tensor(self.counts, device=device)
@@ -270,11 +272,24 @@ class Generation:
 
     def add(self, tokens: torch.Tensor, nonfinite: torch.Tensor):
         """Append (B,) tokens, one per row, and whether their logits held NaN or inf."""
+        if self.longest == self.tokens.size(1):
+            self.compact()
+        self.longest += 1
         self.tokens[self.rows, self.ends] = tokens
         self.ends += 1
         self.counts = [n + 1 for n in self.counts]
         self.newest = tokens[:, None]
         self.nonfinite |= nonfinite
+
+    def compact(self):
+        """Move each row's last block_size tokens (all a window reads) to the buffer's start: the buffer never
+        grows with max_new_tokens (the caller keeps what it yields)."""
+        keep = [min(n, self.block_size) for n in self.counts]
+        starts = torch.tensor([n - k for n, k in zip(self.counts, keep)], device=self.tokens.device)
+        index = torch.minimum(starts[:, None] + torch.arange(max(keep), device=starts.device), self.ends[:, None] - 1)
+        self.tokens[:, : max(keep)] = self.tokens.gather(1, index)  # (B, max(keep)); a short row repeats its last
+        self.counts, self.longest = keep, max(keep)
+        self.ends = torch.tensor(keep, device=self.tokens.device)
 
     def check_finite(self):
         """NonFiniteLogits when any token so far was drawn from NaN or inf logits (the one wait for the GPU)."""

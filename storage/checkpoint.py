@@ -35,6 +35,8 @@ import random
 import re
 import shlex
 import shutil
+import stat
+import time
 import warnings
 import zipfile
 from pathlib import Path
@@ -45,6 +47,7 @@ import torch
 
 from errors import CheckpointError
 from storage.atomic import atomic_path, fsync_dir, tmp_path_for, tmp_target
+from storage.memory import check_archive_sizes, format_bytes
 
 log = logging.getLogger("storage")
 
@@ -123,9 +126,18 @@ def claim_out_dir(out_dir, *, continuing: bool, overwrite: bool, first_save: Sav
     created = []
     try:
         for folder in reversed([out_dir, *out_dir.parents]):
-            if not folder.is_dir():
+            if folder.is_dir():
+                continue
+            broken = broken_link(folder)
+            if broken:
+                raise CheckpointError(f"out_dir {out_dir} cannot be created: {broken}")
+            try:
                 folder.mkdir()
                 created.append(folder)
+            except FileExistsError:
+                if not folder.is_dir():
+                    raise
+                # another run created it at the same moment: the lock below decides which of them goes on
         clones = _probe(out_dir)
         hold = OutDir(out_dir, _lock(out_dir / LOCK), created)
     except OSError as error:
@@ -156,6 +168,22 @@ def claim_out_dir(out_dir, *, continuing: bool, overwrite: bool, first_save: Sav
     return hold
 
 
+def broken_link(path: Path) -> str:
+    """'' unless `path` is a symbolic link that leads to no file: one line naming where it points, or the loop."""
+    if not path.is_symlink():
+        return ""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return (
+            f"{path} is a symbolic link to {os.readlink(path)}, which does not exist (create that, or remove the link)"
+        )
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return f"{path} is a symbolic link loop ({path} -> {os.readlink(path)} -> ...); remove the link"
+    return ""
+
+
 def _probe(out_dir: Path) -> bool:
     """A real write, fsynced: a read-only or full filesystem fails here, before training, not at the first save.
     Returns whether the filesystem clones files (see clone_or_copy)."""
@@ -183,7 +211,7 @@ def _lock(path: Path) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            holder = lock_holder_pid(fd)
             os.close(fd)
             raise CheckpointError(
                 f"out_dir {path.parent} is in use by another run (pid {holder}, which holds {path}); "
@@ -208,6 +236,54 @@ def _lock(path: Path) -> int:
         os.close(fd)  # lets go of the lock
         raise
     return fd
+
+
+PID_WAIT_S = 1.0  # a holder writes its pid right after it takes the lock: how long a loser waits to read it
+
+
+def lock_holder_pid(fd: int) -> str:
+    """The pid of the process holding the flock on the lock file open at `fd`: what it wrote there (waiting a
+    moment for a holder that has just taken the lock to write it), else the kernel's list (/proc/locks), else
+    'unknown'."""
+    deadline = time.monotonic() + PID_WAIT_S
+    while True:
+        written = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        if written or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    if written:
+        return written
+    inode = os.fstat(fd).st_ino
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            for line in f:  # 1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF
+                fields = line.split()
+                if len(fields) > 5 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] == str(inode):
+                    return fields[4]
+    except OSError:
+        pass
+    return "unknown"
+
+
+def live_lock_holder(out_dir) -> str | None:
+    """The pid of the run that holds out_dir's lock now; None when no live run does (no lock file, or a stale
+    one). Asked by taking a shared flock for an instant: a run starting in that instant is refused, as if a run
+    held the folder, and names this process."""
+    import fcntl  # POSIX only
+
+    try:
+        fd = os.open(Path(out_dir) / LOCK, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return lock_holder_pid(fd)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
 
 
 def _remove_if_empty(folders: list[Path]) -> None:
@@ -320,7 +396,7 @@ def save_checkpoint(state: dict, out_dir, iter_num: int, keep_last_k: int, is_be
             _atomic_copy(numbered, target)
             written.append(name)
         target = out_dir
-        _rotate(out_dir, keep_last_k)
+        _rotate(out_dir, keep_last_k, numbered)
     except OSError as error:
         if LATEST not in written and numbered.name in written and not replaces_numbered:
             with contextlib.suppress(OSError):  # a folder turned read-only keeps it: the line says it was written
@@ -345,14 +421,29 @@ def _remove_leftovers(out_dir: Path) -> None:
             path.unlink(missing_ok=True)
 
 
-def _rotate(out_dir: Path, keep_last_k: int) -> None:
-    numbered = [p for p in out_dir.iterdir() if NUMBERED.fullmatch(p.name)]
-    by_age = sorted(numbered, key=lambda p: (p.stat().st_mtime_ns, p.name))  # save order, not iteration order:
-    for old in by_age[:-keep_last_k]:  # a resumed run may save a lower iteration again
-        old.unlink()
+def _rotate(out_dir: Path, keep_last_k: int, saved: Path) -> None:
+    """Delete this run's oldest numbered saves beyond the last keep_last_k, `saved` (the one just written) always
+    kept. Save order, not iteration order: a resumed run may save a lower iteration again. Only regular files
+    count: a symbolic link or a folder with such a name is none of our saves, and is left alone; so is a file
+    dated after `saved` (copied in with its time kept, or from another clock), which no save of ours can be."""
+    saved_at = saved.lstat().st_mtime_ns
+    older = []
+    for path in out_dir.iterdir():
+        if not NUMBERED.fullmatch(path.name) or path.name == saved.name:
+            continue
+        try:
+            info = path.lstat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(info.st_mode) and info.st_mtime_ns <= saved_at:
+            older.append((info.st_mtime_ns, path.name, path))
+    older.sort()
+    for _, _, old in older[: max(0, len(older) - (keep_last_k - 1))]:
+        old.unlink(missing_ok=True)
     for folder in out_dir.iterdir():  # optimizer states whose ckpt-<iter>.pt is gone
-        if SHARDED.fullmatch(folder.name) and not folder.with_suffix(".pt").exists():
-            shutil.rmtree(folder)
+        if SHARDED.fullmatch(folder.name) and not folder.is_symlink() and folder.is_dir():
+            if not os.path.lexists(folder.with_suffix(".pt")):
+                shutil.rmtree(folder)
     fsync_dir(out_dir)
 
 
@@ -430,6 +521,7 @@ def read_torch_file(path: Path, map_location="cpu"):
     kind = other_file_kind(path)
     if kind:
         raise CheckpointError(kind)
+    check_archive_sizes(path)  # before torch.load inflates or allocates anything
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -718,11 +810,3 @@ def write_safetensors(weights: dict[str, torch.Tensor], out_path: Path, metadata
         reason = str(error).strip().splitlines()[0].rsplit("I/O error: ", 1)[-1][:200]
         raise CheckpointError(f"cannot write {out_path}: {reason}") from None
     return out_path
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if n < 1024 or unit == "PiB":
-            return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")

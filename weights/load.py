@@ -9,12 +9,15 @@ import dataclasses
 import json
 from pathlib import Path
 
+import torch
+
 from data.common import read_meta_pkl
 from data.tokenizer import gpt2_meta
 from errors import CheckpointError, DataError
 from model import GPTConfig
 from storage import checkpoint as storage
 from storage.checkpoint import is_checkpoint_name, write_safetensors
+from storage.memory import available_memory, format_bytes
 
 BUFFERS = ("attn.bias", "attn.masked_bias")  # the causal mask, saved by older GPT-2 code: not weights
 
@@ -36,7 +39,7 @@ def load_checkpoint(path, map_location="cpu", *, resume: bool = False) -> dict:
                 f"--init_from={path} --out_dir=<another folder>"
             )
     storage.check_schema(state, path, resume=resume)
-    saved_model_config(state, path)
+    known_model_config(state, path)
     return state
 
 
@@ -53,12 +56,62 @@ def hf_folder_line(folder: Path) -> str:
     )
 
 
-def saved_model_config(state: dict, path) -> GPTConfig:
+def known_model_config(state: dict, path) -> GPTConfig:
     """The checkpoint's GPTConfig; one line for settings this version does not know (a newer version's)."""
     try:
         return GPTConfig.from_dict(state["model_config"])
     except ValueError as error:
         raise CheckpointError(f"{path}: {error}") from None
+
+
+def saved_model_config(state: dict, path, device: torch.device | None = None) -> GPTConfig:
+    """The GPTConfig to build a checkpoint's model from: known_model_config's, and one line, before anything is
+    allocated, for a model that cannot fit in the memory there is (on the host, and on `device`)."""
+    config = known_model_config(state, path)
+    check_model_memory(config, path)
+    if device is not None and device.type == "cuda":
+        check_model_memory(config, path, device)
+    return config
+
+
+def parameter_count(config: GPTConfig) -> int:
+    """A lower bound of GPT's parameters from its config alone: its matrices, without biases and norms."""
+    width, kv_width = config.n_embd, config.kv_heads * config.head_dim
+    attention = width * (width + 2 * kv_width) + width * width  # q, k, v; the output projection
+    mlp = (3 if config.mlp == "swiglu" else 2) * width * config.mlp_width
+    positions = 0 if config.rope else config.block_size * width
+    return config.vocab_size * width + positions + config.n_layer * (attention + mlp)
+
+
+def check_model_memory(config: GPTConfig, path, device: torch.device | None = None) -> None:
+    """CheckpointError (one line) before a model is built whose float32 weights (as GPT builds them, on the host,
+    then on `device`) cannot fit in the memory available: a checkpoint's config is untrusted input."""
+    params = parameter_count(config)
+    need = 4 * params
+    if device is not None and device.type == "cuda":
+        available, where = torch.cuda.mem_get_info(device)[0], f"{device} has"
+    else:
+        available, where = available_memory(), "this machine has"
+    if available is not None and need > available:
+        shape = f"n_layer={config.n_layer}, n_embd={config.n_embd}, vocab_size={config.vocab_size}"
+        raise CheckpointError(
+            f"{path}: its model_config asks for at least {params:,} parameters ({shape}), "
+            f"{format_bytes(need)} in float32, but {where} {format_bytes(available)} available; "
+            f"use it on a machine with more memory, or check that it is the checkpoint you meant"
+        )
+
+
+def check_finite_weights(weights: dict[str, torch.Tensor], path, consequence: str) -> None:
+    """CheckpointError naming the tensors (the first first) when weights hold NaN or inf: nothing usable comes of
+    them (training refuses to save such a state, but a file can come from elsewhere). `consequence`: what the
+    caller cannot do, for the line."""
+    bad = [name for name, tensor in weights.items() if tensor.is_floating_point() and not tensor.isfinite().all()]
+    if bad:
+        names = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise CheckpointError(
+            f"{path} has non-finite weights (NaN or inf in {names}): {consequence}; "
+            f"use an earlier checkpoint of the run (best.pt, ckpt-NNNNNNN.pt)"
+        )
 
 
 def is_mask_buffer(name: str) -> bool:
@@ -112,11 +165,15 @@ def export_safetensors(checkpoint_path, out_path) -> Path:
     """Model weights only (no optimizer, no pickle), with the model config in the file's metadata."""
     checkpoint_path, out_path = Path(checkpoint_path), Path(out_path)
     if out_path.resolve() == checkpoint_path.resolve() or is_checkpoint_name(out_path.name):
-        raise CheckpointError(f"refusing to write the export over the checkpoint {out_path}; name another file")
+        raise CheckpointError(
+            f"refusing to write the export over the checkpoint {out_path}; name another file (a checkpoint's name, "
+            f"{out_path.name}, would hold a safetensors file)"
+        )
     if not out_path.parent.is_dir():
         raise CheckpointError(f"cannot write {out_path}: folder {out_path.parent} does not exist")
     state = load_checkpoint(checkpoint_path)
     refuse_adapters(state, checkpoint_path)
+    check_finite_weights(state["model"], checkpoint_path, "an export of them is of no use to any tool")
     # lm_head.weight is tied to transformer.wte.weight; safetensors stores shared tensors only once
     weights = {k: v.contiguous() for k, v in state["model"].items() if k != "lm_head.weight"}
     metadata = {"model_config": json.dumps(state["model_config"]), "tied": "lm_head.weight=transformer.wte.weight"}

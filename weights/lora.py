@@ -31,7 +31,7 @@ from torch.nn import functional as F
 from errors import CheckpointError, UsageError
 from model import GPT, GPTConfig
 from storage.checkpoint import atomic_save, check_model_weights, os_reason
-from weights.load import load_checkpoint, saved_model_config
+from weights.load import check_finite_weights, load_checkpoint, saved_model_config
 
 log = logging.getLogger("lora")
 
@@ -298,6 +298,7 @@ def merge_checkpoint(adapter_path, out_path) -> Path:
     base = state["lora"]["base"]
     if out_path.exists() and out_path.resolve() in (adapter_path.resolve(), *([Path(base).resolve()] if base else [])):
         raise CheckpointError(f"refusing to write the merged model over {out_path}; name another file")
+    check_finite_weights(model.state_dict(), f"{adapter_path} merged into its base", "nothing usable can be written")
     merged = {"model": model.state_dict(), "model_config": state["model_config"], "meta": state["meta"]}
     try:
         atomic_save(merged, out_path)

@@ -273,3 +273,55 @@ def test_bfloat16_sampling_on_a_gpu_casts_the_weights_and_drops_autocast():
     gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64))
     sample.inference_precision(gpt, Runtime(torch.device("cpu"), torch.bfloat16))
     assert {p.dtype for p in gpt.parameters()} == {torch.float32}  # CPU: autocast, as training evaluates
+
+
+# ---- untrusted sizes, checked before memory is spent; messages that say what would help ----
+
+
+def test_a_checkpoint_asking_for_a_huge_model_is_one_line_before_it_is_built(trained_out, tmp_path, capsys):
+    """A model_config of 5e12 parameters (20 TB in float32) with the tiny weights beside it: refused from its
+    config, not by an allocation that fails (a traceback) or swaps the machine to a halt."""
+    state = torch.load(trained_out / "ckpt.pt", weights_only=True)
+    state["model_config"].update(n_layer=96, n_embd=65536, n_head=64, vocab_size=50304)
+    torch.save(state, tmp_path / "huge.pt")
+    code, out, err = run_sample(capsys, f"--checkpoint={tmp_path / 'huge.pt'}", "--max_new_tokens=3", "--device=cpu")
+    assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("error: "), err
+    assert re.search(r"its model_config asks for at least [\d,]+ parameters \(n_layer=96, n_embd=65536", err), err
+
+
+def test_a_max_new_tokens_beyond_memory_is_one_line(trained_out, capsys):
+    code, out, err = run_sample(capsys, f"--out_dir={trained_out}", "--max_new_tokens=1000000000000", "--device=cpu")
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("error: max_new_tokens=1,000,000,000,000 would keep about ") and "ask for at most" in err
+
+
+def test_help_names_sample_py(capsys):
+    with pytest.raises(SystemExit) as stop:
+        sample.main(["--help"])
+    assert stop.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: sample.py ") and "--max_new_tokens=500" in out
+
+
+def test_logits_that_overflow_in_float32_do_not_suggest_float32(trained_out, tmp_path, capsys):
+    """Finite weights whose logits overflow: a float32 run is told to use an earlier checkpoint, not to switch to
+    the dtype it runs in."""
+    state = torch.load(trained_out / "ckpt.pt", weights_only=True)
+    state["model"]["transformer.wte.weight"].fill_(3e38)  # finite, but the first norm's variance is inf
+    torch.save(state, tmp_path / "overflow.pt")
+    argv = (f"--checkpoint={tmp_path / 'overflow.pt'}", "--max_new_tokens=3", "--device=cpu", "--dtype=float32")
+    code, out, err = run_sample(capsys, *argv)
+    assert code == 2 and err.splitlines()[-1].startswith("error: ") and "logits are not finite" in err, err
+    assert "--dtype=float32" not in err and "earlier checkpoint" in err, err
+
+
+def test_paths_with_a_tilde_are_in_the_home_folder(trained_out, tmp_path, capsys, monkeypatch):
+    """A shell leaves the ~ of --out_dir=~/run alone: sample.py reads it as the home folder, as the shell would."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "run").symlink_to(trained_out)
+    (tmp_path / "prompt.txt").write_text("ROMEO:")
+    argv = ("--out_dir=~/run", "--start=FILE:~/prompt.txt", "--num_samples=1", "--max_new_tokens=3", "--device=cpu")
+    code, out, err = run_sample(capsys, *argv)
+    assert code == 0 and samples(out)[0].startswith("ROMEO:"), err
+    code, out, err = run_sample(capsys, "--checkpoint=~/run/ckpt.pt", "--max_new_tokens=3", "--device=cpu")
+    assert code == 0, err

@@ -12,6 +12,7 @@ import functools
 import io
 import json
 import math
+import multiprocessing
 import os
 import random
 import shutil
@@ -308,6 +309,27 @@ def test_rotation_keeps_the_newest_saves_in_a_resumed_out_dir(tmp_path):
     assert iter_of(tmp_path / "ckpt.pt") == 250
 
 
+def test_rotation_never_deletes_the_runs_newest_saves_whatever_stands_beside_them(tmp_path):
+    """Another run's ckpt-9999999.pt dated in the future, a link to our own save, a dangling link, a folder and a
+    link loop, all with names of numbered saves: the run's last keep_last_k saves stay, the others are untouched."""
+    future = tmp_path / "ckpt-9999999.pt"
+    future.write_bytes(b"another run's save, copied in with its time kept")
+    os.utime(future, (time.time() + 3600, time.time() + 3600))
+    (tmp_path / "ckpt-0000005.pt").symlink_to("nowhere.pt")
+    (tmp_path / "ckpt-0000006.pt").mkdir()
+    (tmp_path / "ckpt-0000007.pt").symlink_to("ckpt-0000007.pt")
+    strangers = sorted(p.name for p in tmp_path.iterdir())
+    for it in (10, 20, 30):
+        save_checkpoint(small_state(it), tmp_path, it, keep_last_k=2, is_best=False)
+        (tmp_path / "ckpt-8888888.pt").unlink(missing_ok=True)
+        (tmp_path / "ckpt-8888888.pt").symlink_to(f"ckpt-{it:07d}.pt")  # a link to the newest save
+    names = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
+    ours = ["ckpt-0000020.pt", "ckpt-0000030.pt", "ckpt-8888888.pt", "ckpt.pt"]
+    assert names == sorted([*strangers, *ours])
+    assert iter_of(tmp_path / "ckpt-0000030.pt") == 30 and iter_of(tmp_path / "ckpt-0000020.pt") == 20
+    assert future.read_bytes().startswith(b"another run's")
+
+
 # ---- one run per out_dir ----
 
 
@@ -586,9 +608,10 @@ def test_export_cli(trained_out, tmp_path):
         (["safetensors"], "the following arguments are required: checkpoint, out"),
         (["import", "a.pt", "b.safetensors"], "invalid choice: 'import'"),
         (["safetensors", "NO.pt", "x"], "no checkpoint at {tmp}/NO.pt"),
-        (["safetensors", "{ckpt}", "{ckpt}"], "refusing to write the export over the checkpoint {ckpt}"),
-        (["safetensors", "{ckpt}", "{folder}/../out/ckpt.pt"], "refusing to write the export over the checkpoint"),
-        (["safetensors", "{ckpt}", "{folder}/best.pt"], "refusing to write the export over the checkpoint"),
+        (["safetensors", "{ckpt}", "{ckpt}"], "refusing to write over {ckpt}, which this command reads"),
+        (["safetensors", "{ckpt}", "{folder}/../out/ckpt.pt"], "refusing to write over {ckpt}, which this command"),
+        (["safetensors", "{ckpt}", "{folder}/best.pt"], "refusing to replace {folder}/best.pt, a checkpoint a run"),
+        (["safetensors", "{ckpt}", "{folder}/best.pt", "--overwrite"], "export over the checkpoint {folder}/best.pt"),
         (["safetensors", "{ckpt}", "{folder}/no/such/folder/model.safetensors"], "folder {folder}/no/such/folder"),
         (["merge", "{ckpt}", "{folder}/merged.pt"], "{ckpt} holds no LoRA adapters; it is a plain checkpoint"),
     ],
@@ -600,6 +623,7 @@ def test_export_cli(trained_out, tmp_path):
         "onto-its-input",
         "onto-its-input-by-another-path",
         "onto-a-checkpoint",
+        "onto-a-checkpoint-name",
         "missing-folder",
         "merge-a-plain-checkpoint",
     ],
@@ -614,3 +638,116 @@ def test_export_cli_bad_input(trained_out, tmp_path, capsys, argv, message):
     assert code == 2 and stdout == "", err
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and message.format(**values) in err, err
     assert tree_digest(tmp_path) == before  # the checkpoint is intact, and nothing was written
+
+
+# ---- what stands where an out_dir should be ----
+
+
+@pytest.mark.parametrize("kind", ["dangling", "loop", "dangling-parent"])
+def test_an_out_dir_that_is_a_broken_link_says_where_it_points(tmp_path, kind):
+    link = tmp_path / "out"
+    link.symlink_to("out" if kind == "loop" else tmp_path / "moved" / "out")
+    out = link / "run" if kind == "dangling-parent" else link
+    with pytest.raises(CheckpointError) as error:
+        claim_out_dir(out, continuing=False, overwrite=False)
+    message = str(error.value)
+    assert "EEXIST" not in message and "\n" not in message, message
+    if kind == "loop":
+        assert f"{link} is a symbolic link loop" in message, message
+    else:
+        assert f"{link} is a symbolic link to {tmp_path / 'moved' / 'out'}, which does not exist" in message, message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_folder_created_by_another_run_at_the_same_moment_is_no_error(tmp_path, monkeypatch):
+    """The other run's mkdir lands between our look and our mkdir: ours then finds it there, and goes on."""
+    out = tmp_path / "new" / "out"
+    real_mkdir = Path.mkdir
+
+    def mkdir_after_another_run(self, *args, **kwargs):
+        if self == out:
+            real_mkdir(self, *args, **kwargs)  # the other run's
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir_after_another_run)
+    with claim_out_dir(out, continuing=False, overwrite=False):
+        assert (out / ".lock").read_text() == f"{os.getpid()}\n"
+    assert out.is_dir()  # made by the other run: not ours to remove
+
+
+def claim_and_report(out: Path, barrier, results, done) -> None:
+    """A run's start in a child process: claim out_dir together with the others, report, hold until done."""
+    barrier.wait()
+    try:
+        with claim_out_dir(out, continuing=False, overwrite=False):
+            results.put((os.getpid(), "held"))
+            done.wait(30)
+    except CheckpointError as error:
+        results.put((os.getpid(), str(error)))
+
+
+def test_runs_racing_for_a_new_out_dir_one_wins_the_others_name_it(tmp_path):
+    """Four processes start at once on a folder that does not exist yet: one holds it, and each of the others
+    says that run holds it, by its pid; none says EEXIST or pid unknown."""
+    context = multiprocessing.get_context("fork")
+    barrier, results, done = context.Barrier(4), context.Queue(), context.Event()
+    out = tmp_path / "new" / "out"
+    children = [context.Process(target=claim_and_report, args=(out, barrier, results, done)) for _ in range(4)]
+    for child in children:
+        child.start()
+    try:
+        reports = [results.get(timeout=60) for _ in children]
+    finally:
+        done.set()
+        for child in children:
+            child.join(30)
+    winners = [pid for pid, report in reports if report == "held"]
+    assert len(winners) == 1, reports
+    for _, report in reports:
+        assert report == "held" or f"in use by another run (pid {winners[0]}," in report, report
+
+
+def test_a_lock_holder_that_has_not_written_its_pid_yet_is_named(tmp_path):
+    """The kernel's list of locks names the holder when the lock file does not (yet)."""
+    import fcntl
+
+    out = tmp_path / "out"
+    out.mkdir()
+    fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(CheckpointError, match=f"in use by another run \\(pid {os.getpid()},"):
+            claim_out_dir(out, continuing=False, overwrite=False)
+    finally:
+        os.close(fd)
+
+
+# ---- where an export may write, and what it may export ----
+
+
+@pytest.mark.parametrize("command", ["safetensors", "hf"])
+def test_an_export_into_a_training_runs_out_dir_is_refused_until_it_ends(trained_out, tmp_path, capsys, command):
+    """While a run holds its out_dir, nothing is written there, --overwrite or not; once it ends, the export is."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_out, run)
+    target = run / "best.safetensors" if command == "safetensors" else run
+    with claim_out_dir(run, continuing=True, overwrite=False):
+        before = tree_digest(run)
+        code, out, err = weights_cli(capsys, command, str(run / "best.pt"), str(target), "--overwrite")
+        assert code == 2 and out == "" and err.count("\n") == 1, err
+        assert f"is the out_dir of a run training now (pid {os.getpid()})" in err, err
+        assert tree_digest(run) == before
+    code, out, err = weights_cli(capsys, command, str(run / "best.pt"), str(target))
+    assert code == 0 and out.startswith(f"wrote {target}"), err
+
+
+@pytest.mark.parametrize("command", ["safetensors", "hf"])
+def test_an_export_of_non_finite_weights_is_refused_naming_the_tensor(trained_out, tmp_path, capsys, command):
+    state = torch.load(trained_out / "ckpt.pt", weights_only=True)
+    state["model"]["transformer.h.1.mlp.c_fc.weight"][3, 4] = float("nan")
+    torch.save(state, tmp_path / "nan.pt")
+    target = tmp_path / ("export.safetensors" if command == "safetensors" else "hf")
+    code, out, err = weights_cli(capsys, command, str(tmp_path / "nan.pt"), str(target))
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert f"{tmp_path / 'nan.pt'} has non-finite weights (NaN or inf in transformer.h.1.mlp.c_fc.weight)" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nan.pt"]

@@ -594,3 +594,25 @@ def test_a_backend_registered_without_a_decode_kernel_decodes_with_sdpas(caplog)
         assert torch.equal(out, reference.generate(prompt, 6, temperature=0))
     finally:
         model.BACKENDS.pop("toy_decode")
+
+
+# ---- memory that does not grow with max_new_tokens ----------------------------------------------------
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_tokens_far_past_block_size_are_the_reference_tokens(cache):
+    """The token buffer holds the prompts and at most 2*block_size new tokens, then keeps each row's last window:
+    rows of different lengths still get nanoGPT's tokens, many windows on."""
+    gpt = tiny_model(block_size=8)
+    prompts = [tokens(n, seed=n) for n in (3, 11, 1)]
+    expected = reference_tokens(gpt, prompts, 40)
+    out = generate(gpt, prompts, 40, temperature=0, kv_cache=cache, page_size=4)
+    assert all(torch.equal(a, b) for a, b in zip(out, expected))
+
+
+def test_a_huge_max_new_tokens_allocates_nothing_up_front():
+    """10**12 tokens would be 8 TB of token ids allocated before the first step: the first tokens come at once."""
+    gpt = tiny_model(block_size=8)
+    steps = loop.stream(gpt, [tokens(5)], 10**12, temperature=0)
+    first = [next(steps) for _ in range(20)]
+    assert len(first) == 20 and all(t.shape == (1,) for t in first)

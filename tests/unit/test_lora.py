@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import shutil
 
 import pytest
@@ -16,6 +17,7 @@ import sample
 import train
 from helpers import tiny_args, tiny_config, tree_digest
 from model import GPT
+from storage.checkpoint import claim_out_dir
 from weights import lora
 from weights.__main__ import main as weights_main
 from weights.load import load_checkpoint, saved_model_config
@@ -239,3 +241,62 @@ def test_bad_lora_settings_are_one_line(char_data, tmp_path, extra, message):
     code, stdout, err = run_train(*tiny_args(char_data, tmp_path / "out", *extra))
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, err
     assert not (tmp_path / "out").exists()
+
+
+# ---- where merge may write ----
+
+
+def merge_cli(*argv: str) -> tuple[int, str, str]:
+    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()) as err:
+        code = weights_main(["merge", *argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_merge_never_writes_over_a_training_runs_checkpoint_and_a_resumable_one_only_when_told(
+    lora_out, trained_out, tmp_path
+):
+    """A run holds its out_dir: merging onto its ckpt.pt is refused, --overwrite or not. Without a live run, a
+    checkpoint a run can resume from is replaced only with --overwrite."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_out, run)
+    before = tree_digest(run)
+    with claim_out_dir(run, continuing=True, overwrite=False):
+        for extra in ((), ("--overwrite",)):
+            code, out, err = merge_cli(str(lora_out / "ckpt.pt"), str(run / "ckpt.pt"), *extra)
+            assert code == 2 and out == "" and err.count("\n") == 1, err
+            assert f"is the out_dir of a run training now (pid {os.getpid()})" in err, err
+    assert tree_digest(run) == before
+    code, out, err = merge_cli(str(lora_out / "ckpt.pt"), str(run / "best.pt"))
+    assert code == 2 and "a checkpoint a run can resume from (iter " in err and "--overwrite" in err, err
+    assert tree_digest(run) == before
+    code, out, err = merge_cli(str(lora_out / "ckpt.pt"), str(run / "best.pt"), "--overwrite")
+    assert code == 0 and out == f"wrote {run / 'best.pt'}\n", err
+    assert "optimizer" not in load_checkpoint(run / "best.pt")
+
+
+def test_merge_takes_paths_as_typed_and_says_where_the_file_went(lora_out, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    adapters = str(lora_out / "ckpt.pt")
+    assert merge_cli(adapters, "~/home.pt")[:2] == (0, f"wrote {tmp_path / 'home.pt'}\n")
+    assert merge_cli(adapters, "sub/../here.pt")[:2] == (0, f"wrote {tmp_path / 'here.pt'}\n")
+    for typed, message in (
+        ("new/", "new/ ends in / (a folder); name the file to write, e.g. new/merged.pt"),
+        ("sub", "sub is a folder; name the file to write, e.g. sub/merged.pt"),
+        ("nowhere/m.pt", "cannot write nowhere/m.pt: folder nowhere does not exist"),
+    ):
+        code, out, err = merge_cli(adapters, typed)
+        assert code == 2 and out == "" and err == f"error: {message}\n", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here.pt", "home.pt", "sub"]
+    assert not any((tmp_path / "sub").iterdir())
+
+
+def test_merge_refuses_weights_that_come_out_non_finite(lora_out, tmp_path):
+    state = load_checkpoint(lora_out / "ckpt.pt")
+    name = next(key for key in state["model"] if key.endswith("lora_B"))
+    state["model"][name][0, 0] = float("inf")
+    torch.save(state, tmp_path / "adapters.pt")
+    code, out, err = merge_cli(str(tmp_path / "adapters.pt"), str(tmp_path / "merged.pt"))
+    assert code == 2 and err.count("\n") == 1 and "has non-finite weights (NaN or inf in transformer.h." in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapters.pt"]
