@@ -33,6 +33,11 @@ class DataError(ValueError):
     """A dataset is missing or broken; the message names the problem and the fix."""
 
 
+class DataChanged(DataError):
+    """A dataset file that a run opened changed under it (replaced, removed, rewritten): the run stops, and saves
+    what it trained, all of it on the data as it was opened."""
+
+
 class CheckpointError(ValueError):
     """A missing, unreadable or mismatched checkpoint, or an out_dir that cannot be used."""
 

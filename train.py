@@ -37,7 +37,7 @@ import generation  # noqa: F401  (registers paged_attention: a run may name it, 
 import kernels  # noqa: F401  (registers flash-attn 3/4, flex_attention and auto's table)
 from configurator import load_config, parse_bool
 from data.loader import Batches
-from errors import CheckpointError, ConfigError, DataError, PeerFailed, UsageError, stream_failure
+from errors import CheckpointError, ConfigError, DataChanged, DataError, PeerFailed, UsageError, stream_failure
 from model import GPT, GPTConfig
 from storage.checkpoint import BEST, LATEST, checkpoint_names
 from training.context import context_shard, use_context_parallel_attention
@@ -667,6 +667,16 @@ def save_and_exit_on_signal(state: TrainState, batches: Batches, meta: dict) -> 
     return 0
 
 
+def save_and_exit_on_data_change(state: TrainState, batches: Batches, meta: dict, change: DataChanged) -> int:
+    """Save what the run trained (every step of it on the data as it was opened), say what changed; exit code 2."""
+    saved = ""
+    if state.iter_num not in (0, state.ckpt_iter, state.resumed_iter) and not state.stop.bad_streak_now():
+        saved = f"saved {write_checkpoint(state, batches, meta, is_best=False)} at iter {state.iter_num}"
+    if state.runtime.master:
+        emit(f"error: {change}; {saved or on_disk(state)}; exiting", file=sys.stderr)
+    return 2
+
+
 # ----------------------------------------------------------------------------------------------
 # The loop
 
@@ -710,13 +720,17 @@ def train_loop(state: TrainState, batches: Batches, meta: dict, wandb) -> int:
     throughput = Throughput(state)
     with StepProfiler(cfg.profile_steps, cfg.out_dir, state.runtime.rank, state.runtime.device) as profiler:
         while True:
-            if evaluation_due(state):
-                with throughput.paused():
-                    if not evaluate_and_maybe_save(state, batches, meta, wandb):
-                        return 1
-            if state.iter_num >= cfg.max_iters or cfg.eval_only:
-                return 0
-            step = train_step(state)
+            try:
+                if evaluation_due(state):
+                    with throughput.paused():
+                        batches.check_unchanged()  # the dataset's files, as the run opened them (DataChanged)
+                        if not evaluate_and_maybe_save(state, batches, meta, wandb):
+                            return 1
+                if state.iter_num >= cfg.max_iters or cfg.eval_only:
+                    return 0
+                step = train_step(state)
+            except DataChanged as change:  # raised alike on every rank: they save together
+                return save_and_exit_on_data_change(state, batches, meta, change)
             throughput.step_done(state.iter_num)
             profiler.step()
             if step.bad_streak and too_many_bad_steps(state, step.bad_streak):
