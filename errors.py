@@ -4,10 +4,11 @@ to do; the entry points print it after `error: ` and exit with code 2. Also how 
 
 from __future__ import annotations
 
+import _thread
 import os
 import signal
 import sys
-import threading
+import time
 
 
 class OneLineError(ValueError):
@@ -31,6 +32,11 @@ class PeerFailed(UsageError):
 
 class DataError(ValueError):
     """A dataset is missing or broken; the message names the problem and the fix."""
+
+
+class DataChanged(DataError):
+    """A dataset file that a run opened changed under it (replaced, removed, rewritten): the run stops, and saves
+    what it trained, all of it on the data as it was opened."""
 
 
 class CheckpointError(ValueError):
@@ -153,6 +159,9 @@ def as_command() -> None:
             signal.signal(number, _raise_stopped)
 
 
+RESEND_DELAY_S = 0.05  # a lost signal is sent again this long after: time for the hook that met it to return
+
+
 def _raise_stopped(signum, frame):
     raise Stopped(signum)
 
@@ -166,10 +175,15 @@ def _resend_lost_signal(unraisable) -> None:
         sys.__unraisablehook__(unraisable)
         return
     signum = error.signum if isinstance(error, Stopped) else signal.SIGINT
-    # sent by another thread once this hook has returned: sent from here, it would be handled (and dropped) here
-    resend = threading.Timer(0.01, os.kill, (os.getpid(), signum))
-    resend.daemon = True
-    resend.start()
+    # sent by another thread once this hook has returned: sent from here, it would be handled (and dropped) here.
+    # A bare thread, as threading.Timer.start() waits for its thread to run, and under load the signal came
+    # during that wait, inside this hook, and was lost again
+    _thread.start_new_thread(_send_signal_later, (signum, RESEND_DELAY_S))
+
+
+def _send_signal_later(signum: int, delay_s: float) -> None:
+    time.sleep(delay_s)
+    os.kill(os.getpid(), signum)
 
 
 def _interrupted_quietly(kind, error, trace) -> None:

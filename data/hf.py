@@ -6,18 +6,23 @@ into a np.memmap of the final size, so the corpus never has to fit in RAM.
 
 import argparse
 import os
+import socket
 import time
+import urllib.parse
 from pathlib import Path
 
 import datasets
+import httpx
+import huggingface_hub
 import numpy as np
 from tqdm import tqdm
 
-from data.common import DTYPE, OneLineParser, make_out_dir, write_meta
+from data.common import DTYPE, OneLineParser, check_split_sizes, make_out_dir, write_meta
+from data.files import commit_dataset, staged_bins
 from data.tokenizer import EOT_ID, gpt2_encoding, gpt2_meta
 from errors import DataError
-from storage.atomic import atomic_path
 
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 SPLIT_SEED = 2357  # nanoGPT's seed, so the val documents are the same on every run
 FILE_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 # uint16 ids in the map cache take a quarter of the disk that the default int64 would.
@@ -47,8 +52,15 @@ def load_local_dataset(path: Path, num_proc: int):
 def load_text_dataset(dataset_path: Path | None, hf_name: str, hf_config: str | None, num_proc: int):
     if dataset_path is not None:
         return load_local_dataset(dataset_path, num_proc)
+    offline = "pass --dataset_path with a local copy, or set HF_HUB_OFFLINE=1 to use what the Hugging Face cache holds"
+    unreachable = hub_unreachable()
+    if unreachable:
+        raise DataError(f"cannot download {hf_name}: the Hugging Face hub is unreachable ({unreachable}); {offline}")
     try:
         return datasets.load_dataset(hf_name, name=hf_config, split="train", num_proc=num_proc)
+    except (ConnectionError, httpx.HTTPError) as e:  # huggingface_hub's OfflineModeIsEnabled is a ConnectionError
+        reason = " ".join(str(e).split()) or type(e).__name__  # datasets: "Couldn't reach 'NAME' on the Hub (...)"
+        raise DataError(f"cannot download {hf_name} ({reason}); check the network, or {offline}") from None
     except RuntimeError as e:
         if "scripts are no longer supported" not in str(e):
             raise
@@ -59,6 +71,20 @@ def load_text_dataset(dataset_path: Path | None, hf_name: str, hf_config: str | 
         ) from e
 
 
+def hub_unreachable() -> str:
+    """Why the hub's host cannot be reached, found at once ('' when it may be): a name that does not resolve fails
+    each of huggingface_hub's retries alike, half a minute of warnings before the error. Not checked offline
+    (HF_HUB_OFFLINE: the cache answers) or behind a proxy (the proxy resolves names)."""
+    if huggingface_hub.constants.HF_HUB_OFFLINE or any(os.environ.get(name) for name in PROXY_VARIABLES):
+        return ""
+    host = urllib.parse.urlparse(huggingface_hub.constants.ENDPOINT).hostname or ""
+    try:
+        socket.getaddrinfo(host, 443, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        return f"{host}: {getattr(e, 'strerror', None) or e}"
+    return ""
+
+
 def tokenize_documents(batch: dict, text_column: str) -> dict:
     """dataset.map function: GPT-2 ids of each document with EOT appended, and their lengths."""
     ids = gpt2_encoding().encode_ordinary_batch(batch[text_column])
@@ -67,24 +93,27 @@ def tokenize_documents(batch: dict, text_column: str) -> dict:
     return {"ids": ids, "len": [len(document) for document in ids]}
 
 
-def write_tokens(path: Path, tokenized, max_shards: int = 1024) -> tuple[int, int]:
+def write_tokens(path: Path, tokenized, max_shards: int = 1024, name: str = "") -> tuple[int, int]:
     """Concatenate the `ids` of every row into path as uint16, in contiguous shards; return (token count,
     largest id), the largest for meta.json so that readers need not scan the whole file for it."""
-    total = int(np.sum(tokenized.with_format("numpy")[:]["len"], dtype=np.int64))
+    total = token_count(tokenized)
     num_shards = min(max_shards, len(tokenized))
     largest = -1
-    with atomic_path(path) as tmp:
-        tokens = np.memmap(tmp, dtype=DTYPE, mode="w+", shape=(total,))
-        position = 0
-        for index in tqdm(range(num_shards), desc=f"writing {path.name}"):
-            shard = tokenized.shard(num_shards, index, contiguous=True).with_format("numpy")
-            ids = np.concatenate(shard[:]["ids"])
-            tokens[position : position + len(ids)] = ids
-            position += len(ids)
-            largest = max(largest, int(ids.max())) if len(ids) else largest
-        tokens.flush()
-        del tokens  # unmap before atomic_path fsyncs and renames the file
+    tokens = np.memmap(path, dtype=DTYPE, mode="w+", shape=(total,))
+    position = 0
+    for index in tqdm(range(num_shards), desc=f"writing {name or path.name}"):
+        shard = tokenized.shard(num_shards, index, contiguous=True).with_format("numpy")
+        ids = np.concatenate(shard[:]["ids"])
+        tokens[position : position + len(ids)] = ids
+        position += len(ids)
+        largest = max(largest, int(ids.max())) if len(ids) else largest
+    tokens.flush()
+    del tokens  # unmapped before the commit fsyncs and renames the file
     return total, largest
+
+
+def token_count(tokenized) -> int:
+    return int(np.sum(tokenized.with_format("numpy")[:]["len"], dtype=np.int64))
 
 
 def prepare_hf_dataset(
@@ -118,23 +147,17 @@ def prepare_hf_dataset(
         num_proc=num_proc,
         desc="tokenizing",
     )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "meta.json").unlink(missing_ok=True)  # bins and meta.json from different runs must never mix
-    written = {}
-    for name, split in (("train", "train"), ("val", "test")):
-        written[f"{name}_tokens"], written[f"{name}_max_id"] = write_tokens(out_dir / f"{name}.bin", tokenized[split])
     source = str(dataset_path) if dataset_path is not None else f"{hf_name} ({hf_config or 'default'})"
-    return write_meta(
-        out_dir,
-        {
-            "dataset": out_dir.name,
-            "source": source,
-            **gpt2_meta(),
-            **written,
-            "train_documents": len(splits["train"]),
-            "val_documents": len(splits["test"]),
-        },
-    )
+    check_split_sizes({"train": token_count(tokenized["train"]), "val": token_count(tokenized["test"])}, source)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"dataset": out_dir.name, "source": source, **gpt2_meta()}
+    meta |= {"train_documents": len(splits["train"]), "val_documents": len(splits["test"])}
+    with staged_bins(out_dir) as staged:  # committed as a whole: see data/files.py
+        for name, split in (("train", "train"), ("val", "test")):
+            meta[f"{name}_tokens"], meta[f"{name}_max_id"] = write_tokens(
+                staged[name], tokenized[split], name=f"{name}.bin"
+            )
+        return commit_dataset(out_dir, staged, lambda: write_meta(out_dir, meta))
 
 
 def hf_prepare_main(

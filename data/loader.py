@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from data.common import DATA_ROOT, open_split, prepare_command, read_meta, token_limit
-from errors import DataError
+from data.files import HeldSplits, dataset_lock
+from errors import DataChanged, DataError
 
 REQUIRED_FILES = ("train.bin", "val.bin", "meta.json")
 PREPARE_LOCK = ".prepare.lock"  # held while a dataset folder is auto-prepared; never removed (see prepare_once)
@@ -38,7 +39,10 @@ def ensure_dataset(dataset: str, data_dir: str = "", *, master: bool = True, dis
 
 
 def _missing_files(folder: Path) -> list[str]:
-    missing = [name for name in REQUIRED_FILES if not (folder / name).exists()]
+    if not folder.is_dir():
+        return list(REQUIRED_FILES)
+    with dataset_lock(folder, shared=True):  # not in the middle of a writer's commit
+        missing = [name for name in REQUIRED_FILES if not (folder / name).exists()]
     return [name for name in missing if name != "meta.json" or not (folder / "meta.pkl").exists()]  # nanoGPT's
 
 
@@ -60,7 +64,12 @@ def prepare_once(folder: Path, prepare: Callable[[], object]) -> None:
         missing = _missing_files(folder)  # again: the process we waited for has probably written them
         if missing:
             print(f"{folder}: {', '.join(missing)} missing; running {prepare_command(folder)}", flush=True)
-            prepare()
+            try:
+                prepare()
+            except OSError as e:  # a full disk, a lost connection...: what the prepare command itself says
+                where = f"{e.filename}: " if e.filename else ""
+                reason = " ".join(str(e.strerror or e).split()) or type(e).__name__
+                raise DataError(f"{prepare_command(folder)} failed: {where}{reason}") from None
 
 
 class Batches:
@@ -89,13 +98,30 @@ class Batches:
         self.data_dir, self.batch_size, self.block_size, self.device = Path(data_dir), batch_size, block_size, device
         self.rank, self.world_size, self.accum = rank, world_size, accum  # accum: micro-steps per step, this rank
         self.shard = shard  # context parallelism: whole sequences' arguments -> this rank's part of them
-        for split in ("train", "val"):
-            open_split(data_dir, split, block_size, vocab_size)  # validates; DataError names the fix
-        self.limit = token_limit(read_meta(data_dir), vocab_size)  # every id drawn must be below it
+        with dataset_lock(self.data_dir, shared=True):  # one writer's dataset, whole (data/files.py)
+            for split in ("train", "val"):
+                open_split(data_dir, split, block_size, vocab_size)  # validates; DataError names the fix
+            meta = read_meta(data_dir)
+            meta_file = "meta.json" if (self.data_dir / "meta.json").exists() else "meta.pkl"
+            # held for the run: a prepare into the folder renames new files in, and this run reads on unchanged
+            self.files = HeldSplits(self.data_dir, f"run: {prepare_command(data_dir)}", watched=(meta_file,))
+        self.limit = token_limit(meta, vocab_size)  # every id drawn must be below it
         self.separator = separator_token(data_dir, document_separator, vocab_size) if packed_documents else None
         self.generator = torch.Generator().manual_seed(seed)
         self.state_before_last = self.generator.get_state()  # before the draw of the step being trained on
         self.pending: list[list[int]] = []  # this rank's starts for the rest of the current step
+        self.undo: tuple | None = None  # how to take back the last draw, should its batch be unreadable
+
+    def check_unchanged(self) -> None:
+        """Raise DataChanged, on every rank alike, when any rank finds a file of the dataset changed since the run
+        opened it (replaced, removed, rewritten); at a moment when every rank calls it (each evaluation)."""
+        change = self.files.change()
+        if dist.is_available() and dist.is_initialized():
+            reports = [None] * dist.get_world_size()
+            dist.all_gather_object(reports, change)
+            change = next((report for report in reports if report), "")
+        if change:
+            raise DataChanged(change)
 
     def restore(self, generator_state: torch.Tensor) -> None:
         """Continue the training stream from a checkpoint's state_before_last: the next batch starts a step."""
@@ -106,17 +132,18 @@ class Batches:
         """The model's arguments for one batch on the device: (x, y), y shifted by one token, and with packed
         documents also doc_ids (see document_ids); from `generator`, else the next micro-batch of the training
         stream."""
-        # A fresh memmap per batch: a long-lived one grows the process's memory (numpy memmap leak).
-        path = self.data_dir / f"{split}.bin"
-        try:
-            data = np.memmap(path, dtype=np.uint16, mode="r")
-        except OSError as error:  # the file vanished or this process cannot open another file
-            raise DataError(f"cannot read {path}: {error.strerror or error}") from None
+        path, high = self.data_dir / f"{split}.bin", self.files.tokens(split) - self.block_size
         if generator is None:
-            starts = self._next_train_starts(len(data) - self.block_size)
+            starts = self._next_train_starts(high)
         else:
-            starts = torch.randint(len(data) - self.block_size, (self.batch_size,), generator=generator).tolist()
-        windows = np.stack([data[i : i + self.block_size + 1] for i in starts])  # x, and y one token later
+            starts = torch.randint(high, (self.batch_size,), generator=generator).tolist()
+        try:
+            windows = self.files.read(split, starts, self.block_size + 1)  # x, and y one token later
+        except DataChanged as change:
+            self._take_back_draw(generator)  # so a checkpoint saved now resumes this step's draw
+            if dist.is_available() and dist.is_initialized():  # one rank mid-step: the others cannot save with it
+                raise DataError(str(change)) from None
+            raise
         self._check_ids(windows, starts, path)
         x = torch.from_numpy(windows[:, :-1].astype(np.int64))
         y = torch.from_numpy(windows[:, 1:].astype(np.int64))
@@ -143,7 +170,15 @@ class Batches:
             f"{prepare_command(self.data_dir)}"
         )
 
+    def _take_back_draw(self, generator: torch.Generator | None) -> None:
+        if generator is None and self.undo is not None:
+            state_before_last, self.pending = self.undo
+            if state_before_last is not self.state_before_last:  # the draw began a step: draw it again
+                self.generator.set_state(self.state_before_last)
+                self.state_before_last = state_before_last
+
     def _next_train_starts(self, high: int) -> list[int]:
+        self.undo = (self.state_before_last, list(self.pending))
         if not self.pending:  # a new optimizer step: draw all of it; global micro-step m * world_size + rank
             self.state_before_last = self.generator.get_state()
             shape = (self.accum, self.world_size, self.batch_size)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from data.loader import Batches
-from errors import CheckpointError, ConfigError, DataError, PeerFailed, Stopped, UsageError, stream_failure
+from errors import CheckpointError, ConfigError, DataChanged, DataError, PeerFailed, Stopped, UsageError, stream_failure
 from storage.checkpoint import BEST, LATEST, checkpoint_names
 from training.preflight import evaluated_weights
 from training.progress import TrainState
@@ -127,6 +127,16 @@ def save_and_exit_on_signal(state: TrainState, batches: Batches, meta: dict) -> 
     if state.runtime.master:
         emit(f"received {signal_name}; saved {path} at iter {state.iter_num}; exiting")
     return 0
+
+
+def save_and_exit_on_data_change(state: TrainState, batches: Batches, meta: dict, change: DataChanged) -> int:
+    """Save what the run trained (every step of it on the data as it was opened), say what changed; exit code 2."""
+    saved = ""
+    if state.iter_num not in (0, state.ckpt_iter, state.resumed_iter) and not state.stop.bad_streak_now():
+        saved = f"saved {write_checkpoint(state, batches, meta, is_best=False)} at iter {state.iter_num}"
+    if state.runtime.master:
+        emit(f"error: {change}; {saved or on_disk(state)}; exiting", file=sys.stderr)
+    return 2
 
 
 def say_if_nothing_saved(state: TrainState, code: int) -> None:

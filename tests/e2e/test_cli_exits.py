@@ -224,8 +224,9 @@ del thing
 time.sleep(10)
 print("went on")
 """
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    with terminal_signals():  # the child must get SIGINT's default, not this runner's (SIG_IGN under `pytest &`)
+        done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
     assert (done.returncode, done.stderr.splitlines(), done.stdout) == (-stop, [said], "")
 
 

@@ -185,10 +185,11 @@ def test_a_failed_or_killed_rank_is_reported_and_the_job_restarts_from_the_last_
     reference, char_data, tmp_path, monkeypatch, warm_interpreter
 ):
     """DDP on 2 ranks under --max-restarts=2 and init_from=auto. First rank 1 alone cannot open another file (its
-    limit of open files lowered mid-run), so its next batch fails: rank 0, waiting for it in an all-reduce, says
-    which rank failed and why. Then, in the restarted job, rank 1 is killed (-9): rank 0 says it lost contact.
-    Each time torchrun starts the ranks again, they resume the last checkpoint, and in the end every logged loss
-    and the weights are those of one process that was never interrupted (1 rank x 4 micro-steps = 2 x 2)."""
+    limit of open files lowered mid-run), so its next check of the dataset's files (at the next evaluation) fails:
+    rank 0, waiting for it in a collective, says which rank failed and why. Then, in the restarted job, rank 1 is
+    killed (-9): rank 0 says it lost contact. Each time torchrun starts the ranks again, they resume the last
+    checkpoint, and in the end every logged loss and the weights are those of one process that was never
+    interrupted (1 rank x 4 micro-steps = 2 x 2)."""
     ref_out, ref_losses = reference
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # restarted ranks must not read the old ones' keys
     out = tmp_path / "out"

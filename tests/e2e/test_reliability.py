@@ -499,8 +499,12 @@ BAD_INPUTS = [
     case("meta.json-corrupt", setup=data_file("meta.json", "not_json"), expect=("not valid JSON", "prepare")),
     case("meta.json-missing", setup=data_file("meta.json", "delete"), expect=("meta.json is missing", "prepare")),
     case("meta.json-no-vocab_size", setup=data_file("meta.json", "no_vocab"), expect=("lacks vocab_size",)),
-    case("block_size-beyond-val-split", "--block_size={val_tokens}", expect=("val.bin has", "lower block_size")),
-    case("block_size-beyond-dataset", "--block_size=100000", expect=("train.bin has", "lower block_size")),
+    case(
+        "block_size-beyond-val-split",
+        "--block_size={val_tokens}",
+        expect=("val.bin has", "lower --block_size", "larger --val_fraction"),
+    ),
+    case("block_size-beyond-dataset", "--block_size=100000", expect=("train.bin has", "lower --block_size")),
     case("vocab_size-below-dataset", "--vocab_size=5", expect=("vocab_size 5", "dataset's 41")),
     # checkpoints
     case("resume-without-checkpoint", "--init_from=resume", expect=("no checkpoint at", "ckpt.pt")),

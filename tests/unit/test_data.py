@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from data import common, loader, tokenizer
+from data import common, files, loader, tokenizer
 from data.common import (
     largest_token_id,
     open_split,
@@ -38,7 +38,7 @@ SAMPLE_TEXT = (
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
     "Ünïcödé — ‘quotes’ and digits 12345; don't stop.\n"
 ) * 20
-DOCUMENTS = [f"Document {i}: {'lorem ipsum ' * (i % 7)}end." for i in range(23)] + ["", "naïve café — 日本語"]
+DOCUMENTS = [f"Document {i}: {'lorem ipsum ' * (i % 7 + 40)}end." for i in range(23)] + ["", "naïve café — 日本語"]
 
 
 def read_bin(path: Path) -> np.ndarray:
@@ -153,7 +153,8 @@ def test_char_prepare_by_its_path_from_another_folder_reads_and_writes_where_it_
     command = [sys.executable, str(script), "--input", "input.txt", "--out_dir", "out"]
     done = subprocess.run(command, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    written = sorted(path.name for path in (tmp_path / "out").iterdir() if not path.name.startswith("."))
+    assert written == ["meta.json", "train.bin", "val.bin"]  # (and the writers' .dataset.lock)
     _, decode = load_tokenizer(read_meta(tmp_path / "out"))
     assert (
         decode(read_bin(tmp_path / "out" / "train.bin")) + decode(read_bin(tmp_path / "out" / "val.bin")) == SAMPLE_TEXT
@@ -513,20 +514,50 @@ def test_interrupted_write_keeps_the_old_file(tmp_path, monkeypatch):
     assert path.read_bytes() == good and no_tmp_files(tmp_path)
 
 
-def test_rewrite_removes_meta_until_it_is_complete(prepared, monkeypatch):
-    """A rewrite that dies after train.bin must not leave the old meta.json vouching for mixed bins."""
+def test_an_interrupted_rewrite_leaves_the_old_dataset_or_none(prepared, monkeypatch):
+    """A rewrite that dies while writing a split leaves the old dataset whole (the new bins are only staged); one
+    that dies while moving them in leaves no meta.json, so the folder is refused, never read as mixed bins."""
+    old = {name: (prepared / name).read_bytes() for name in ("train.bin", "val.bin", "meta.json")}
     real_write_split = common.write_split
 
     def dies_on_val(path, ids, vocab_size=common.MAX_VOCAB_SIZE):
-        if path.name == "val.bin":
+        if ".val.bin" in path.name:
             raise KeyboardInterrupt
         return real_write_split(path, ids, vocab_size)
 
     monkeypatch.setattr(common, "write_split", dies_on_val)
     with pytest.raises(KeyboardInterrupt):
-        write_dataset(prepared, np.arange(10), np.arange(10), read_meta(prepared))
+        write_dataset(prepared, np.arange(100) % 20, np.arange(100) % 20, read_meta(prepared))
+    assert {name: (prepared / name).read_bytes() for name in old} == old and no_tmp_files(prepared)
+    monkeypatch.setattr(common, "write_split", real_write_split)
+
+    real_replace = files.os.replace
+
+    def dies_after_train(src, dst):
+        if Path(dst).name == "val.bin":
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    monkeypatch.setattr(files.os, "replace", dies_after_train)
+    with pytest.raises(KeyboardInterrupt):
+        write_dataset(prepared, np.arange(100) % 20, np.arange(100) % 20, read_meta(prepared))
     with pytest.raises(DataError, match="meta.json is missing"):
         open_split(prepared, "train", block_size=4)
+    assert no_tmp_files(prepared)
+
+
+def test_a_commit_waits_for_the_folder_lock_so_two_writers_never_mix(prepared):
+    """While another process holds the folder's lock (a writer committing, or a reader opening it), a writer
+    stages its bins but moves nothing in; once the lock is free it commits all three files together."""
+    meta = read_meta(prepared)
+    with files.dataset_lock(prepared, shared=True):
+        writer = threading.Thread(target=write_dataset, args=(prepared, np.arange(300) % 20, np.arange(90) % 20, meta))
+        writer.start()
+        time.sleep(0.5)
+        assert writer.is_alive() and read_meta(prepared)["train_tokens"] == 150  # the old dataset, whole
+    writer.join(timeout=30)
+    assert (read_meta(prepared)["train_tokens"], read_meta(prepared)["val_tokens"]) == (300, 90)
+    assert len(read_bin(prepared / "train.bin")) == 300 and no_tmp_files(prepared)
 
 
 # ----------------------------------------------------------------------------------------------------------------
