@@ -12,11 +12,9 @@ from pathlib import Path
 from data.common import read_meta_pkl
 from data.tokenizer import gpt2_meta
 from errors import CheckpointError, DataError
-from model import GPTConfig
+from model import GPTConfig, is_mask_buffer
 from storage import checkpoint as storage
 from storage.checkpoint import is_checkpoint_name, write_safetensors
-
-BUFFERS = ("attn.bias", "attn.masked_bias")  # the causal mask, saved by older GPT-2 code: not weights
 
 
 def load_checkpoint(path, map_location="cpu", *, resume: bool = False) -> dict:
@@ -59,10 +57,6 @@ def saved_model_config(state: dict, path) -> GPTConfig:
         return GPTConfig.from_dict(state["model_config"])
     except ValueError as error:
         raise CheckpointError(f"{path}: {error}") from None
-
-
-def is_mask_buffer(name: str) -> bool:
-    return ".".join(name.split(".")[-2:]) in BUFFERS  # h.0.attn.bias is; h.0.attn.c_attn.bias is not
 
 
 def from_nanogpt(state: dict, path: Path) -> dict:
@@ -117,7 +111,10 @@ def export_safetensors(checkpoint_path, out_path) -> Path:
         raise CheckpointError(f"cannot write {out_path}: folder {out_path.parent} does not exist")
     state = load_checkpoint(checkpoint_path)
     refuse_adapters(state, checkpoint_path)
-    # lm_head.weight is tied to transformer.wte.weight; safetensors stores shared tensors only once
-    weights = {k: v.contiguous() for k, v in state["model"].items() if k != "lm_head.weight"}
-    metadata = {"model_config": json.dumps(state["model_config"]), "tied": "lm_head.weight=transformer.wte.weight"}
+    # lm_head.weight is tied to transformer.wte.weight (unless tie_embeddings=False); safetensors stores shared
+    # tensors only once
+    tied = state["model_config"].get("tie_embeddings", True)
+    weights = {k: v.contiguous() for k, v in state["model"].items() if k != "lm_head.weight" or not tied}
+    metadata = {"model_config": json.dumps(state["model_config"])}
+    metadata |= {"tied": "lm_head.weight=transformer.wte.weight"} if tied else {}
     return write_safetensors(weights, out_path, metadata)
