@@ -1054,16 +1054,17 @@ def register_auto_order(order: Callable[[AttentionUse, bool], tuple[tuple[str, .
     AUTO_ORDER.append(order)
 
 
+def aliases() -> dict[str, str]:
+    return {alias: b.name for b in BACKENDS.values() for alias in b.aliases}
+
+
 def canonical_backend(name: str) -> str:
     """Map a backend name or alias to its canonical name; ValueError lists what is allowed."""
-    key = str(name).strip().lower()
-    aliases = {alias: b.name for b in BACKENDS.values() for alias in b.aliases}
-    key = aliases.get(key, key)
+    key = aliases().get(str(name).strip().lower(), str(name).strip().lower())
     if key != "auto" and key not in BACKENDS:
-        listed = ", ".join(f"{a} (= {b})" for a, b in aliases.items())
-        raise ValueError(
-            f"unknown attention_backend {name!r}; choose one of auto, {', '.join(BACKENDS)}; aliases: {listed}"
-        )
+        listed = ", ".join(f"{a} (= {b})" for a, b in aliases().items())
+        names = ", ".join(BACKENDS)
+        raise ValueError(f"unknown attention_backend {name!r}; choose one of auto, {names}; aliases: {listed}")
     return key
 
 

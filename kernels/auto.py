@@ -91,10 +91,10 @@ def auto_cache_path() -> Path:
 
 def measure_key(use: AttentionUse, n_head: int) -> str:
     device = torch.cuda.get_device_name(use.device) if use.device.type == "cuda" else use.device.type
-    use = "documents" if use.documents else "causal"
+    masking = "documents" if use.documents else "causal"
     return (
         f"{device}|torch {torch.__version__}|{dtype_name(use.dtype)}|H{n_head} D{use.head_dim} "
-        f"T{use.seq_len}|{use}|{'train' if use.training else 'infer'}"
+        f"T{use.seq_len}|{masking}|{'train' if use.training else 'infer'}"
     )
 
 

@@ -423,14 +423,14 @@ def stand_in_flash_module(calls: list, table_keyword: str = "block_table"):
 
 
 def stand_in_flash(monkeypatch, module):
-    """A flash kernel (model.FlashAttention) over `module`, registered as flash_attn_2 (with its KV cache decode
-    kernel, generation.kv_cache.DECODE_KERNELS) and allowed on CPU."""
+    """A fresh flash-attn 2 kernel (model.FlashAttn2) that imports `module` as the flash_attn package, registered
+    as flash_attn_2 (with its KV cache decode kernel, generation.kv_cache.DECODE_KERNELS) and allowed on CPU."""
     import model
     from generation import kv_cache
 
-    kernel = model.FlashAttention("stand-in flash", (), (0, 0), "")
-    kernel._package = model.Package(module, "0.0-fake", "")
-    record = model.AttentionBackend("flash_attn_2", kernel, lambda need: "", "sdpa")
+    monkeypatch.setitem(sys.modules, "flash_attn", module)
+    kernel = model.FlashAttn2()
+    record = model.AttentionBackend("flash_attn_2", kernel, lambda use: "", "sdpa")
     monkeypatch.setitem(model.BACKENDS, "flash_attn_2", record)
     monkeypatch.setitem(kv_cache.DECODE_KERNELS, "flash_attn_2", kv_cache.flash_decode(kernel))
     return kernel

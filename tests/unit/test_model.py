@@ -1,5 +1,5 @@
 """The GPT-2 model of model.py: structure, init, forward/loss, helpers for training, generation,
-documents in packed rows, `python model.py` and the GPU smoke tests."""
+documents in packed rows, `python -m kernels` and the GPU smoke tests."""
 
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ import kernels  # noqa: F401  (registers flash_attn_3/4 and flex_attention)
 import model
 from generation.loop import generation_attention
 from helpers import run_script, tiny_config
-from model import GPT, GPTConfig, Need
+from kernels.report import attention_report
+from model import GPT, AttentionUse, GPTConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
-ALL_NAMES = model.backend_names() + tuple(model.aliases())
+ALL_NAMES = ("auto", *model.BACKENDS) + tuple(model.aliases())
 MODEL_BACKENDS = ("flash_attn_2", "sdpa", "manual")  # model.py's own; kernels/ and generation/ add the others
 
 
@@ -83,7 +84,7 @@ def test_aliases_map_to_canonical_names(alias, canonical):
 
 
 def test_canonical_names_map_to_themselves():
-    for name in model.backend_names():
+    for name in ("auto", *model.BACKENDS):
         assert model.canonical_backend(name) == name
 
 
@@ -97,7 +98,7 @@ def test_use_flash_attention_is_deprecated(value, backend):
 def test_unknown_backend_name_lists_every_choice():
     for make in (
         lambda: tiny_config(attention_backend="flash"),
-        lambda: model.resolve("flash", Need("cpu", torch.float32)),
+        lambda: model.resolve("flash", AttentionUse("cpu", torch.float32)),
     ):
         with pytest.raises(ValueError, match="unknown attention_backend 'flash'") as info:
             make()
@@ -352,17 +353,14 @@ def test_documents_do_not_see_each_other(name):
     torch.testing.assert_close(base[1], base_without_docs[1], rtol=1e-5, atol=1e-5)
 
 
-# ---- python model.py and attention_report ------------------------------------------------------
+# ---- python -m kernels and attention_report ------------------------------------------------------
 
 
-def test_python_model_py_reports_its_backends_and_what_auto_picks(warm_interpreter):
+def test_python_model_py_points_to_python_m_kernels(warm_interpreter):
+    """`python model.py` no longer prints the report: one line names the command that does."""
     result = run_script("model.py", [], warm=True)
     assert result.returncode == 0, result.stderr
-    lines = {line.split()[0]: line for line in result.stdout.splitlines() if line.startswith("  ") and line.split()}
-    for name in MODEL_BACKENDS:
-        assert name in lines and "available" in lines[name], name
-    assert " available " in lines["sdpa"] and " available " in lines["manual"]
-    assert "auto picks at T=1024" in result.stdout and "auto picks at T=32768" in result.stdout
+    assert result.stdout.strip().startswith("python -m kernels prints")
 
 
 def test_python_m_kernels_reports_every_registered_backend():
@@ -375,7 +373,7 @@ def test_python_m_kernels_reports_every_registered_backend():
 
 
 def test_attention_report_keys():
-    report = model.attention_report("cpu")
+    report = attention_report("cpu")
     assert set(report) == {
         "torch",
         "cuda",
@@ -422,7 +420,7 @@ def test_tiny_gpt_trains_on_cuda_under_bf16_autocast(monkeypatch, name):
         losses.append(loss.item())
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0] - 0.05, losses
-    need = gpt.attention.need  # set up lazily by the first forward, for autocast's dtype
+    need = gpt.attention.use  # set up lazily by the first forward, for autocast's dtype
     assert need.device.type == "cuda" and need.dtype == torch.bfloat16 and need.training
 
 
@@ -435,7 +433,7 @@ def test_cpu_built_model_resolves_for_cuda_bf16():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         logits, _ = gpt(tokens(2, 8, device="cuda"))
     assert logits.device.type == "cuda" and torch.isfinite(logits).all()
-    assert gpt.attention.need.device == device and "cuda/bfloat16" in gpt.attention.resolution.reason
+    assert gpt.attention.use.device == device and "cuda/bfloat16" in gpt.attention.resolution.reason
 
 
 @pytest.mark.gpu
@@ -444,7 +442,7 @@ def test_flash_backends_compile_without_breaks_per_layer(name):
     """torch.compile keeps the flash kernels in the graph: as many graphs as with sdpa. (A traced package
     lookup once broke flash-attn 2's graph at every layer; flash-attn-4 needs its custom ops for this.)"""
     device = torch.device("cuda", torch.cuda.current_device())
-    problem = model.BACKENDS[name].problem(Need(device, torch.bfloat16, 64))
+    problem = model.BACKENDS[name].why_not(AttentionUse(device, torch.bfloat16, 64))
     if problem:
         pytest.skip(problem)
     idx = tokens(2, 64, device="cuda")
@@ -465,7 +463,7 @@ def test_mps_keeps_sdpa_away_from_explicit_masks(caplog):
     mps = torch.device("mps")
     for requested in ("auto", "sdpa"):
         gpt = tiny_model(attention_backend=requested)
-        decoding = gpt.attention_need(mps, torch.float32, training=False, kv_cache="contiguous")
+        decoding = gpt.attention_use(mps, torch.float32, training=False, kv_cache="contiguous")
         with caplog.at_level("WARNING", logger="model"):
             caplog.clear()
             generation_attention(gpt, decoding)
@@ -477,7 +475,7 @@ def test_mps_keeps_sdpa_away_from_explicit_masks(caplog):
     gpt = tiny_model(disable_mps_fix=True)
     with caplog.at_level("WARNING", logger="model"):
         caplog.clear()
-        decoding = gpt.attention_need(mps, torch.float32, training=False, kv_cache="contiguous")
+        decoding = gpt.attention_use(mps, torch.float32, training=False, kv_cache="contiguous")
         assert generation_attention(gpt, decoding)[0].resolution.used == "sdpa"
         assert gpt.setup_attention(mps, torch.float32, training=False, documents=True).used == "sdpa"
     assert not caplog.records
