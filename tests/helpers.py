@@ -423,13 +423,15 @@ def stand_in_flash_module(calls: list, table_keyword: str = "block_table"):
 
 
 def stand_in_flash(monkeypatch, module):
-    """A fresh flash-attn 2 kernel (model.FlashAttn2) that imports `module` as the flash_attn package, registered
-    as flash_attn_2 (with its KV cache decode kernel, generation.kv_cache.DECODE_KERNELS) and allowed on CPU."""
+    """A fresh flash kernel (kernels.flash.FlashAttention, without dropout) that imports `module` as a package
+    named stand_in_flash, registered as flash_attn_2 (with its KV cache decode kernel,
+    generation.kv_cache.DECODE_KERNELS) and allowed on CPU."""
     import model
     from generation import kv_cache
+    from kernels.flash import FlashAttention
 
-    monkeypatch.setitem(sys.modules, "flash_attn", module)
-    kernel = model.FlashAttn2()
+    monkeypatch.setitem(sys.modules, "stand_in_flash", module)
+    kernel = FlashAttention("stand-in flash", (("stand_in_flash", "stand-in flash", "stand-in-flash"),), (0, 0), "")
     record = model.AttentionBackend("flash_attn_2", kernel, lambda use: "", "sdpa")
     monkeypatch.setitem(model.BACKENDS, "flash_attn_2", record)
     monkeypatch.setitem(kv_cache.DECODE_KERNELS, "flash_attn_2", kv_cache.flash_decode(kernel))

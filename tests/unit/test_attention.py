@@ -767,6 +767,27 @@ def test_training_and_inference_resolve_apart_for_flex_on_cpu():
     assert gpt.setup_attention(CPU, torch.float32, training=False).used == "flex_attention"
 
 
+def test_the_first_forward_resolves_for_the_mode_the_model_is_in(caplog):
+    """A model in eval mode under no_grad runs inference: flex_attention on CPU, without a fallback; a later
+    forward that trains resolves again (flex has no backward on CPU), and an eval forward then keeps that."""
+    caplog.set_level(logging.INFO, logger="model")
+    gpt = GPT(tiny_config(attention_backend="flex_attention", n_embd=32, n_head=2)).eval()
+    idx = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        gpt(idx)
+    assert gpt.attention.resolution == Resolution("flex_attention", "") and not gpt.attention.use.training
+    assert "WARNING" not in [r.levelname for r in caplog.records]
+    gpt.train()
+    _, loss = gpt(idx, idx)
+    loss.backward()
+    assert gpt.attention.resolution.used == "sdpa" and gpt.attention.use.training
+    assert "no backward pass on CPU" in caplog.text
+    held = gpt.attention
+    with torch.no_grad():
+        gpt.eval()(idx)
+    assert gpt.attention is held  # resolved for training: it serves inference as it is
+
+
 def test_generation_resolves_for_inference_once_and_keeps_the_training_choice(monkeypatch):
     gpt = GPT(tiny_config()).eval()
     gpt.setup_attention(CPU, torch.float32)

@@ -226,9 +226,42 @@ def test_sequence_longer_than_block_size_is_an_error():
 def test_num_params_counts_by_hand():
     gpt = tiny_model()
     total, non_embedding = hand_param_count(gpt.config)
-    assert gpt.num_params(non_embedding=False) == total
-    assert gpt.num_params() == non_embedding
+    assert gpt.get_num_params(non_embedding=False) == gpt.num_params(non_embedding=False) == total
+    assert gpt.get_num_params() == gpt.num_params() == non_embedding  # nanoGPT's name and this repo's
     assert total - non_embedding == gpt.config.block_size * gpt.config.n_embd  # wpe only
+    assert gpt.config.parameter_count() == total
+
+
+def test_untied_embeddings_have_their_own_output_layer():
+    gpt = GPT(tiny_config(tie_embeddings=False))
+    assert gpt.lm_head.weight is not gpt.transformer.wte.weight
+    assert gpt.config.parameter_count() == sum(p.numel() for p in gpt.parameters())
+    assert "lm_head.weight" in gpt.state_dict() and "transformer.wte.weight" in gpt.state_dict()
+
+
+def test_estimate_mfu_is_against_the_cards_peak_and_none_where_it_is_unknown(monkeypatch):
+    gpt = tiny_model()
+    assert gpt.estimate_mfu(4, 0.5) is None  # a CPU: no peak, and no A100 figure in its place
+    monkeypatch.setattr(model, "peak_flops", lambda device: 312e12)
+    expected = gpt.flops_per_token() * gpt.config.block_size * 4 / 0.5 / 312e12  # nanoGPT's formula
+    assert gpt.estimate_mfu(fwdbwd_per_iter=4, dt=0.5) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("name, flops", [("NVIDIA H100 80GB HBM3", 989.5e12), ("NVIDIA A100-SXM4-40GB", 312e12)])
+def test_peak_flops_by_card_name(monkeypatch, name, flops):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert model.peak_flops("cuda") == flops
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+    assert model.peak_flops("cuda") is None and model.peak_flops("cpu") is None
+
+
+@pytest.mark.parametrize("norm_bias", [True, False])
+def test_layernorm_keeps_the_state_dict_names_checkpoints_hold(norm_bias):
+    """nn.LayerNorm(bias=...) in place of the old LayerNorm class: the same keys, so every checkpoint loads."""
+    keys = GPT(tiny_config(n_layer=1, bias=norm_bias)).state_dict().keys()
+    norms = sorted(k for k in keys if ".ln_" in k or k.startswith("transformer.ln_f"))
+    expected = [f"transformer.{n}.{p}" for n in ("h.0.ln_1", "h.0.ln_2", "ln_f") for p in ("weight", "bias")]
+    assert norms == sorted(e for e in expected if norm_bias or e.endswith("weight"))
 
 
 def test_flops_per_token_by_hand():
