@@ -581,10 +581,7 @@ def read_pretrained(source) -> tuple[dict, dict]:
 
 def read_checkpoint(path: Path) -> tuple[dict, dict]:
     """A .pt of this repo (model_config) or nanoGPT's (model_args), read without running code."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # torch.load raises many kinds for a file that is not a checkpoint
-        raise ValueError(f"{path} cannot be read as a checkpoint ({str(error).splitlines()[0]})") from None
+    state = load_torch_file(path)
     config = state.get("model_config", state.get("model_args")) if isinstance(state, dict) else None
     if not isinstance(config, dict) or not isinstance(state.get("model"), dict):
         raise ValueError(f"{path} holds no model_config (or nanoGPT's model_args) and model")
@@ -593,6 +590,13 @@ def read_checkpoint(path: Path) -> tuple[dict, dict]:
     known = {f.name for f in fields(GPTConfig)}
     weights = {str(k).removeprefix("_orig_mod."): v for k, v in state["model"].items() if not is_mask_buffer(str(k))}
     return {k: v for k, v in config.items() if k in known or "model_config" in state}, weights
+
+
+def load_torch_file(path: Path):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)  # tensors and containers only: no code runs
+    except Exception as error:  # torch.load raises many kinds for a file that is not a checkpoint
+        raise ValueError(f"{path} cannot be read as a checkpoint ({str(error).splitlines()[0]})") from None
 
 
 def hub_folder(name: str) -> Path:
@@ -675,7 +679,9 @@ def read_hf_weights(folder: Path) -> tuple[dict, dict | None]:
             f"({' or '.join(HF_WEIGHT_FILES)}); copy or download its weights file into it"
         )
     if path.suffix != ".safetensors":
-        saved = read_checkpoint_tensors(path)
+        saved = load_torch_file(path)
+        if not isinstance(saved, dict):
+            raise ValueError(f"{path} is not a state dict")
         return saved, None
     from safetensors import SafetensorError, safe_open
 
@@ -686,16 +692,6 @@ def read_hf_weights(folder: Path) -> tuple[dict, dict | None]:
     except (SafetensorError, OSError, json.JSONDecodeError) as error:
         raise ValueError(f"{path} is not a readable safetensors file ({error})") from None
     return saved, meta if isinstance(meta, dict) else None
-
-
-def read_checkpoint_tensors(path: Path) -> dict:
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # torch.load raises many kinds for a file that is not a state dict
-        raise ValueError(f"{path} cannot be read as a state dict ({str(error).splitlines()[0]})") from None
-    if not isinstance(saved, dict):
-        raise ValueError(f"{path} is not a state dict")
-    return saved
 
 
 def hf_state_dict(saved: dict, tied: bool = True) -> dict:
@@ -734,28 +730,15 @@ def check_fits_in_memory(config: GPTConfig, bytes_per_param: int = 4) -> None:
         )
 
 
-# Dense bf16/fp16 tensor-core FLOP/s from the vendors' datasheets, for MFU: (name fragment, FLOP/s); the first
+# Dense bf16/fp16 tensor-core FLOP/s from the vendors' datasheets, for MFU: {name fragment: FLOP/s}; the first
 # fragment found in the GPU's name wins
-PEAK_FLOPS = (
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("GH200", 989.5e12),
-    ("H200", 989.5e12),
-    ("H100", 989.5e12),
-    ("H800", 989.5e12),
-    ("A100", 312e12),
-    ("A800", 312e12),
-    ("L40S", 362e12),
-    ("L40", 181e12),
-    ("L4", 121e12),
-    ("A10G", 70e12),
-    ("A10", 125e12),
-    ("RTX 4090", 165.2e12),
-    ("RTX 3090", 71e12),
-    ("TITAN RTX", 130e12),
-    ("T4", 65e12),
-    ("V100", 125e12),
-)
+# fmt: off
+PEAK_FLOPS = {
+    "H100 PCIe": 756e12, "H100 NVL": 835e12, "GH200": 989.5e12, "H200": 989.5e12, "H100": 989.5e12,
+    "H800": 989.5e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12,
+    "A10": 125e12, "RTX 4090": 165.2e12, "RTX 3090": 71e12, "TITAN RTX": 130e12, "T4": 65e12, "V100": 125e12,
+}
+# fmt: on
 
 
 def peak_flops(device) -> float | None:
@@ -764,7 +747,7 @@ def peak_flops(device) -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device).lower()
-    return next((flops for fragment, flops in PEAK_FLOPS if fragment.lower() in name), None)
+    return next((flops for fragment, flops in PEAK_FLOPS.items() if fragment.lower() in name), None)
 
 
 # ----------------------------------------------------------------------------------------------
