@@ -27,6 +27,7 @@ from weights import hf as interop
 from weights.__main__ import main as weights_main
 from weights.hf import from_pretrained
 from weights.load import load_checkpoint
+from weights.lora import load_model_weights
 
 transformers = pytest.importorskip("transformers")  # slow to import: once, here
 
@@ -372,3 +373,12 @@ def test_a_config_larger_than_memory_is_refused_before_anything_is_allocated(hf_
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "parameters" in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_an_untied_checkpoint_is_refused_by_a_model_that_ties(untied_hf, tmp_path):
+    """Both models hold lm_head.weight: loading into a tied one would silently make wte the output layer."""
+    _, folder = untied_hf
+    state = interop.load_hf(folder)
+    tied = GPT(GPTConfig(**{**state["model_config"], "tie_embeddings": True}))
+    with pytest.raises(CheckpointError, match="untied from wte"):
+        load_model_weights(tied, state, folder)
