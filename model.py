@@ -43,13 +43,10 @@ log = logging.getLogger("model")
 
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
-SDPA_KERNELS = {
-    "auto": None,
-    "flash": "FLASH_ATTENTION",
-    "cudnn": "CUDNN_ATTENTION",
-    "efficient": "EFFICIENT_ATTENTION",
-    "math": "MATH",
-}
+# fmt: off
+SDPA_KERNELS = {"auto": None, "flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+                "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+# fmt: on
 CROSS_ENTROPY = ("auto", "plain", "chunked")
 AUTO_CHUNKED_LOGITS = 2**31  # auto chunks the loss past this many logits a micro-batch (8 GiB in float32)
 CHECKPOINTING = ("none", "mlp", "block")  # mlp keeps attention's outputs: at long T, attention is the costly part
@@ -462,17 +459,9 @@ class GPT(nn.Module):
         if device.type == "cuda" and device.index is None and torch.cuda.is_available():  # as tensors' cuda:N
             device = torch.device("cuda", torch.cuda.current_device())
         c = self.config
+        dropout, seq_len, mps_fix = training and c.dropout > 0, seq_len or c.block_size, not c.disable_mps_fix
         return AttentionUse(
-            device,
-            dtype,
-            c.head_dim,
-            documents,
-            dropout=training and c.dropout > 0,
-            training=training,
-            seq_len=seq_len or c.block_size,
-            heads=c.n_head,
-            mps_fix=not c.disable_mps_fix,
-            **use,
+            device, dtype, c.head_dim, documents, dropout, training, seq_len, heads=c.n_head, mps_fix=mps_fix, **use
         )
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
