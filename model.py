@@ -447,8 +447,9 @@ class GPT(nn.Module):
 
     def attention_for_forward(self, device: torch.device, documents: bool) -> Attention:
         """What forward calls: the held resolution, or a new one for the mode the model is in when none is held
-        for this device, or when the held one was for inference and this forward needs gradients."""
-        attention, training = self.attention, self.training and torch.is_grad_enabled()
+        for this device, or when the held one was for inference and this forward may train. Inference is eval
+        mode under no_grad; train mode (dropout) or gradients resolve for training."""
+        attention, training = self.attention, self.training or torch.is_grad_enabled()
         if attention is None or attention.use.device != device or (training and not attention.use.training):
             self.setup_attention(device, self.compute_dtype(device), training=training, documents=documents)
         return self.attention

@@ -8,7 +8,7 @@ and values it has computed, so a decode step computes only the new token's. Two 
 - ContiguousKVCache: per layer (B, H, capacity, D), preallocated; sequence b's keys in slots [0, length_b).
 - PagedKVCache: per layer a pool of fixed-size pages (num_pages, page_size, H, D); each sequence has a block
   table (its pages in order), filled from a free list as it grows, so prompts of different lengths hold only
-  the pages they use.
+  the pages they need.
 
 H is the model's key/value heads (n_kv_head): with grouped query heads (GQA, MQA) the cache is n_head/n_kv_head
 times smaller, and every decode kernel reads it as it is, each group of query heads sharing one cached head.
@@ -138,7 +138,7 @@ class KVCache:
         self.n_kv_head, self.head_dim, self.dtype = n_kv_head, head_dim, dtype
         self.device, self.static = torch.device(device), static
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=self.device)
-        self.host_lengths = [0] * batch_size  # the same on the host: sizes and pages use no device sync
+        self.host_lengths = [0] * batch_size  # the same on the host: sizes and pages need no device sync
         self.prefill_kernel: Callable | None = None
         self.decode_kernel: Callable | None = None
 

@@ -346,7 +346,7 @@ def no_collection():
 def compile_step(step: Callable, device: torch.device) -> Callable:
     """The static decode step under torch.compile with CUDA graphs (gpt-fast's approach); eager elsewhere."""
     if device.type != "cuda":
-        log.info(f"compile: CUDA graphs use a CUDA device; the static decode step runs eagerly on {device.type}")
+        log.info(f"compile: CUDA graphs need a CUDA device; the static decode step runs eagerly on {device.type}")
         return step
     return torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)
 
@@ -355,7 +355,7 @@ def make_cache(
     config, prompts, max_new_tokens, kind, decode: DecodeKernel, device, dtype, static=False, page_size=None
 ) -> KVCache:
     """A cache for these prompts: capacity for the longest sequence generation can reach (block_size at most);
-    a paged pool with exactly the pages all rows together can use."""
+    a paged pool with exactly the pages all rows together can need."""
     lengths = [min(p.numel() + max_new_tokens, config.block_size) for p in prompts]
     shape = (config.n_layer, len(prompts), max(lengths), config.kv_heads, config.head_dim, dtype, device)
     if kind == "contiguous":
