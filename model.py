@@ -1182,5 +1182,10 @@ def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.
         )
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the report of what this machine can run is `python -m kernels`'s
+    import sys
+
+    if sys.argv[1:]:
+        print(f"error: python model.py takes no arguments, got {' '.join(sys.argv[1:])!r}", file=sys.stderr)
+        sys.exit(2)
     print("python -m kernels prints the attention backends this machine can run, and what auto picks")
