@@ -2,33 +2,33 @@
 A GPT-2 language model in one file, with a choice of attention kernels and switches for a modern block (RoPE,
 RMSNorm, SwiGLU, grouped key/value heads, q/k norm; all off is GPT-2 exactly).
 
-Read top-down: the config; the block's pieces (norms, MLPs, RoPE); attention, which is where the kernels differ:
-the mask of one forward pass, the three kernels of this file (manual, sdpa, flash_attn_2) and the registry that
-turns a requested backend into the one that runs (falling back with a WARNING that says why, and one INFO line
-naming what runs); the model; the loss without full logits; `python model.py`, which prints what this machine
-can run. The model resolves its attention once, when it is set up for a device, dtype and use, never inside
-forward.
+Read top-down: the config; the block's parts (norms, MLPs, RoPE); CausalSelfAttention, Block and GPT (with
+nanoGPT's from_pretrained, get_num_params, estimate_mfu, configure_optimizers, crop_block_size and generate);
+GPT-2 weights from Hugging Face; then attention's kernels (manual, sdpa, flash_attn_2), the registry and
+`resolve`, which turns a requested backend into the one that runs (falling back with a WARNING that says why,
+and one INFO line naming what runs); the loss without full logits last. The model resolves its attention when it
+is set up for a device, dtype and use, or at its first forward for the mode it is in; never inside forward's
+hot path.
 
 This file imports nothing else of this repo. More kernels (flash-attn 3 and 4, flex_attention, auto's measured
-per-card order) register themselves from kernels/ (`import kernels`); generation with a KV cache lives in
-generation/.
+per-card order) register themselves from kernels/ (`import kernels`); `python -m kernels` prints what this machine
+can run; generation with a KV cache lives in generation/.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import importlib
-import importlib.metadata
 import inspect
+import json
 import logging
 import math
 import os
-import sys
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -43,13 +43,10 @@ log = logging.getLogger("model")
 
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
-SDPA_KERNELS = {
-    "auto": None,
-    "flash": "FLASH_ATTENTION",
-    "cudnn": "CUDNN_ATTENTION",
-    "efficient": "EFFICIENT_ATTENTION",
-    "math": "MATH",
-}
+# fmt: off
+SDPA_KERNELS = {"auto": None, "flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+                "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+# fmt: on
 CROSS_ENTROPY = ("auto", "plain", "chunked")
 AUTO_CHUNKED_LOGITS = 2**31  # auto chunks the loss past this many logits a micro-batch (8 GiB in float32)
 CHECKPOINTING = ("none", "mlp", "block")  # mlp keeps attention's outputs: at long T, attention is the costly part
@@ -79,6 +76,7 @@ class GPTConfig:
     activation_checkpointing: str = "none"  # recompute in backward to save memory: none | mlp | block
     use_flash_attention: bool | None = None  # deprecated: True means attention_backend="flash_attn_2"
     disable_mps_fix: bool = False  # on MPS, let SDPA run with explicit masks (documents, KV cache), NaN risk
+    tie_embeddings: bool = True  # the output layer is wte (GPT-2); False: lm_head has weights of its own
 
     def __post_init__(self):
         if self.use_flash_attention is not None:
@@ -145,6 +143,20 @@ class GPTConfig:
             self.cross_entropy == "auto" and tokens * self.vocab_size > AUTO_CHUNKED_LOGITS
         )
 
+    def parameter_count(self) -> int:
+        """The model's parameter count from the config alone, so that a size is checked before it is allocated."""
+        width, bias, hidden = self.n_embd, int(self.bias), self.mlp_width
+
+        def norm(n: int) -> int:  # LayerNorm: weight and bias; RMSNorm: weight only
+            return n * (1 + bias) if self.norm == "layernorm" else n
+
+        qkv = (self.n_head + 2 * self.kv_heads) * self.head_dim
+        attention = (width + bias) * qkv + (width + bias) * width + (2 * norm(self.head_dim) if self.qk_norm else 0)
+        mlp = (2 if self.mlp == "swiglu" else 1) * (width + bias) * hidden + (hidden + bias) * width
+        positions = 0 if self.rope else self.block_size * width
+        embeddings = self.vocab_size * width * (1 if self.tie_embeddings else 2)
+        return embeddings + positions + self.n_layer * (attention + mlp + 2 * norm(width)) + norm(width)
+
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
@@ -169,23 +181,11 @@ def positive_int(value) -> bool:
 NORM_EPS = 1e-5  # GPT-2's LayerNorm eps, and Llama's RMSNorm eps
 
 
-class LayerNorm(nn.Module):
-    """LayerNorm with an optional bias (PyTorch's has no bias=False before 2.1)."""
-
-    def __init__(self, ndim: int, bias: bool):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(ndim))
-        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
-
-    def forward(self, x):
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, NORM_EPS)
-
-
 def make_norm(kind: str, ndim: int, bias: bool) -> nn.Module:
     """GPT-2's LayerNorm, or RMSNorm (no mean subtraction and no bias, whatever `bias` says, as in Llama)."""
     if kind == "rmsnorm":
         return nn.RMSNorm(ndim, eps=NORM_EPS)
-    return LayerNorm(ndim, bias)
+    return nn.LayerNorm(ndim, eps=NORM_EPS, bias=bias)
 
 
 def mlp_hidden_size(kind: str, n_embd: int) -> int:
@@ -272,15 +272,484 @@ def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Attention: what a use needs of a kernel, the mask of one forward pass, and this file's kernels (one
-# signature: (q, k, v, mask, dropout_p) -> y on (B, H, T, D), causal; k and v may have fewer heads than q)
+# The model (GPT-2: learned positions, pre-LayerNorm, tanh GELU, tied embeddings; GPTConfig's switches
+# change the block: RoPE, RMSNorm, SwiGLU, grouped key/value heads, q/k norm)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.dropout = config.n_head, config.kv_heads, config.dropout
+        head_dim = config.head_dim  # q: n_head heads; k and v: n_kv_head heads each
+        self.c_attn = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * head_dim, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.q_norm = self.k_norm = None  # qk_norm: one weight per head dim, shared by the heads (as Qwen3's)
+        if config.qk_norm:
+            self.q_norm, self.k_norm = (make_norm(config.norm, head_dim, config.bias) for _ in "qk")
+
+    def forward(self, x, attend: Callable, mask: AttentionMask, rope=None):
+        """`attend` is the resolved kernel (or, in generation, a cache's decode kernel); `mask` what it reads."""
+        B, T, C = x.shape
+        hs = C // self.n_head
+        q, k, v = self.c_attn(x).split((self.n_head * hs, self.n_kv_head * hs, self.n_kv_head * hs), dim=-1)
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k, v = (t.view(B, T, self.n_kv_head, hs).transpose(1, 2) for t in (k, v))  # (B, n_kv, T, hs)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)  # autocast may give the norm float32
+        if rope is not None:
+            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        y = attend(q, k, v, mask, self.dropout if self.training else 0.0)  # k, v may have fewer heads than q
+        y = y.transpose(1, 2).reshape(B, T, C)  # re-assemble all head outputs side by side
+        return self.resid_dropout(self.c_proj(y))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = make_norm(config.norm, config.n_embd, config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = make_norm(config.norm, config.n_embd, config.bias)
+        self.mlp = make_mlp(config.mlp, config.n_embd, config.mlp_width, config.bias, config.dropout)
+        self.recompute_mlp = config.activation_checkpointing == "mlp"
+
+    def forward(self, x, attend: Callable, mask: AttentionMask, rope=None):
+        x = x + self.attn(self.ln_1(x), attend, mask, rope)
+        if self.recompute_mlp and self.training and torch.is_grad_enabled():
+            return x + checkpoint(self.feed_forward, x, use_reentrant=False)
+        return x + self.feed_forward(x)
+
+    def feed_forward(self, x):
+        return self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                # RoPE turns q and k by their positions inside attention: no position embedding then
+                **({} if config.rope else {"wpe": nn.Embedding(config.block_size, config.n_embd)}),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=make_norm(config.norm, config.n_embd, config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.transformer.wte.weight = self.lm_head.weight  # tied, as in GPT-2
+        self.rotary = Rotary(config.head_dim, config.block_size, config.rope_theta) if config.rope else None
+        self.apply(self._init_weights)
+        for name, param in self.named_parameters():
+            if name.endswith("c_proj.weight"):  # GPT-2 scales residual projections by depth
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        self.attention: Attention | None = None  # the resolved backend; set by setup_attention
+        self.logged_lines: set[str] = set()  # say each fallback and backend line once per model
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    # -- forward, loss and generation --
+
+    def forward(self, idx, targets=None, doc_ids=None, positions=None):
+        """(logits, loss). Without targets: the last position's logits (B, 1, V) and None. With targets: the mean
+        cross-entropy, and the logits (B, T, V), or None where the loss was chunked (cross_entropy; never built whole).
+        doc_ids (B, T): packed documents, attention kept inside each run of equal ids. positions (T,): where idx's
+        tokens sit in their sequences, when idx is a part of them (context parallelism); default 0..T-1."""
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
+        attention = self.attention_for_forward(idx.device, documents=doc_ids is not None)
+        if doc_ids is not None and not attention.use.documents:
+            raise ValueError("packed documents (doc_ids) need setup_attention(..., documents=True) first")
+        mask = AttentionMask(T, idx.device, doc_ids)
+        if positions is None:
+            positions = torch.arange(T, device=idx.device) if doc_ids is None else document_positions(doc_ids)
+        x, rope = self.embed(idx, positions)  # positions: (T,) or, with documents, (B, T)
+        x = self.transformer.drop(x)  # (B, T, C)
+        recompute_blocks = self.config.activation_checkpointing == "block" and self.training and torch.is_grad_enabled()
+        for block in self.transformer.h:
+            if recompute_blocks:
+                x = checkpoint(block, x, attention.kernel, mask, rope, use_reentrant=False)
+            else:
+                x = block(x, attention.kernel, mask, rope)
+        return self.head(x, targets)
+
+    def head(self, x, targets=None):
+        """forward's (logits, loss) from the last block's output x (B, T, C)."""
+        x = self.transformer.ln_f(x)
+        if targets is None:
+            return self.lm_head(x[:, [-1], :]), None  # only the last position is needed to sample
+        # plain is faster where the logits fit (bench/results/h100-train-speed.md)
+        if self.config.chunks_loss(targets.numel()):  # the logits are never built whole: none to return
+            return None, chunked_cross_entropy(x, self.lm_head.weight, targets)
+        logits = self.lm_head(x)
+        wide = torch.promote_types(logits.dtype, torch.float32)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).to(wide), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    def embed(self, idx, pos) -> tuple[torch.Tensor, tuple | None]:
+        """Token embeddings (B, T, C), plus the position embeddings at `pos` ((T,) or (B, T)); with RoPE
+        instead, the rotary angles at `pos` that every layer's attention applies to q and k."""
+        x = self.transformer.wte(idx)
+        if self.rotary is not None:
+            return x, self.rotary(pos)
+        return x + self.transformer.wpe(pos), None
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None):
+        """Sample max_new_tokens tokens after idx (B, T), nanoGPT's way: the whole context (its last block_size
+        tokens) every step. generation.generate is the fast way (KV caches, compiled decode, mixed lengths)."""
+        for _ in range(max_new_tokens):
+            context = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size :]
+            logits, _ = self(context)
+            logits = logits[:, -1, :].float()
+            if temperature == 0:
+                token = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                    logits[logits < kth] = -float("inf")
+                token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat((idx, token), dim=1)
+        return idx
+
+    # -- attention: resolved for the device, dtype and use the model runs with --
+
+    def setup_attention(
+        self,
+        device,
+        dtype: torch.dtype,
+        *,
+        training: bool = True,
+        seq_len: int | None = None,
+        documents: bool = False,
+        measure: bool = False,
+    ) -> Resolution:
+        """Resolve the attention backend for this device, compute dtype (autocast's) and use (training or not,
+        packed documents or not), hold it, and log it: a WARNING when an explicit request falls back, one INFO
+        line naming what runs. Call it before torch.compile; forward then reads the result. `measure`: auto on
+        a card its table does not know may time the candidates (kernels/auto.py) here, never in forward."""
+        use = self.attention_use(device, dtype, training=training, seq_len=seq_len, documents=documents)
+        measure = measure and self.config.auto_measure
+        self.attention = attention_for(self.config, use, self.logged_lines, measure=measure)
+        log_resolution(self.config.attention_backend, self.attention, self.logged_lines)
+        return self.attention.resolution
+
+    def attention_for_forward(self, device: torch.device, documents: bool) -> Attention:
+        """What forward calls: the held resolution, or a new one for the mode the model is in when none is held
+        for this device, or when the held one was for inference and this forward may train. Inference is eval
+        mode under no_grad; train mode (dropout) or gradients resolve for training."""
+        attention, training = self.attention, self.training or torch.is_grad_enabled()
+        if attention is None or attention.use.device != device or (training and not attention.use.training):
+            self.setup_attention(device, self.compute_dtype(device), training=training, documents=documents)
+        return self.attention
+
+    def attention_use(self, device, dtype: torch.dtype, *, training=True, seq_len=None, documents=False, **use):
+        """What a use of this model asks of an attention kernel (AttentionUse); `use`: its generation fields."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():  # as tensors' cuda:N
+            device = torch.device("cuda", torch.cuda.current_device())
+        c = self.config
+        dropout, seq_len, mps_fix = training and c.dropout > 0, seq_len or c.block_size, not c.disable_mps_fix
+        return AttentionUse(
+            device, dtype, c.head_dim, documents, dropout, training, seq_len, heads=c.n_head, mps_fix=mps_fix, **use
+        )
+
+    def compute_dtype(self, device: torch.device) -> torch.dtype:
+        """autocast's dtype where it is on, else the weights'."""
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+        return self.lm_head.weight.dtype
+
+    # -- nanoGPT's helpers: parameters, FLOPs, the optimizer, the context --
+
+    def get_num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count. Position embeddings (wpe) are left out by default; token embeddings stay in,
+        because they are tied to the output layer and so do real work."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding and "wpe" in self.transformer else n
+
+    num_params = get_num_params  # this repo's name for it
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token (forward + backward), PaLM appendix B as nanoGPT uses it:
+        6N for the weight matmuls plus 12·L·H·Q·T for attention (full, not halved for causality)."""
+        c = self.config
+        T = seq_len or c.block_size
+        return 6 * self.get_num_params() + 12 * c.n_layer * c.n_head * c.head_dim * T
+
+    def estimate_mfu(self, fwdbwd_per_iter: int, dt: float) -> float | None:
+        """nanoGPT's model FLOPs utilization: fwdbwd_per_iter sequences of block_size tokens each dt seconds,
+        over the dense bf16 peak of the GPU the model's weights are on (PEAK_FLOPS). None where that peak is
+        not known (a CPU, MPS, or a card not in the table): no A100 figure stands in for another device."""
+        peak = peak_flops(self.lm_head.weight.device)
+        if peak is None:
+            return None
+        return self.flops_per_token() * self.config.block_size * fwdbwd_per_iter / dt / peak
+
+    def configure_optimizers(self, weight_decay: float, learning_rate: float, betas, device_type: str):
+        """AdamW; weight decay on matrices and embeddings (>= 2-D) only, the fused kernel on CUDA and CPU."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        fused = device_type in ("cuda", "cpu") and "fused" in inspect.signature(torch.optim.AdamW).parameters
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=tuple(betas), **({"fused": True} if fused else {}))
+
+    def crop_block_size(self, block_size: int):
+        """Shrink the context (e.g. to fine-tune a 1024-token model on shorter blocks)."""
+        if not 0 < block_size <= self.config.block_size:
+            raise ValueError(f"block_size must be in 1..{self.config.block_size}, got {block_size}")
+        self.config.block_size = block_size
+        if "wpe" in self.transformer:  # RoPE's tables only ever get read below block_size
+            self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+
+    # -- pretrained weights --
+
+    @classmethod
+    def from_pretrained(cls, model_type: str, override_args: dict | None = None) -> GPT:
+        """nanoGPT's loader: a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl; fetched by huggingface_hub
+        unless cached), a Hugging Face GPT-2 folder, or a checkpoint of this repo or nanoGPT's (a .pt, or an
+        out_dir holding ckpt.pt). override_args: GPTConfig fields that keep the weights' shapes (dropout,
+        attention_backend, ...; a smaller block_size crops the position embeddings). ValueError, one line, for a
+        source that does not load, or a model larger than this machine's memory."""
+        model_config, weights = read_pretrained(model_type)
+        overrides = {"dropout": 0.0, **(override_args or {})}
+        block_size = overrides.pop("block_size", None)
+        config = GPTConfig.from_dict({**model_config, **overrides})
+        check_fits_in_memory(config)
+        model = cls(config)
+        try:
+            model.load_state_dict(weights)
+        except RuntimeError as error:  # names or shapes that are not the config's
+            raise ValueError(
+                f"{model_type}: its weights do not fit its config ({str(error).splitlines()[-1]})"
+            ) from None
+        if block_size is not None and block_size != config.block_size:
+            model.crop_block_size(block_size)
+        return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Pretrained weights: a Hugging Face GPT-2 folder, a hub name, or a checkpoint, read without the rest of this repo.
+# HF's GPT-2 keeps GPT-2's parameter names, as ours do, but stores its four projections as Conv1D with weights
+# (in, out) where nn.Linear has (out, in): they are transposed on the way in (and out, in weights/hf.py).
+
+HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # in order of preference
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")  # stored (in, out)
+MASK_BUFFERS = ("attn.bias", "attn.masked_bias")  # the causal mask, saved by older GPT-2 code: not weights
+
+
+def read_pretrained(source) -> tuple[dict, dict]:
+    """(GPTConfig fields, state dict) of from_pretrained's `source`."""
+    path = Path(source)
+    if path.is_dir() and (path / "ckpt.pt").is_file():
+        path = path / "ckpt.pt"
+    if path.is_file():
+        return read_checkpoint(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return read_hf_folder(path)[:2]
+    if str(source) in HUB_NAMES:
+        return read_hf_folder(hub_folder(str(source)))[:2]
+    raise ValueError(
+        f"{source!r} is not a checkpoint file, an out_dir with ckpt.pt, a Hugging Face GPT-2 folder "
+        f"(config.json + weights) or a hub name ({', '.join(HUB_NAMES)})"
+    )
+
+
+def read_checkpoint(path: Path) -> tuple[dict, dict]:
+    """A .pt of this repo (model_config) or nanoGPT's (model_args), read without running code."""
+    state = load_torch_file(path)
+    config = state.get("model_config", state.get("model_args")) if isinstance(state, dict) else None
+    if not isinstance(config, dict) or not isinstance(state.get("model"), dict):
+        raise ValueError(f"{path} holds no model_config (or nanoGPT's model_args) and model")
+    if "lora" in state:
+        raise ValueError(f"{path} holds LoRA adapters; merge them first: python -m weights merge {path} OUT.pt")
+    known = {f.name for f in fields(GPTConfig)}
+    weights = {str(k).removeprefix("_orig_mod."): v for k, v in state["model"].items() if not is_mask_buffer(str(k))}
+    return {k: v for k, v in config.items() if k in known or "model_config" in state}, weights
+
+
+def load_torch_file(path: Path):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)  # tensors and containers only: no code runs
+    except Exception as error:  # torch.load raises many kinds for a file that is not a checkpoint
+        raise ValueError(f"{path} cannot be read as a checkpoint ({str(error).splitlines()[0]})") from None
+
+
+def hub_folder(name: str) -> Path:
+    """The cached snapshot of a hub model (downloaded first unless HF_HUB_OFFLINE=1); one line if it is not there."""
+    try:
+        from huggingface_hub import constants, snapshot_download
+    except ImportError:
+        raise ValueError(f"loading {name} by name needs huggingface_hub: pip install huggingface_hub") from None
+    patterns = ["config.json", "model.safetensors"]
+    with contextlib.suppress(OSError, ValueError):  # not cached (LocalEntryNotFoundError is an OSError)
+        return Path(snapshot_download(name, allow_patterns=patterns, local_files_only=True))
+    try:
+        if constants.HF_HUB_OFFLINE:
+            raise OSError("offline")
+        return Path(snapshot_download(name, allow_patterns=patterns))
+    except (OSError, ValueError):  # no network, offline mode, a failed download: all HfHubHTTPError/OSError
+        raise ValueError(
+            f"{name} is not in the local Hugging Face cache and the hub cannot be reached; download it with "
+            f"`hf download {name} config.json model.safetensors` or pass a local directory"
+        ) from None
+
+
+def read_hf_folder(folder: Path) -> tuple[dict, dict, dict | None]:
+    """(GPTConfig fields, state dict, the tokenizer meta weights/hf.py's export wrote or None) of a Hugging Face
+    GPT-2 folder; its size is checked before its weights are read."""
+    path = folder / "config.json"
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} cannot be read as JSON ({error})") from None
+    model_config = hf_model_config(hf, path)
+    check_fits_in_memory(GPTConfig(**model_config))
+    saved, meta = read_hf_weights(folder)
+    return model_config, hf_state_dict(saved, model_config["tie_embeddings"]), meta
+
+
+def hf_model_config(hf, path) -> dict:
+    """config.json -> GPTConfig fields; a setting our GPT cannot reproduce exactly is one ValueError line."""
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    if hf.get("model_type", "gpt2") != "gpt2":
+        raise ValueError(f"{path}: model_type {hf['model_type']!r} is not gpt2; only GPT-2 models load")
+    required = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12}  # HF's defaults
+    config = {key: hf.get(key, default) for key, default in required.items()}
+    # what GPT-2's math would need that ours does not do: (setting, HF's default, what is allowed)
+    exact = [
+        ("layer_norm_epsilon", 1e-5, "1e-05"),
+        ("activation_function", "gelu_new", "gelu_new (tanh GELU)"),
+        ("n_inner", None, f"null or 4*n_embd = {4 * config['n_embd']}"),
+        ("scale_attn_weights", True, "true"),
+        ("scale_attn_by_inverse_layer_idx", False, "false"),
+        ("add_cross_attention", False, "false"),
+    ]
+    for key, default, allowed in exact:
+        value = hf.get(key, default)
+        if value != default and not (key == "n_inner" and value == 4 * config["n_embd"]):
+            raise ValueError(f"{path}: {key}={value!r} is not supported; allowed: {allowed}")
+    model_config = {
+        "block_size": config["n_positions"],
+        "vocab_size": config["vocab_size"],  # as is, never padded: the logits must be HF's
+        "n_layer": config["n_layer"],
+        "n_head": config["n_head"],
+        "n_embd": config["n_embd"],
+        "dropout": 0.0,  # the run's own setting applies
+        "bias": True,
+        "tie_embeddings": hf.get("tie_word_embeddings", True) is not False,
+    }
+    try:
+        return asdict(GPTConfig(**model_config))  # every field, as our checkpoints hold them
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: {error}") from None
+
+
+def read_hf_weights(folder: Path) -> tuple[dict, dict | None]:
+    """(the tensors of a Hugging Face folder's weights file, the meta in its safetensors metadata or None)."""
+    path = next((folder / name for name in HF_WEIGHT_FILES if (folder / name).is_file()), None)
+    if path is None:
+        raise ValueError(
+            f"{folder} is a Hugging Face GPT-2 folder with config.json but no weights "
+            f"({' or '.join(HF_WEIGHT_FILES)}); copy or download its weights file into it"
+        )
+    if path.suffix != ".safetensors":
+        saved = load_torch_file(path)
+        if not isinstance(saved, dict):
+            raise ValueError(f"{path} is not a state dict")
+        return saved, None
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            saved = {key: f.get_tensor(key) for key in f.keys()}
+            meta = json.loads((f.metadata() or {}).get("meta", "null"))
+    except (SafetensorError, OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not a readable safetensors file ({error})") from None
+    return saved, meta if isinstance(meta, dict) else None
+
+
+def hf_state_dict(saved: dict, tied: bool = True) -> dict:
+    """HF GPT-2's tensors under our names: Conv1D weights transposed, mask buffers dropped; lm_head is wte's
+    where the model ties them, else its own (tie_word_embeddings=false)."""
+    model = {}
+    for key, tensor in saved.items():
+        name = key.removeprefix("transformer.")  # older files (the hub's gpt2) have no prefix
+        if is_mask_buffer(name) or name == "lm_head.weight":
+            continue
+        model["transformer." + name] = tensor.t() if name.endswith(CONV1D) and tensor.dim() == 2 else tensor
+    if tied and "transformer.wte.weight" in model:
+        model["lm_head.weight"] = model["transformer.wte.weight"]
+    elif "lm_head.weight" in saved:
+        model["lm_head.weight"] = saved["lm_head.weight"]
+    return model
+
+
+def is_mask_buffer(name: str) -> bool:
+    return ".".join(name.split(".")[-2:]) in MASK_BUFFERS  # h.0.attn.bias is; h.0.attn.c_attn.bias is not
+
+
+def check_fits_in_memory(config: GPTConfig, bytes_per_param: int = 4) -> None:
+    """ValueError, one line, for a model whose float32 weights alone exceed this machine's RAM: checked from the
+    config, before anything is allocated (a config.json or checkpoint may ask for any size)."""
+    params = config.parameter_count()
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not on every platform
+        return
+    if params * bytes_per_param > ram:
+        raise ValueError(
+            f"the model asks for {params:,} parameters ({params * bytes_per_param / 2**30:,.1f} GiB in float32) but "
+            f"this machine has {ram / 2**30:,.1f} GiB of RAM (n_layer={config.n_layer}, n_embd={config.n_embd}, "
+            f"vocab_size={config.vocab_size})"
+        )
+
+
+# Dense bf16/fp16 tensor-core FLOP/s from the vendors' datasheets, for MFU: {name fragment: FLOP/s}; the first
+# fragment found in the GPU's name wins
+# fmt: off
+PEAK_FLOPS = {
+    "H100 PCIe": 756e12, "H100 NVL": 835e12, "GH200": 989.5e12, "H200": 989.5e12, "H100": 989.5e12,
+    "H800": 989.5e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12,
+    "A10": 125e12, "RTX 4090": 165.2e12, "RTX 3090": 71e12, "TITAN RTX": 130e12, "T4": 65e12, "V100": 125e12,
+}
+# fmt: on
+
+
+def peak_flops(device) -> float | None:
+    """The dense bf16 peak FLOP/s of a CUDA device from PEAK_FLOPS; None for another device or an unknown card."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    return next((flops for fragment, flops in PEAK_FLOPS.items() if fragment.lower() in name), None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention's kernels: what a use asks of a kernel, the mask of one forward pass, and this file's three kernels
+# (one signature: (q, k, v, mask, dropout_p) -> y on (B, H, T, D), causal; k and v may have fewer heads than q)
 
 HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
-class Need:
-    """What a use of attention requires of a kernel."""
+class AttentionUse:
+    """What a use of attention asks of a kernel: the resolver checks each backend against it."""
 
     device: torch.device
     dtype: torch.dtype  # the compute dtype (autocast's, else the weights')
@@ -291,7 +760,8 @@ class Need:
     seq_len: int = 0  # the longest sequence this use runs (0: unknown); only auto's order depends on it
     kv_cache: str = "none"  # generation: the KV cache decode steps read (none | contiguous | paged: generation/)
     decode_step: str = "eager"  # generation: eager | graph (the static step as a CUDA graph) | compiled (and graphed)
-    mps_fix: bool = True  # keep SDPA away from explicit masks on MPS (sdpa_problem); GPTConfig.disable_mps_fix
+    mps_fix: bool = True  # keep SDPA away from explicit masks on MPS (why_not_sdpa); GPTConfig.disable_mps_fix
+    heads: int = 0  # query heads (0: unknown); only auto's timing of candidates reads it
 
     def __post_init__(self):
         object.__setattr__(self, "device", torch.device(self.device))
@@ -307,11 +777,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def cuda_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
-
-
-def torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
 
 
 class AttentionMask:
@@ -385,10 +850,6 @@ def manual_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
     return weights @ v
 
 
-def manual_problem(need: Need) -> str:
-    return ""
-
-
 def sdpa_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0, kernel: str = "auto"):
     """torch.nn.functional.scaled_dot_product_attention; `kernel` pins one of PyTorch's kernels."""
     if kernel == "auto":
@@ -421,164 +882,115 @@ def sdpa_kv(q, k, v, attn_mask, kernel: str = "auto"):
 MPS_MASK_PROBLEM = "SDPA on MPS can return NaN for masked rows with an explicit mask (pytorch#107616)"
 
 
-def sdpa_problem(need: Need) -> str:
+def why_not_sdpa(use: AttentionUse) -> str:
     # document masks and KV-cache decode steps pass SDPA an explicit mask; plain causal attention does not
-    if need.device.type == "mps" and need.mps_fix and (need.documents or need.kv_cache != "none"):
+    if use.device.type == "mps" and use.mps_fix and (use.documents or use.kv_cache != "none"):
         return MPS_MASK_PROBLEM + "; disable_mps_fix=true keeps SDPA"
     return ""
 
 
-def sdpa_kernel_problem(kernel: str, need: Need) -> str:
+def why_not_sdpa_kernel(kernel: str, use: AttentionUse) -> str:
     """Why PyTorch's SDPA kernel `kernel` cannot be pinned for this use ('' when it can)."""
-    device, dtype = need.device, need.dtype
+    device, dtype = use.device, use.dtype
     if kernel in ("cudnn", "efficient") and device.type != "cuda":
         return f"SDPA's {kernel} kernel runs on CUDA only (device is {device.type})"
     if kernel == "flash" and device.type == "cuda" and dtype not in HALF:
         return f"SDPA's flash kernel needs float16 or bfloat16 on CUDA (this run is {dtype_name(dtype)})"
     if kernel == "cudnn" and dtype not in HALF:
         return f"SDPA's cudnn kernel needs float16 or bfloat16 (this run is {dtype_name(dtype)})"
-    if kernel in ("flash", "cudnn") and need.documents:
+    if kernel in ("flash", "cudnn") and use.documents:
         return f"SDPA's {kernel} kernel takes no document mask"
     if kernel in ("flash", "cudnn") and device.type == "cuda" and cuda_capability(device) < (8, 0):
         return f"SDPA's {kernel} kernel needs compute capability >= 8.0"
     return ""
 
 
-# flash-attn packages: one class for the package family; flash-attn 2 here, 3 and 4 in kernels/flash.py
+class FlashAttn2:
+    """flash-attn 2 (the flash_attn package) as a kernel. The package is imported once, by the first why_not
+    check (resolving the backend runs it); a call then reads it from an attribute, so torch.compile never traces
+    an import. kernels/flash.py builds flash-attn 3 and 4 on this class."""
 
+    label, min_capability, rule, has_dropout = "flash-attn 2", (8, 0), "compute capability >= 8.0", True
 
-class Package(NamedTuple):
-    module: object  # None when it cannot be imported
-    version: str
-    problem: str  # why it cannot be used ('' when it can)
+    def __init__(self):
+        self.module, self.version, self.why_missing = None, "", None  # why_missing: None until imported
 
+    def load(self) -> str:
+        """Import the package (once); why it cannot be used ('' when it can)."""
+        if self.why_missing is None:
+            self.module, self.version, self.why_missing = self.import_package()
+        return self.why_missing
 
-def import_package(name: str, pretty: str, distribution: str) -> Package:
-    """Import module `name` of a flash-attn package; a Package saying why not when it cannot."""
-    try:
-        module = importlib.import_module(name)
-    except ModuleNotFoundError as error:
-        if name == error.name or name.startswith(f"{error.name}."):
-            return Package(None, "", f"{pretty} is not installed")
-        return Package(None, "", f"{pretty} failed to import: {error}")
-    except (ImportError, OSError) as error:  # typically a wheel built for another torch/CUDA
-        return Package(None, "", f"{pretty} failed to import: {str(error).splitlines()[0]}")
-    if not hasattr(module, "flash_attn_func"):  # flash-attn-4 alone leaves a bare flash_attn namespace
-        return Package(None, "", f"{pretty} is not installed (module {name} has no flash_attn_func)")
-    return Package(module, dist_version(distribution) or getattr(module, "__version__", ""), "")
+    def import_package(self) -> tuple[object, str, str]:
+        """(module, version, '') or (None, '', why not)."""
+        try:
+            module = importlib.import_module("flash_attn")
+        except ModuleNotFoundError as error:
+            return None, "", "flash-attn is not installed" if error.name == "flash_attn" else f"flash-attn: {error}"
+        except (ImportError, OSError) as error:  # typically a wheel built for another torch/CUDA
+            return None, "", f"flash-attn failed to import: {str(error).splitlines()[0]}"
+        if not hasattr(module, "flash_attn_func"):  # flash-attn-4 alone leaves a bare flash_attn namespace
+            return None, "", "flash-attn is not installed (module flash_attn has no flash_attn_func)"
+        return module, getattr(module, "__version__", ""), ""
 
+    def why_not_capability(self, capability: tuple[int, int], sm: str) -> str:
+        return "" if capability >= self.min_capability else f"{self.label} needs {self.rule} (this GPU is {sm})"
 
-def dist_version(distribution: str) -> str:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return ""
-
-
-class FlashAttention:
-    """One flash-attn package as an attention kernel. The package is imported once, by the first
-    `problem` check (which the model runs when it resolves its backend); a call then reads the module
-    from an attribute, so torch.compile never traces an import."""
-
-    def __init__(
-        self,
-        label: str,
-        modules: tuple[tuple[str, str, str], ...],
-        min_sm: tuple[int, int],
-        sm_rule: str,
-        dropout: bool = False,
-    ):
-        self.label = label  # the name in messages: "flash-attn 2"
-        self.modules = modules  # (import name, pretty name, distribution), tried in order
-        self.min_sm, self.sm_rule, self.dropout = min_sm, sm_rule, dropout
-        self._package: Package | None = None
-
-    def package(self) -> Package:
-        if self._package is None:
-            found = [self.load(*module) for module in self.modules]
-            self._package = next((p for p in found if p.module is not None), found[0])
-        return self._package
-
-    def load(self, name: str, pretty: str, distribution: str) -> Package:
-        return import_package(name, pretty, distribution)
-
-    def forget(self):
-        """Drop the cached import (tests simulate installs; a long session may pip-install)."""
-        self._package = None
-
-    def capability_problem(self, capability: tuple[int, int], sm: str) -> str:
-        return "" if capability >= self.min_sm else f"{self.label} needs {self.sm_rule} (this GPU is {sm})"
-
-    def problem(self, need: Need) -> str:
-        package = self.package()
-        if package.problem:
-            return package.problem
-        if need.device.type != "cuda":
-            return f"flash-attn runs on CUDA GPUs only (device is {need.device.type})"
-        capability = cuda_capability(need.device)
-        problem = self.capability_problem(capability, "sm{}{}".format(*capability))
-        if problem:
-            return problem
-        if need.dtype not in HALF:
-            return f"flash-attn needs float16 or bfloat16 (this run is {dtype_name(need.dtype)})"
-        if need.head_dim % 8 or need.head_dim > 256:
-            return f"flash-attn needs a head dim that is a multiple of 8 and <= 256 (got {need.head_dim})"
-        if need.dropout and not self.dropout:
+    def why_not(self, use: AttentionUse) -> str:
+        """Why this kernel cannot run `use` ('' when it can)."""
+        if self.load():
+            return self.why_missing
+        if use.device.type != "cuda":
+            return f"flash-attn runs on CUDA GPUs only (device is {use.device.type})"
+        capability = cuda_capability(use.device)
+        why = self.why_not_capability(capability, "sm{}{}".format(*capability))
+        if why:
+            return why
+        if use.dtype not in HALF:
+            return f"flash-attn needs float16 or bfloat16 (this run is {dtype_name(use.dtype)})"
+        if use.head_dim % 8 or use.head_dim > 256:
+            return f"flash-attn needs a head dim that is a multiple of 8 and <= 256 (got {use.head_dim})"
+        if use.dropout and not self.has_dropout:
             return f"{self.label} has no attention dropout (set dropout=0)"
-        if need.kv_cache != "none" and not hasattr(package.module, "flash_attn_with_kvcache"):
+        if use.kv_cache != "none" and not hasattr(self.module, "flash_attn_with_kvcache"):
             return f"{self.label} has no flash_attn_with_kvcache, which decoding from a KV cache calls"
         return ""
 
     def __call__(self, q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
-        package = self._package.module if self._package is not None else self.package().module
-        kwargs = {"dropout_p": dropout_p} if self.dropout else {}
+        if self.module is None:  # called before any check (a test, a bench)
+            self.load()
+        package = self.module
+        kwargs = {"dropout_p": dropout_p} if self.has_dropout else {}
         B, H, T, D = q.shape
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, T, H, D); k, v may have fewer heads (GQA)
         if mask.has_documents:
             cu_seqlens, max_len = mask.varlen()
             q, k, v = (x.reshape(B * T, x.size(2), D) for x in (q, k, v))
-            y = package.flash_attn_varlen_func(
-                q,
-                k,
-                v,
-                cu_seqlens_q=cu_seqlens,
-                cu_seqlens_k=cu_seqlens,
-                max_seqlen_q=max_len,
-                max_seqlen_k=max_len,
-                causal=True,
-                **kwargs,
-            )
+            lengths = dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_len, max_seqlen_k=max_len)
+            y = package.flash_attn_varlen_func(q, k, v, causal=True, **lengths, **kwargs)
         else:
             y = package.flash_attn_func(q, k, v, causal=True, **kwargs)
         y = y[0] if isinstance(y, tuple) else y  # FA3 builds and FA4 also return the log-sum-exp
         return y.reshape(B, T, H, D).transpose(1, 2)
 
 
-FLASH_ATTN_2 = FlashAttention(
-    "flash-attn 2", (("flash_attn", "flash-attn", "flash-attn"),), (8, 0), "compute capability >= 8.0", dropout=True
-)
+FLASH_ATTN_2 = FlashAttn2()
 
 
 # ----------------------------------------------------------------------------------------------
-# The registry: one record per backend. Adding a backend = its kernel + one register() call (kernels/ holds the
-# ones beyond this file's three).
+# The registry: one record per backend; `resolve` turns a request into the backend that runs. Adding a backend =
+# its kernel + one register() call (kernels/ and generation/ register the ones beyond this file's three).
 
 
-@dataclass(frozen=True)
-class AttentionBackend:
+class AttentionBackend(NamedTuple):
     name: str
     kernel: Callable | None  # (q, k, v, mask, dropout_p) -> y, all (B, H, T, D), causal; None: no kernel of its own
-    problem: Callable[[Need], str]  # why it cannot run for a use ('' when it can)
+    why_not: Callable[[AttentionUse], str]  # why it cannot run a use ('' when it can)
     fallback: str | None  # what an explicit request of this backend falls back to
     aliases: tuple[str, ...] = ()
 
 
 BACKENDS: dict[str, AttentionBackend] = {}
-# auto's order for a use: (names to try, how they were chosen). kernels/auto.py registers a per-card table, and a
-# timing of the candidates for a card the table does not know, which only setup_attention(measure=True) runs
-AutoOrder = Callable[[Need], tuple[tuple[str, ...], str]]
-MeasuredOrder = Callable[[Need, int], "tuple[tuple[str, ...], str] | None"]  # (need, n_head)
-AUTO_ORDERS: list[tuple[AutoOrder, MeasuredOrder | None]] = []
 
 
 def register(backend: AttentionBackend) -> AttentionBackend:
@@ -586,27 +998,33 @@ def register(backend: AttentionBackend) -> AttentionBackend:
     return backend
 
 
-def register_auto_order(order: AutoOrder, measured: MeasuredOrder | None = None) -> None:
-    """auto's order from now on (the last registered wins); `measured` times the candidates where it can."""
-    AUTO_ORDERS.append((order, measured))
+def flash_attn_2_backend() -> AttentionBackend:
+    """flash_attn_2's record over a kernel of its own (a fresh one imports the package anew)."""
+    kernel = FlashAttn2()
+    return AttentionBackend("flash_attn_2", kernel, kernel.why_not, "sdpa", ("flash_attention_2",))
 
 
-def default_auto_order(need: Need) -> tuple[tuple[str, ...], str]:
-    """Without kernels/: PyTorch's SDPA first (it picks its own fastest kernel), except for packed documents,
-    which SDPA only takes as a dense mask and flash-attn's varlen kernel reads as cu_seqlens."""
-    if need.documents:
+register(AttentionBackend("flash_attn_2", FLASH_ATTN_2, FLASH_ATTN_2.why_not, "sdpa", ("flash_attention_2",)))
+register(AttentionBackend("sdpa", sdpa_attention, why_not_sdpa, "manual"))
+register(AttentionBackend("manual", manual_attention, lambda use: "", None, ("eager",)))
+
+
+def default_auto_order(use: AttentionUse, measure: bool = False) -> tuple[tuple[str, ...], str]:
+    """auto's order without kernels/: PyTorch's SDPA first (it picks its own fastest kernel), except for packed
+    documents, which SDPA only takes as a dense mask and flash-attn's varlen kernel reads as cu_seqlens."""
+    if use.documents:
         return ("flash_attn_2", "sdpa", "manual"), "default order"
     return ("sdpa", "flash_attn_2", "manual"), "default order"
 
 
-register_auto_order(default_auto_order)
-register(AttentionBackend("flash_attn_2", FLASH_ATTN_2, FLASH_ATTN_2.problem, "sdpa", ("flash_attention_2",)))
-register(AttentionBackend("sdpa", sdpa_attention, sdpa_problem, "manual"))
-register(AttentionBackend("manual", manual_attention, manual_problem, None, ("eager",)))
+# auto's order for a use: (use, measure) -> (names to try, how they were chosen). kernels/auto.py registers a
+# per-card table, which with measure=True (setup_attention's, never forward's) times the candidates on a card the
+# table does not know. The last registered wins.
+AUTO_ORDER: list[Callable[[AttentionUse, bool], tuple[tuple[str, ...], str]]] = [default_auto_order]
 
 
-def backend_names() -> tuple[str, ...]:
-    return ("auto", *BACKENDS)
+def register_auto_order(order: Callable[[AttentionUse, bool], tuple[tuple[str, ...], str]]) -> None:
+    AUTO_ORDER.append(order)
 
 
 def aliases() -> dict[str, str]:
@@ -615,13 +1033,11 @@ def aliases() -> dict[str, str]:
 
 def canonical_backend(name: str) -> str:
     """Map a backend name or alias to its canonical name; ValueError lists what is allowed."""
-    key = str(name).strip().lower()
-    key = aliases().get(key, key)
-    if key not in backend_names():
+    key = aliases().get(str(name).strip().lower(), str(name).strip().lower())
+    if key != "auto" and key not in BACKENDS:
         listed = ", ".join(f"{a} (= {b})" for a, b in aliases().items())
-        raise ValueError(
-            f"unknown attention_backend {name!r}; choose one of {', '.join(backend_names())}; aliases: {listed}"
-        )
+        names = ", ".join(BACKENDS)
+        raise ValueError(f"unknown attention_backend {name!r}; choose one of auto, {names}; aliases: {listed}")
     return key
 
 
@@ -630,31 +1046,28 @@ class Resolution(NamedTuple):
     reason: str  # why it differs from the request, or how auto chose ('' when the request runs as is)
 
 
-def resolve(requested: str, need: Need, order: tuple[tuple[str, ...], str] | None = None) -> Resolution:
-    """The backend that runs for `need` when `requested` is asked for, and why.
-
-    An explicit request follows its fallback chain; `auto` takes the first that runs of `order`
-    ((names, how chosen); default: the registered auto order for this use).
-    """
+def resolve(requested: str, use: AttentionUse, order=None, measure: bool = False) -> Resolution:
+    """(the backend that runs `use` when `requested` is asked for, why). An explicit request follows its fallback
+    chain; auto takes the first that runs of `order` ((names, how chosen); default: the registered auto order)."""
     requested = canonical_backend(requested)
     if requested == "auto":
-        names, how = order or AUTO_ORDERS[-1][0](need)
+        names, how = order or AUTO_ORDER[-1](use, measure)
     else:
         names, how = [requested], ""
         while BACKENDS[names[-1]].fallback:
             names.append(BACKENDS[names[-1]].fallback)
     skipped = []
     for name in names:
-        problem = BACKENDS[name].problem(need) if name in BACKENDS else f"{name} is not registered (import kernels)"
-        if not problem:
+        why = BACKENDS[name].why_not(use) if name in BACKENDS else f"{name} is not registered (import kernels)"
+        if not why:
             break
-        skipped.append((name, problem))
+        skipped.append((name, why))
     if requested == "auto":
         why = "; ".join(f"{n}: {p}" for n, p in skipped)
         how = f" ({how})" if how and how != "default order" else ""
         return Resolution(
             name,
-            f"auto: first that runs on {need.where} of {' > '.join(names)}{how}" + (f"; skipped {why}" if why else ""),
+            f"auto: first that runs on {use.where} of {' > '.join(names)}{how}" + (f"; skipped {why}" if why else ""),
         )
     if not skipped:
         return Resolution(name, "")
@@ -666,41 +1079,35 @@ class Attention(NamedTuple):
 
     kernel: Callable
     resolution: Resolution
-    need: Need
+    use: AttentionUse
 
 
-def attention_for(config: GPTConfig, need: Need, logged: set[str], order=None) -> Attention:
-    """Resolve config.attention_backend for `need` (auto: in `order` if given); the sdpa backend pinned to
+def attention_for(config: GPTConfig, use: AttentionUse, logged: set[str], order=None, measure=False) -> Attention:
+    """Resolve config.attention_backend for `use` (auto: in `order` if given); the sdpa backend pinned to
     config.sdpa_kernel where that runs. `logged`: the lines already said (log_once)."""
-    resolution = resolve(config.attention_backend, need, order)
+    resolution = resolve(config.attention_backend, use, order, measure)
     kernel = BACKENDS[resolution.used].kernel
     if resolution.used == "sdpa" and config.sdpa_kernel != "auto":
-        problem = sdpa_kernel_problem(config.sdpa_kernel, need)
-        if problem:
-            message = f"sdpa_kernel={config.sdpa_kernel} requested but {problem}; letting PyTorch choose"
-            log_once(logged, logging.WARNING, message)
+        why = why_not_sdpa_kernel(config.sdpa_kernel, use)
+        if why:
+            log_once(
+                logged, logging.WARNING, f"sdpa_kernel={config.sdpa_kernel} requested but {why}; letting PyTorch choose"
+            )
         else:
             kernel = functools.partial(sdpa_attention, kernel=config.sdpa_kernel)
-    return Attention(kernel, resolution, need)
+    return Attention(kernel, resolution, use)
 
 
 def log_resolution(requested: str, attention: Attention, logged: set[str], detail: str = "") -> None:
     """A WARNING when an explicit request falls back (saying why), and one INFO line naming what runs."""
-    resolution, kernel = attention.resolution, attention.kernel
-    if requested == "auto" and MPS_MASK_PROBLEM in resolution.reason:  # an explicit request warns below
-        log_once(logged, logging.WARNING, f"auto: {MPS_MASK_PROBLEM}; using {resolution.used}")
-    if requested != "auto" and resolution.used != requested:
-        log_once(
-            logged, logging.WARNING, f"{requested} requested but {resolution.reason}; falling back to {resolution.used}"
-        )
+    (used, reason), kernel = attention.resolution, attention.kernel
+    if requested == "auto" and MPS_MASK_PROBLEM in reason:  # an explicit request warns below
+        log_once(logged, logging.WARNING, f"auto: {MPS_MASK_PROBLEM}; using {used}")
+    if requested != "auto" and used != requested:
+        log_once(logged, logging.WARNING, f"{requested} requested but {reason}; falling back to {used}")
     detail += f", kernel {kernel.keywords['kernel']}" if isinstance(kernel, functools.partial) else ""
-    if requested == "auto":
-        note = f" ({resolution.reason})"
-    elif resolution.reason:
-        note = f" (requested {requested}: {resolution.reason})"
-    else:
-        note = ""
-    log_once(logged, logging.INFO, f"attention backend: {resolution.used}{detail}{note}")
+    note = f" ({reason})" if requested == "auto" else f" (requested {requested}: {reason})" if reason else ""
+    log_once(logged, logging.INFO, f"attention backend: {used}{detail}{note}")
 
 
 def log_once(logged: set[str], level: int, message: str) -> None:
@@ -708,236 +1115,6 @@ def log_once(logged: set[str], level: int, message: str) -> None:
     if message not in logged:
         logged.add(message)
         log.log(level, message)
-
-
-# ----------------------------------------------------------------------------------------------
-# The model (GPT-2: learned positions, pre-LayerNorm, tanh GELU, tied embeddings; GPTConfig's switches
-# change the block: RoPE, RMSNorm, SwiGLU, grouped key/value heads, q/k norm)
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.n_head, self.n_kv_head, self.dropout = config.n_head, config.kv_heads, config.dropout
-        head_dim = config.head_dim  # q: n_head heads; k and v: n_kv_head heads each
-        self.c_attn = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * head_dim, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.resid_dropout = nn.Dropout(config.dropout)
-        self.q_norm = self.k_norm = None  # qk_norm: one weight per head dim, shared by the heads (as Qwen3's)
-        if config.qk_norm:
-            self.q_norm, self.k_norm = (make_norm(config.norm, head_dim, config.bias) for _ in "qk")
-
-    def forward(self, x, attend: Callable, mask: AttentionMask, rope=None):
-        """`attend` is the resolved kernel (or, in generation, a cache's decode kernel); `mask` what it reads."""
-        B, T, C = x.shape
-        hs = C // self.n_head
-        q, k, v = self.c_attn(x).split((self.n_head * hs, self.n_kv_head * hs, self.n_kv_head * hs), dim=-1)
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k, v = (t.view(B, T, self.n_kv_head, hs).transpose(1, 2) for t in (k, v))  # (B, n_kv, T, hs)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)  # autocast may give the norm float32
-        if rope is not None:
-            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        y = attend(q, k, v, mask, self.dropout if self.training else 0.0)  # k, v may have fewer heads than q
-        y = y.transpose(1, 2).reshape(B, T, C)  # re-assemble all head outputs side by side
-        return self.resid_dropout(self.c_proj(y))
-
-
-class Block(nn.Module):
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.ln_1 = make_norm(config.norm, config.n_embd, config.bias)
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = make_norm(config.norm, config.n_embd, config.bias)
-        self.mlp = make_mlp(config.mlp, config.n_embd, config.mlp_width, config.bias, config.dropout)
-        self.recompute_mlp = config.activation_checkpointing == "mlp"
-
-    def forward(self, x, attend: Callable, mask: AttentionMask, rope=None):
-        x = x + self.attn(self.ln_1(x), attend, mask, rope)
-        if self.recompute_mlp and self.training and torch.is_grad_enabled():
-            return x + checkpoint(self.feed_forward, x, use_reentrant=False)
-        return x + self.feed_forward(x)
-
-    def feed_forward(self, x):
-        return self.mlp(self.ln_2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.config = config
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
-                # RoPE turns q and k by their positions inside attention: no position embedding then
-                **({} if config.rope else {"wpe": nn.Embedding(config.block_size, config.n_embd)}),
-                drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-                ln_f=make_norm(config.norm, config.n_embd, config.bias),
-            )
-        )
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # tied, as in GPT-2
-        self.rotary = Rotary(config.head_dim, config.block_size, config.rope_theta) if config.rope else None
-        self.apply(self._init_weights)
-        for name, param in self.named_parameters():
-            if name.endswith("c_proj.weight"):  # GPT-2 scales residual projections by depth
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-        self.attention: Attention | None = None  # the resolved backend; set by setup_attention
-        self.logged_lines: set[str] = set()  # say each fallback and backend line once per model
-
-    @staticmethod
-    def _init_weights(module):
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-
-    # -- attention: resolved once for the device, dtype and use the model runs with --
-
-    def setup_attention(
-        self,
-        device,
-        dtype: torch.dtype,
-        *,
-        training: bool = True,
-        seq_len: int | None = None,
-        documents: bool = False,
-        measure: bool = False,
-    ) -> Resolution:
-        """Resolve the attention backend for this device, compute dtype (autocast's) and use (training or not,
-        packed documents or not), hold it, and log it: a WARNING when an explicit request falls back, one INFO
-        line naming what runs. Call it before torch.compile; forward then reads the result. `measure`: auto on
-        a card its table does not know may time the candidates (kernels/auto.py) here, never in forward."""
-        need = self.attention_need(device, dtype, training=training, seq_len=seq_len, documents=documents)
-        order, measured = None, AUTO_ORDERS[-1][1]
-        if measure and measured is not None and self.config.auto_measure and self.config.attention_backend == "auto":
-            order = measured(need, self.config.n_head)
-        self.attention = attention_for(self.config, need, self.logged_lines, order)
-        log_resolution(self.config.attention_backend, self.attention, self.logged_lines)
-        return self.attention.resolution
-
-    def attention_need(self, device, dtype: torch.dtype, *, training=True, seq_len=None, documents=False, **use):
-        """What a use of this model asks of an attention kernel (Need); `use`: Need's generation fields."""
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None and torch.cuda.is_available():  # as tensors' cuda:N
-            device = torch.device("cuda", torch.cuda.current_device())
-        dropout = training and self.config.dropout > 0
-        c = self.config
-        seq_len = seq_len or c.block_size
-        return Need(
-            device, dtype, c.head_dim, documents, dropout, training, seq_len, mps_fix=not c.disable_mps_fix, **use
-        )
-
-    def compute_dtype(self, device: torch.device) -> torch.dtype:
-        """autocast's dtype where it is on, else the weights'."""
-        if torch.is_autocast_enabled(device.type):
-            return torch.get_autocast_dtype(device.type)
-        return self.lm_head.weight.dtype
-
-    # -- forward, loss and generation --
-
-    def forward(self, idx, targets=None, doc_ids=None, positions=None):
-        """(logits, loss). Without targets: the last position's logits (B, 1, V) and None. With targets: the mean
-        cross-entropy, and the logits (B, T, V), or None where the loss was chunked (cross_entropy; never built whole).
-        doc_ids (B, T): packed documents, attention kept inside each run of equal ids. positions (T,): where idx's
-        tokens sit in their sequences, when idx is a part of them (context parallelism); default 0..T-1."""
-        B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence of length {T} is longer than block_size {self.config.block_size}")
-        attention = self.attention
-        if attention is None or attention.need.device != idx.device:  # not set up for this device: now, once
-            self.setup_attention(idx.device, self.compute_dtype(idx.device), documents=doc_ids is not None)
-            attention = self.attention
-        if doc_ids is not None and not attention.need.documents:
-            raise ValueError("packed documents (doc_ids) need setup_attention(..., documents=True) first")
-        mask = AttentionMask(T, idx.device, doc_ids)
-        if positions is None:
-            positions = torch.arange(T, device=idx.device) if doc_ids is None else document_positions(doc_ids)
-        x, rope = self.embed(idx, positions)  # positions: (T,) or, with documents, (B, T)
-        x = self.transformer.drop(x)  # (B, T, C)
-        recompute_blocks = self.config.activation_checkpointing == "block" and self.training and torch.is_grad_enabled()
-        for block in self.transformer.h:
-            if recompute_blocks:
-                x = checkpoint(block, x, attention.kernel, mask, rope, use_reentrant=False)
-            else:
-                x = block(x, attention.kernel, mask, rope)
-        return self.head(x, targets)
-
-    def head(self, x, targets=None):
-        """forward's (logits, loss) from the last block's output x (B, T, C)."""
-        x = self.transformer.ln_f(x)
-        if targets is None:
-            return self.lm_head(x[:, [-1], :]), None  # only the last position is needed to sample
-        # plain is faster where the logits fit (bench/results/h100-train-speed.md)
-        if self.config.chunks_loss(targets.numel()):  # the logits are never built whole: none to return
-            return None, chunked_cross_entropy(x, self.lm_head.weight, targets)
-        logits = self.lm_head(x)
-        wide = torch.promote_types(logits.dtype, torch.float32)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).to(wide), targets.reshape(-1), ignore_index=-1)
-        return logits, loss
-
-    def embed(self, idx, pos) -> tuple[torch.Tensor, tuple | None]:
-        """Token embeddings (B, T, C), plus the position embeddings at `pos` ((T,) or (B, T)); with RoPE
-        instead, the rotary angles at `pos` that every layer's attention applies to q and k."""
-        x = self.transformer.wte(idx)
-        if self.rotary is not None:
-            return x, self.rotary(pos)
-        return x + self.transformer.wpe(pos), None
-
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None):
-        """Sample max_new_tokens tokens after idx (B, T), nanoGPT's way: the whole context (its last block_size
-        tokens) every step. generation.generate is the fast way (KV caches, compiled decode, mixed lengths)."""
-        for _ in range(max_new_tokens):
-            context = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size :]
-            logits, _ = self(context)
-            logits = logits[:, -1, :].float()
-            if temperature == 0:
-                token = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                    logits[logits < kth] = -float("inf")
-                token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-            idx = torch.cat((idx, token), dim=1)
-        return idx
-
-    # -- helpers for training --
-
-    def num_params(self, non_embedding: bool = True) -> int:
-        """Parameter count. Position embeddings (wpe) are left out by default; token embeddings stay in,
-        because they are tied to the output layer and so do real work."""
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding and "wpe" in self.transformer else n
-
-    def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training FLOPs per token (forward + backward), PaLM appendix B as nanoGPT uses it:
-        6N for the weight matmuls plus 12·L·H·Q·T for attention (full, not halved for causality)."""
-        c = self.config
-        T = seq_len or c.block_size
-        return 6 * self.num_params() + 12 * c.n_layer * c.n_head * c.head_dim * T
-
-    def configure_optimizers(self, weight_decay: float, learning_rate: float, betas, device_type: str):
-        """AdamW; weight decay on matrices and embeddings (>= 2-D) only, the fused kernel on CUDA and CPU."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        fused = device_type in ("cuda", "cpu") and "fused" in inspect.signature(torch.optim.AdamW).parameters
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=tuple(betas), **({"fused": True} if fused else {}))
-
-    def crop_block_size(self, block_size: int):
-        """Shrink the context (e.g. to fine-tune a 1024-token model on shorter blocks)."""
-        if not 0 < block_size <= self.config.block_size:
-            raise ValueError(f"block_size must be in 1..{self.config.block_size}, got {block_size}")
-        self.config.block_size = block_size
-        if "wpe" in self.transformer:  # RoPE's tables only ever get read below block_size
-            self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1005,86 +1182,10 @@ def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.
         )
 
 
-# ----------------------------------------------------------------------------------------------
-# What this machine can run: `python model.py`
+if __name__ == "__main__":  # the report of what this machine can run is `python -m kernels`'s
+    import sys
 
-
-def attention_report(device=None) -> dict:
-    """Versions, GPU, and for each backend whether it trains here and why not; what auto picks per dtype
-    at T=1024 (auto) and T=32768 (auto_long), from the table or the default order (not measured)."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    device = torch.device(device)
-    train_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    report = {
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "device": device.type,
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "capability": "sm{}{}".format(*capability) if capability else None,
-        "dtype": dtype_name(train_dtype),
-        "backends": {},
-        "auto": {},
-        "auto_long": {},
-    }
-    for name, backend in BACKENDS.items():
-        problem = backend.problem(Need(device, train_dtype, training=True))
-        kernel = backend.kernel
-        version = kernel.package().version if isinstance(kernel, FlashAttention) else torch.__version__
-        report["backends"][name] = {"available": not problem, "version": version, "why": problem}
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for key, seq_len in (("auto", 1024), ("auto_long", 32768)):
-            report[key][dtype_name(dtype)] = resolve("auto", Need(device, dtype, seq_len=seq_len)).used
-    return report
-
-
-def main(argv: list[str] | None = None, prog: str = "python model.py") -> int:
-    """Print what this machine can run (attention_report). Exit code 0; 2, with one `error:` line, for arguments
-    (it takes none) or a report that cannot be written (`> /dev/full`; a closed pipe or terminal is quiet: 0)."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv in (["-h"], ["--help"]):
-        print(f"usage: {prog}\n\nPrints the attention backends this machine can run, and what auto picks.")
-        return 0
-    if argv:
-        print(
-            f"error: {prog} takes no arguments, got {' '.join(argv)!r}; it prints what this machine can run",
-            file=sys.stderr,
-        )
-        return 2
-    report = attention_report()
-    gpu = f"{report['gpu']} ({report['capability']})" if report["gpu"] else "none"
-    lines = [
-        f"torch {report['torch']} | CUDA {report['cuda']} | cuDNN {report['cudnn']} | GPU {gpu}",
-        f"device {report['device']}, training dtype {report['dtype']}:",
-    ]
-    for name, row in report["backends"].items():
-        status = "available" if row["available"] else "unavailable"
-        version = f" {row['version']}" if row["version"] else ""
-        lines.append(f"  {name:<15} {status:<12}{version:<14} {row['why']}")
-    for key, length in (("auto", "1024"), ("auto_long", "32768")):
-        picks = ", ".join(f"{dtype} -> {used}" for dtype, used in report[key].items())
-        lines.append(f"  auto picks at T={length}: {picks}")
-    try:
-        print("\n".join(lines), flush=True)
-    except OSError as error:
-        devnull = os.open(os.devnull, os.O_WRONLY)  # what stdout still buffers must not fail again at exit
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-        if error.errno in (errno.EPIPE, errno.EIO):  # the reader or the terminal is gone: nobody to tell
-            return 0
-        with contextlib.suppress(OSError):
-            print(f"error: the report could not be written to stdout ({error.strerror or error})", file=sys.stderr)
-        return 2
-    # a stdout that drops what fails (errors.QuietStream, under python -m kernels) says so instead of raising
-    failure = getattr(sys.stdout, "failure", None)
-    if failure is not None and failure.errno not in (errno.EPIPE, errno.EIO):
-        with contextlib.suppress(OSError):
-            print(f"error: the report could not be written to stdout ({failure.strerror or failure})", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:]:
+        print(f"error: python model.py takes no arguments, got {' '.join(sys.argv[1:])!r}", file=sys.stderr)
+        sys.exit(2)
+    print("python -m kernels prints the attention backends this machine can run, and what auto picks")

@@ -74,7 +74,7 @@ class SampleConfig:
     seed: int = 1337  # sampling seed
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32; bfloat16 on a GPU casts the weights (no autocast)
-    attention_backend: str = "auto"  # attention kernel for sampling (see python model.py)
+    attention_backend: str = "auto"  # attention kernel for sampling (see python -m kernels)
     kv_cache: str = "contiguous"  # none | contiguous | paged: the KV cache decoding reads (see generation/kv_cache.py)
     disable_mps_fix: bool = False  # on MPS, let SDPA decode from the KV cache (explicit masks) despite the NaN risk
     batch_size: int = 1  # samples generated together; above 1, a --start=FILE:path holds one prompt per line

@@ -45,7 +45,7 @@ from bench.grid import (
     run_grid,
 )
 from bench.report import Column, plot_lines
-from model import BACKENDS, AttentionMask, Need, resolve, sdpa_attention, sdpa_kernel_problem
+from model import BACKENDS, AttentionMask, AttentionUse, resolve, sdpa_attention, why_not_sdpa_kernel
 from training.runtime import synchronize
 
 SDPA_VARIANTS = ("sdpa:auto", "sdpa:flash", "sdpa:cudnn", "sdpa:efficient", "sdpa:math")
@@ -149,8 +149,8 @@ class Plan:
 
 
 def plan_backend(backend: str, cell: Cell, device: torch.device) -> Plan:
-    def need(training: bool) -> Need:
-        return Need(device, cell.dtype, cell.head_dim, cell.docs, training=training, seq_len=cell.seq_len)
+    def need(training: bool) -> AttentionUse:
+        return AttentionUse(device, cell.dtype, cell.head_dim, cell.docs, training=training, seq_len=cell.seq_len)
 
     if backend == "auto":  # resolved for training, as the model resolves it
         used = resolve("auto", need(True)).used
@@ -158,10 +158,10 @@ def plan_backend(backend: str, cell: Cell, device: torch.device) -> Plan:
     if backend.startswith("sdpa:"):
         kernel = backend.split(":", 1)[1]
         # pinned: never let PyTorch pick another
-        problem = BACKENDS["sdpa"].problem(need(False)) or sdpa_kernel_problem(kernel, need(False))
+        problem = BACKENDS["sdpa"].why_not(need(False)) or why_not_sdpa_kernel(kernel, need(False))
         return Plan(functools.partial(sdpa_attention, kernel=kernel), backend, problem, problem)
     record = BACKENDS[backend]
-    return Plan(record.kernel, backend, record.problem(need(False)), record.problem(need(True)))
+    return Plan(record.kernel, backend, record.why_not(need(False)), record.why_not(need(True)))
 
 
 def attention_flops(batch: int, heads: int, seq_len: int, head_dim: int) -> tuple[float, float]:

@@ -172,7 +172,7 @@ def time_row(row: dict, case: Case, args, device: torch.device, dtype: torch.dty
     """The row's model built and its generation timed; the model goes when this returns (or raises)."""
     gpt = build_model(case, args, device, dtype)
     seq_len = case.prompt_len + case.new_tokens
-    need = gpt.attention_need(
+    need = gpt.attention_use(
         device,
         dtype,
         training=False,

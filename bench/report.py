@@ -21,7 +21,7 @@ import torch
 
 import generation  # noqa: F401  (registers paged_attention)
 import kernels  # noqa: F401  (registers flash_attn_3/4, flex_attention and auto's table: the header names them)
-from model import attention_report
+from kernels.report import attention_report
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 _VENDOR_WORDS = {"nvidia", "geforce", "tesla", "quadro", "amd", "radeon"}

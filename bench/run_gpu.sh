@@ -61,7 +61,7 @@ for stage in "$@"; do
     case $stage in
     tests)
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-        python3 -c 'import kernels, model; model.main()'  # python model.py, with kernels/ registered
+        python3 -m kernels
         # the whole log (tracebacks included) to $OUT, its end here
         python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests/ 2>&1 | tee "$OUT/gpu-tests.log" | tail -12
         ;;

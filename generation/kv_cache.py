@@ -16,7 +16,7 @@ times smaller, and every decode kernel reads it as it is, each group of query he
 Every sequence has its own length, so prompts of different lengths share a batch without padding in the cache:
 row b's next token sits at position length_b (its position embedding too) and sees keys [0, length_b].
 Attention over a cache is causal aligned to the end of the cache (bottom-right), whatever the number of new
-tokens; a `Step`, built once per forward and read by every layer as AttentionMask is in training, gives each
+tokens; a `CacheMask`, built once per forward and read by every layer as AttentionMask is in training, gives each
 new token's position. A prefill into an empty cache is plain causal attention over the chunk: the backend's
 own kernel runs it, as in training.
 
@@ -52,16 +52,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from kernels.auto import gpu_generation
 from kernels.flash import FLASH_ATTN_3, FLASH_ATTN_4
 from kernels.flex import compiled_flex_attention
-from model import (
-    FLASH_ATTN_2,
-    AttentionBackend,
-    AttentionMask,
-    FlashAttention,
-    Need,
-    register,
-    repeat_kv,
-    sdpa_kv,
-)
+from model import FLASH_ATTN_2, AttentionBackend, AttentionMask, AttentionUse, FlashAttn2, register, repeat_kv, sdpa_kv
 
 log = logging.getLogger("model")
 
@@ -73,9 +64,9 @@ FLEX_BLOCK = 128  # flex_attention's default tile: the key block of a contiguous
 # One forward step over a cache
 
 
-class Step:
-    """Where one forward step's tokens sit, for every layer: the new tokens of row b are at positions
-    q_pos[b] (continuing its sequence) and each sees the keys at positions up to its own."""
+class CacheMask:
+    """The mask of one forward step over a cache: where the step's tokens sit, for every layer. The new tokens
+    of row b are at positions q_pos[b] (continuing its sequence) and each sees the keys at positions up to its own."""
 
     def __init__(
         self,
@@ -100,14 +91,14 @@ class Step:
         self.memo: dict = {}  # forms a cache builds once per step for all layers (block masks, page slots)
 
     @classmethod
-    def chunk(cls, lengths: Sequence[int], T: int, device) -> Step:
+    def chunk(cls, lengths: Sequence[int], T: int, device) -> CacheMask:
         """T tokens per row from position 0, row b's first lengths[b] real (right padding after)."""
         q_pos = torch.arange(T, device=device).expand(len(lengths), T)
         kv_len = torch.tensor(lengths, device=device)
         return cls(q_pos, kv_len, max(lengths), fresh=True, start=0, host_kv_len=list(lengths))
 
     @classmethod
-    def decoding(cls, positions: torch.Tensor, span: int) -> Step:
+    def decoding(cls, positions: torch.Tensor, span: int) -> CacheMask:
         """One token per row at `positions` (B,), keys read over all `span` slots: static shapes."""
         return cls(positions[:, None], positions + 1, span)
 
@@ -137,7 +128,7 @@ class Step:
 class KVCache:
     """Keys and values of every layer for a batch of sequences, each with its own length.
 
-    `attends()` gives one function per layer with the kernels' signature (the Step in the mask's place): it
+    `attends()` gives one function per layer with the kernels' signature (the CacheMask in the mask's place): it
     writes the step's keys and values, then attends with the prefill kernel (fresh cache) or the decode kernel.
     `static`: decode steps read every slot up to the capacity, masked, so a step's shapes never change (for
     torch.compile with CUDA graphs)."""
@@ -155,7 +146,7 @@ class KVCache:
         self.prefill_kernel, self.decode_kernel = prefill_kernel, decode_kernel
         return [functools.partial(self.attend, layer) for layer in range(self.n_layer)]
 
-    def attend(self, layer: int, q, k, v, step: Step, dropout_p: float = 0.0):
+    def attend(self, layer: int, q, k, v, step: CacheMask, dropout_p: float = 0.0):
         self.write(layer, k.to(self.dtype), v.to(self.dtype), step)
         if step.fresh:
             return self.prefill_kernel(q, k, v, step.chunk_mask, 0.0)
@@ -167,16 +158,16 @@ class KVCache:
 
     # -- steps: each reserves room, moves the lengths on and says where the new tokens go --
 
-    def prefill(self, lengths: Sequence[int], T: int) -> Step:
+    def prefill(self, lengths: Sequence[int], T: int) -> CacheMask:
         """Empty the cache for a chunk of T tokens per row, of which row b's first lengths[b] are real."""
         self._check(lengths)
         self.clear()
         self.reserve(lengths)
         self.lengths.copy_(torch.tensor(lengths))
         self.host_lengths = list(lengths)
-        return Step.chunk(lengths, T, self.device)
+        return CacheMask.chunk(lengths, T, self.device)
 
-    def extend(self, T: int = 1) -> Step:
+    def extend(self, T: int = 1) -> CacheMask:
         """T new tokens on every row (a decode step when T is 1)."""
         new = [n + T for n in self.host_lengths]
         self._check(new)
@@ -184,7 +175,7 @@ class KVCache:
         q_pos = self.lengths[:, None] + torch.arange(T, device=self.device)
         uniform = len(set(self.host_lengths)) == 1 and not self.static
         span = self.capacity if self.static else max(new)
-        step = Step(
+        step = CacheMask(
             q_pos,
             self.lengths + T,
             span,
@@ -220,7 +211,7 @@ class ContiguousKVCache(KVCache):
         self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n_layer)]
         self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n_layer)]
 
-    def write(self, layer: int, k, v, step: Step):
+    def write(self, layer: int, k, v, step: CacheMask):
         T = k.size(2)
         if step.start is not None:  # every row writes the same slots (padding of a prefill included: masked)
             self.k[layer][:, :, step.start : step.start + T] = k
@@ -232,14 +223,14 @@ class ContiguousKVCache(KVCache):
             self.k[layer][rows, :, step.q_pos] = k.transpose(1, 2)  # indexed (B, T, H, D)
             self.v[layer][rows, :, step.q_pos] = v.transpose(1, 2)
 
-    def dense_kv(self, layer: int, step: Step):
+    def dense_kv(self, layer: int, step: CacheMask):
         """(B, H, span, D) keys and values: views of the cache."""
         return self.k[layer][:, :, : step.span], self.v[layer][:, :, : step.span]
 
-    def flex_kv(self, layer: int, step: Step):
+    def flex_kv(self, layer: int, step: CacheMask):
         return self.k[layer], self.v[layer]
 
-    def flex_block_mask(self, step: Step, heads: int):
+    def flex_block_mask(self, step: CacheMask, heads: int):
         """Every key block of the capacity, read up to each row's length; mask_mod is the bottom-right causal.
         Per head, not broadcast over heads: see kernels/flex.py's block_mask for why."""
         from torch.nn.attention.flex_attention import BlockMask
@@ -323,7 +314,7 @@ class PagedKVCache(KVCache):
     def in_use(self) -> int:
         return self.num_pages - len(self.free)
 
-    def slots(self, step: Step) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def slots(self, step: CacheMask) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the pool slot of each new token to write, which of the chunk's B*T tokens they are; None: all)."""
         if "slots" not in step.memo:
             pages = self.block_table.gather(1, step.q_pos // self.page_size).long()
@@ -335,13 +326,13 @@ class PagedKVCache(KVCache):
             step.memo["slots"] = (slots, which)
         return step.memo["slots"]
 
-    def write(self, layer: int, k, v, step: Step):
+    def write(self, layer: int, k, v, step: CacheMask):
         slots, which = self.slots(step)
         for pool, new in ((self.k[layer], k), (self.v[layer], v)):
             new = new.transpose(1, 2).reshape(-1, self.n_kv_head, self.head_dim)  # (B*T, H, D)
             pool.view(-1, self.n_kv_head, self.head_dim)[slots] = new if which is None else new[which]
 
-    def dense_kv(self, layer: int, step: Step):
+    def dense_kv(self, layer: int, step: CacheMask):
         """(B, H, span, D) keys and values: the pages of each row gathered, in order, into a copy."""
         pages = self.block_table[:, : -(-step.span // self.page_size)].long()  # (B, n)
         B = pages.size(0)
@@ -350,14 +341,14 @@ class PagedKVCache(KVCache):
             for pool in (self.k[layer], self.v[layer])
         )
 
-    def flex_kv(self, layer: int, step: Step):
+    def flex_kv(self, layer: int, step: CacheMask):
         """The pools as one (1, H, num_pages * page_size, D) sequence of physical slots: a view, no copy."""
         return tuple(
             pool.view(-1, self.n_kv_head, self.head_dim).permute(1, 0, 2)[None]
             for pool in (self.k[layer], self.v[layer])
         )
 
-    def flex_block_mask(self, step: Step, heads: int):
+    def flex_block_mask(self, step: CacheMask, heads: int):
         """Row b reads its own pages (block_table) up to its length; mask_mod maps a physical slot back to its
         position for the bottom-right causal (and refuses other rows' pages, which eager flex would read). Per
         head, not broadcast over heads: see kernels/flex.py's block_mask for why."""
@@ -403,7 +394,7 @@ class DecodeKernel(NamedTuple):
 _DECODE_SDPA_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def sdpa_decode(q, cache: KVCache, layer: int, step: Step):
+def sdpa_decode(q, cache: KVCache, layer: int, step: CacheMask):
     k, v = cache.dense_kv(layer, step)
     # A one-token step that sees every slot needs no mask (is_causal would align top-left: wrong for T < S)
     attn_mask = None if step.sees_all else step.bias(q.dtype)
@@ -412,7 +403,7 @@ def sdpa_decode(q, cache: KVCache, layer: int, step: Step):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **gqa)
 
 
-def manual_decode(q, cache: KVCache, layer: int, step: Step):
+def manual_decode(q, cache: KVCache, layer: int, step: CacheMask):
     """manual_attention's math over the dense view in 5 kernels a layer, not 8: the scale and the mask are one
     add onto the step's float32 additive mask."""
     k, v = repeat_kv(q, *cache.dense_kv(layer, step))
@@ -420,7 +411,7 @@ def manual_decode(q, cache: KVCache, layer: int, step: Step):
     return F.softmax(scores, dim=-1).to(v.dtype) @ v
 
 
-def flex_decode(q, cache: KVCache, layer: int, step: Step):
+def flex_decode(q, cache: KVCache, layer: int, step: CacheMask):
     from torch.nn.attention.flex_attention import flex_attention as flex
 
     if "flex" not in step.memo:
@@ -435,11 +426,11 @@ class FlashDecode:
     causal aligned bottom-right by the kernel itself. Called through a PyTorch custom op, so a compiled decode
     step keeps one graph (the package calls its extension directly, which dynamo cannot trace)."""
 
-    def __init__(self, kernel: FlashAttention):
+    def __init__(self, kernel: FlashAttn2):
         self.kernel, self.index = kernel, len(_FLASH_KERNELS)
         _FLASH_KERNELS.append(kernel)
 
-    def __call__(self, q, cache: KVCache, layer: int, step: Step):
+    def __call__(self, q, cache: KVCache, layer: int, step: CacheMask):
         if "seqlens" not in step.memo:
             step.memo["seqlens"] = step.kv_len.to(torch.int32)
         k_cache, v_cache, table = cache.flash_kv(layer)
@@ -447,7 +438,7 @@ class FlashDecode:
         return y.transpose(1, 2)
 
 
-_FLASH_KERNELS: list[FlashAttention] = []  # the kernels flash_with_kvcache calls, by FlashDecode.index
+_FLASH_KERNELS: list[FlashAttn2] = []  # the kernels flash_with_kvcache calls, by FlashDecode.index
 
 
 @torch.library.custom_op("gpt_kv_cache::flash_with_kvcache", mutates_args=())
@@ -460,11 +451,17 @@ def flash_with_kvcache(
     kernel: int,
 ) -> torch.Tensor:
     """(B, T, H, D) attention of q over the cache through a flash-attn package's flash_attn_with_kvcache; the
-    package is read at each call, as FlashAttention does."""
-    function = _FLASH_KERNELS[kernel].package().module.flash_attn_with_kvcache
+    package is read at each call, as FlashAttn2 does."""
+    function = flash_module(_FLASH_KERNELS[kernel]).flash_attn_with_kvcache
     extra = {} if table is None else {_table_keyword(function): table}
     y = function(q, k_cache, v_cache, cache_seqlens=cache_seqlens, causal=True, **extra)
     return (y[0] if isinstance(y, tuple) else y).contiguous()
+
+
+def flash_module(kernel: FlashAttn2):
+    if kernel.module is None:  # imported by the kernel's first check, which resolving a backend runs
+        kernel.load()
+    return kernel.module
 
 
 @flash_with_kvcache.register_fake
@@ -485,7 +482,7 @@ MANUAL_DECODE = DecodeKernel(manual_decode, 16, GATHERED.format("manual"))
 FLEX_DECODE = DecodeKernel(flex_decode, FLEX_BLOCK, IN_PLACE)  # a page is one key block of flex's tile
 
 
-def flash_decode(kernel: FlashAttention) -> DecodeKernel:
+def flash_decode(kernel: FlashAttn2) -> DecodeKernel:
     return DecodeKernel(FlashDecode(kernel), 256, IN_PLACE)  # flash-attn 2 takes pages of a multiple of 256
 
 
@@ -498,7 +495,7 @@ DECODE_KERNELS = {
     "manual": MANUAL_DECODE,
 }
 
-# auto's order for decoding from a KV cache, by how the decode step runs (Need.decode_step). Eager: the fewest
+# auto's order for decoding from a KV cache, by how the decode step runs (AttentionUse.decode_step). Eager: the fewest
 # launches per step first (flash-attn's flash_attn_with_kvcache reads the cache, pages included, in place), SDPA
 # before flex, whose eager calls cost more host time. A CUDA graph (sample.py's default; no launch cost): flash-attn,
 # then manual, whose one-query kernels beat SDPA's efficient kernel (made for many queries); flex last, as its
@@ -518,22 +515,22 @@ DECODE_ORDER = {
 DECODE_STEPS = ("eager", "graph", "compiled")
 
 
-def decode_order(need: Need) -> tuple[tuple[str, ...], str]:
-    """auto's order for decoding from need.kv_cache (a graphed or compiled step: on CUDA only)."""
-    generation = gpu_generation(need.device)[0]
-    step = need.decode_step if generation == "cuda" else "eager"  # elsewhere a static step runs eagerly
-    return DECODE_ORDER[(generation, need.kv_cache, step)], f"{'' if step == 'eager' else step + ' '}decode order"
+def decode_order(use: AttentionUse) -> tuple[tuple[str, ...], str]:
+    """auto's order for decoding from use.kv_cache (a graphed or compiled step: on CUDA only)."""
+    generation = gpu_generation(use.device)[0]
+    step = use.decode_step if generation == "cuda" else "eager"  # elsewhere a static step runs eagerly
+    return DECODE_ORDER[(generation, use.kv_cache, step)], f"{'' if step == 'eager' else step + ' '}decode order"
 
 
-def paged_problem(need: Need) -> str:
+def why_not_paged(use: AttentionUse) -> str:
     """paged_attention is a cache layout for generation, not a kernel of its own."""
-    if need.training:
+    if use.training:
         return "paged_attention is a paged KV cache for generation; it cannot train"
-    if need.kv_cache != "paged":
+    if use.kv_cache != "paged":
         return "paged_attention needs a paged KV cache (generation with a KV cache); this use reads none"
     return ""
 
 
 # A cache layout, not a kernel: generation under it runs auto's pick for a paged cache (generation/loop.py). It is
 # a name attention_backend takes, so that a model can be configured to sample from a paged cache.
-register(AttentionBackend("paged_attention", None, paged_problem, "sdpa", ("paged", "paged_attn")))
+register(AttentionBackend("paged_attention", None, why_not_paged, "sdpa", ("paged", "paged_attn")))

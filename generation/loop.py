@@ -26,11 +26,11 @@ from generation.kv_cache import (
     _DECODE_SDPA_KERNELS,
     DECODE_KERNELS,
     KV_CACHES,
+    CacheMask,
     ContiguousKVCache,
     DecodeKernel,
     KVCache,
     PagedKVCache,
-    Step,
     decode_order,
     log,
 )
@@ -39,7 +39,7 @@ from model import BACKENDS, GPT, Attention, attention_for, log_resolution, resol
 SLIDES = ("exact", "half")  # what generation reads once a sequence reaches block_size (stream's slide)
 
 
-def forward_cached(model: GPT, idx, step: Step, attends: Sequence[Callable]) -> torch.Tensor:
+def forward_cached(model: GPT, idx, step: CacheMask, attends: Sequence[Callable]) -> torch.Tensor:
     """Logits (B, vocab) at each row's newest token: idx (B, T) sits at positions step.q_pos, continuing each
     sequence in its cache, and layer i attends through attends[i]."""
     x, rope = model.embed(idx, step.q_pos)
@@ -49,30 +49,30 @@ def forward_cached(model: GPT, idx, step: Step, attends: Sequence[Callable]) -> 
     return model.lm_head(model.transformer.ln_f(x))
 
 
-def generation_attention(model: GPT, need) -> tuple[Attention, DecodeKernel | None]:
-    """The backend generation runs for `need` (auto: the decode order for a KV cache), its decode kernel, and
+def generation_attention(model: GPT, use) -> tuple[Attention, DecodeKernel | None]:
+    """The backend generation runs for `use` (auto: the decode order for a KV cache), its decode kernel, and
     the INFO line saying so. paged_attention runs auto's pick for a paged cache under it. Under auto, when the
     decode pick is flex or manual, prompts are read (prefill) with auto's pick for a forward."""
     config = model.config
-    order = decode_order(need) if need.kv_cache != "none" else None
-    attention = attention_for(config, need, model.logged_lines, order)
+    order = decode_order(use) if use.kv_cache != "none" else None
+    attention = attention_for(config, use, model.logged_lines, order)
     used, detail = attention.resolution.used, ""
     if used == "paged_attention":
-        used = resolve("auto", need, order).used
+        used = resolve("auto", use, order).used
         attention = attention._replace(kernel=BACKENDS[used].kernel)
         detail = f" over {used} (auto's pick for a paged cache)"
     decode = DECODE_KERNELS.get(used)
-    if decode is None and need.kv_cache != "none":  # a backend registered without a decode kernel of its own
+    if decode is None and use.kv_cache != "none":  # a backend registered without a decode kernel of its own
         decode = DECODE_KERNELS["sdpa"]
         detail += ", decoding from the cache with sdpa's kernel (it has none of its own)"
-    if need.kv_cache == "paged":
+    if use.kv_cache == "paged":
         detail += f", paged KV cache: {decode.pages}"
-    elif need.kv_cache == "contiguous":
+    elif use.kv_cache == "contiguous":
         detail += ", contiguous KV cache"
     if config.attention_backend in ("auto", "paged_attention") and used in ("flex_attention", "manual"):
         # A prompt (and a slide's window) is read as a forward of many queries reads it: flex would recompile for
         # each new length, and manual is O(T^2). flash-attn and SDPA read prompts well themselves.
-        forward = attention_for(config, dataclasses.replace(need, kv_cache="none", decode_step="eager"), set())
+        forward = attention_for(config, dataclasses.replace(use, kv_cache="none", decode_step="eager"), set())
         if forward.resolution.used != used:
             attention = attention._replace(kernel=forward.kernel)
             detail += f"; prompts read with {forward.resolution.used} (auto's pick for a forward)"
@@ -128,10 +128,10 @@ def stream(
     device, longest = prompts[0].device, max(p.numel() for p in prompts)
     seq_len = min(model.config.block_size, longest + max_new_tokens)
     decode_step = decode_step_for(device, kv_cache, compile, cuda_graph)
-    need = model.attention_need(
+    use = model.attention_use(
         device, model.compute_dtype(device), training=False, seq_len=seq_len, kv_cache=kv_cache, decode_step=decode_step
     )
-    attention, decode = generation_attention(model, need)
+    attention, decode = generation_attention(model, use)
     generation = Generation(
         model,
         prompts,
@@ -153,7 +153,7 @@ def stream(
 
 
 def decode_step_for(device: torch.device, kv_cache: str, compile: bool, cuda_graph: bool | None = None) -> str:
-    """How stream runs a decode step (Need.decode_step): compiled, graph (by default on CUDA with a KV cache,
+    """How stream runs a decode step (AttentionUse.decode_step): compiled, graph (by default on CUDA with a KV cache,
     unless compiled) or eager."""
     if compile:
         return "compiled"
@@ -306,12 +306,12 @@ class Generation:
         idx = self.tokens.gather(1, index)  # (B, T): padding repeats a row's last token, never read
         if self.cache is None:  # each step a new length, for which cuDNN's SDPA kernel would build a new plan
             with sdpa_kernel(_DECODE_SDPA_KERNELS):
-                return forward_cached(self.model, idx, Step.chunk(windows, T, idx.device), self.attends)
+                return forward_cached(self.model, idx, CacheMask.chunk(windows, T, idx.device), self.attends)
         return forward_cached(self.model, idx, self.cache.prefill(windows, T), self.attends)
 
     def decode_static(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token per row over the whole capacity: the same shapes every step (what torch.compile captures)."""
-        return forward_cached(self.model, tokens, Step.decoding(positions, self.cache.capacity), self.attends)
+        return forward_cached(self.model, tokens, CacheMask.decoding(positions, self.cache.capacity), self.attends)
 
 
 class GraphedStep:

@@ -1,5 +1,4 @@
-"""`python -m kernels`: what this machine can run, with every registered kernel (`python model.py` shows model.py's
-three alone)."""
+"""`python -m kernels`: what this machine can run, with every registered kernel (kernels/report.py)."""
 
 import sys
 
@@ -9,7 +8,7 @@ if __name__ == "__main__":  # before torch's seconds of importing: see as_comman
     as_command()
 
 import kernels  # noqa: F401  (registers flash-attn 3/4, flex_attention and auto's table)
-import model
+from kernels.report import main
 
 if __name__ == "__main__":
-    sys.exit(model.main(prog="python -m kernels"))
+    sys.exit(main())

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from model import BACKENDS, AttentionMask, Need, cuda_capability, dtype_name, register_auto_order
+from model import BACKENDS, AttentionMask, AttentionUse, cuda_capability, dtype_name, register_auto_order
 from storage.atomic import atomic_path
 
 log = logging.getLogger("model")
@@ -61,18 +61,25 @@ def read_auto_table(path: Path = AUTO_TABLE) -> dict:
         return {}
 
 
-def auto_order(need: Need, table: dict | None = None) -> tuple[tuple[str, ...], str]:
-    """(the order auto tries, how it was chosen). On a card in the table, its `first` backend goes first
-    from the measured length on; elsewhere the default order for the GPU generation."""
-    order = AUTO_ORDER[(*gpu_generation(need.device), need.documents)]
-    key = card_key(need.device)
+def auto_order(use: AttentionUse, measure: bool = False) -> tuple[tuple[str, ...], str]:
+    """(the order auto tries, how it was chosen), registered as model.py's auto order. `measure`
+    (setup_attention's, never forward's): on a GPU the table does not know, the candidates timed once."""
+    measured = measure_unknown_card(use) if measure else None
+    return measured or table_order(use)
+
+
+def table_order(use: AttentionUse, table: dict | None = None) -> tuple[tuple[str, ...], str]:
+    """On a card in the table, its `first` backend goes first from the measured length on; elsewhere the
+    default order for the GPU generation."""
+    order = AUTO_ORDER[(*gpu_generation(use.device), use.documents)]
+    key = card_key(use.device)
     entry = (read_auto_table() if table is None else table).get(key)
     if not entry:
         return order, "default order"
-    masking = "documents" if need.documents else "causal"
-    start = next((t for d, t in entry.get(masking, []) if need.head_dim <= d), None)
-    if start is None or need.seq_len < start:
-        return order, f"table for {key}: T={need.seq_len} < {start}"
+    masking = "documents" if use.documents else "causal"
+    start = next((t for d, t in entry.get(masking, []) if use.head_dim <= d), None)
+    if start is None or use.seq_len < start:
+        return order, f"table for {key}: T={use.seq_len} < {start}"
     first = entry["first"]
     return (first, *(name for name in order if name != first)), f"table for {key}: {first} from T={start}"
 
@@ -82,17 +89,17 @@ def auto_cache_path() -> Path:
     return Path(root) / "gpt-attention" / "auto.json"
 
 
-def measure_key(need: Need, n_head: int) -> str:
-    device = torch.cuda.get_device_name(need.device) if need.device.type == "cuda" else need.device.type
-    use = "documents" if need.documents else "causal"
+def measure_key(use: AttentionUse, n_head: int) -> str:
+    device = torch.cuda.get_device_name(use.device) if use.device.type == "cuda" else use.device.type
+    masking = "documents" if use.documents else "causal"
     return (
-        f"{device}|torch {torch.__version__}|{dtype_name(need.dtype)}|H{n_head} D{need.head_dim} "
-        f"T{need.seq_len}|{use}|{'train' if need.training else 'infer'}"
+        f"{device}|torch {torch.__version__}|{dtype_name(use.dtype)}|H{n_head} D{use.head_dim} "
+        f"T{use.seq_len}|{masking}|{'train' if use.training else 'infer'}"
     )
 
 
 def measured_order(
-    candidates: dict[str, Callable], need: Need, n_head: int, cache_path: Path | None = None, tokens: int = 16384
+    candidates: dict[str, Callable], use: AttentionUse, n_head: int, cache_path: Path | None = None, tokens: int = 16384
 ) -> tuple[tuple[str, ...], str]:
     """The candidates fastest first, timed once for this card, torch, dtype and shape and cached on disk.
 
@@ -100,12 +107,12 @@ def measured_order(
     training) on random inputs: a few milliseconds each, after its warm-up (flex compiles there).
     """
     cache_path = cache_path or auto_cache_path()
-    key = measure_key(need, n_head)
+    key = measure_key(use, n_head)
     cache = _read_cache(cache_path)
     cached = cache.get(key)
     if isinstance(cached, dict) and set(cached) == set(candidates):
         return tuple(sorted(cached, key=cached.get)), "measured on this card earlier: " + _timings(cached)
-    timings = {name: time_kernel(kernel, need, n_head, tokens) for name, kernel in candidates.items()}
+    timings = {name: time_kernel(kernel, use, n_head, tokens) for name, kernel in candidates.items()}
     _write_cache(cache_path, {**cache, key: timings})
     return tuple(sorted(timings, key=timings.get)), "measured on this card: " + _timings(timings)
 
@@ -131,31 +138,31 @@ def _write_cache(path: Path, cache: dict) -> None:
         log.debug(f"could not cache auto's timings in {path}: {error}")
 
 
-def time_kernel(kernel: Callable, need: Need, n_head: int, tokens: int = 16384, reps: int = 5) -> float:
+def time_kernel(kernel: Callable, use: AttentionUse, n_head: int, tokens: int = 16384, reps: int = 5) -> float:
     """Median milliseconds of one call (forward, + backward when training); inf if it fails (e.g. OOM)."""
-    T = max(1, need.seq_len)
-    shape = (max(1, tokens // T), n_head, T, need.head_dim)
-    q, k, v = (torch.randn(shape, device=need.device, dtype=need.dtype, requires_grad=need.training) for _ in "qkv")
-    doc_ids = torch.arange(T, device=need.device).div(max(1, T // 4), rounding_mode="floor").expand(shape[0], T)
-    mask = AttentionMask(T, need.device, doc_ids if need.documents else None)
-    cuda = need.device.type == "cuda"
+    T = max(1, use.seq_len)
+    shape = (max(1, tokens // T), n_head, T, use.head_dim)
+    q, k, v = (torch.randn(shape, device=use.device, dtype=use.dtype, requires_grad=use.training) for _ in "qkv")
+    doc_ids = torch.arange(T, device=use.device).div(max(1, T // 4), rounding_mode="floor").expand(shape[0], T)
+    mask = AttentionMask(T, use.device, doc_ids if use.documents else None)
+    cuda = use.device.type == "cuda"
 
     def run():
         y = kernel(q, k, v, mask, 0.0)
-        if need.training:
+        if use.training:
             y.sum().backward()
 
     try:
-        with torch.no_grad() if not need.training else contextlib.nullcontext():
+        with torch.no_grad() if not use.training else contextlib.nullcontext():
             run()  # warm-up (and compile, for flex)
             times = []
             for _ in range(reps):
                 if cuda:
-                    torch.cuda.synchronize(need.device)
+                    torch.cuda.synchronize(use.device)
                 started = time.perf_counter()
                 run()
                 if cuda:
-                    torch.cuda.synchronize(need.device)
+                    torch.cuda.synchronize(use.device)
                 times.append((time.perf_counter() - started) * 1e3)
     except (RuntimeError, torch.cuda.OutOfMemoryError) as error:
         log.debug(f"auto: timing failed ({str(error).splitlines()[0]})")
@@ -163,12 +170,12 @@ def time_kernel(kernel: Callable, need: Need, n_head: int, tokens: int = 16384, 
     return statistics.median(times)
 
 
-def measure_unknown_card(need: Need, n_head: int) -> tuple[tuple[str, ...], str] | None:
+def measure_unknown_card(use: AttentionUse) -> tuple[tuple[str, ...], str] | None:
     """On a GPU the table does not know, the candidates that run, timed (measured_order); None elsewhere."""
-    if need.device.type != "cuda" or card_key(need.device) in read_auto_table() or need.kv_cache != "none":
+    if use.device.type != "cuda" or card_key(use.device) in read_auto_table() or use.kv_cache != "none":
         return None
-    runs = {n: BACKENDS[n].kernel for n in auto_order(need)[0] if n != "manual" and not BACKENDS[n].problem(need)}
-    return measured_order(runs, need, n_head) if len(runs) > 1 else None
+    runs = {n: BACKENDS[n].kernel for n in table_order(use)[0] if n != "manual" and not BACKENDS[n].why_not(use)}
+    return measured_order(runs, use, use.heads) if len(runs) > 1 else None
 
 
-register_auto_order(auto_order, measure_unknown_card)
+register_auto_order(auto_order)

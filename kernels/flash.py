@@ -1,74 +1,119 @@
 """
-flash-attn 3 and 4 as backends of model.py's registry. The package family's adapter (FlashAttention) is
-model.py's, which runs flash-attn 2; FlashAttention-3 (built from flash-attention's hopper/ folder) and
-flash-attn-4 (CuTe DSL) add their own checks, and flash-attn-4's kernels are wrapped as PyTorch custom ops so a
-compiled training step keeps one graph.
+flash-attn 3 and 4 as backends of model.py's registry, built on model.py's flash-attn 2 kernel (FlashAttn2).
+FlashAttention finds a package under the first of several module names that imports; FlashAttention-3 (built
+from flash-attention's hopper/ folder) and flash-attn-4 (CuTe DSL) add their own checks, and flash-attn-4's
+kernels are wrapped as PyTorch custom ops so a compiled training step keeps one graph.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.metadata
 from types import SimpleNamespace
 
 import torch
 
-from model import AttentionBackend, FlashAttention, Package, cuda_capability, dist_version, import_package, register
+from model import AttentionBackend, FlashAttn2, cuda_capability, register
+
+
+def dist_version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def import_package(name: str, pretty: str, distribution: str) -> tuple[object, str, str]:
+    """Import module `name` of a flash-attn package: (module, version, '') or (None, '', why not)."""
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if name == error.name or name.startswith(f"{error.name}."):
+            return None, "", f"{pretty} is not installed"
+        return None, "", f"{pretty} failed to import: {error}"
+    except (ImportError, OSError) as error:  # typically a wheel built for another torch/CUDA
+        return None, "", f"{pretty} failed to import: {str(error).splitlines()[0]}"
+    if not hasattr(module, "flash_attn_func"):  # flash-attn-4 alone leaves a bare flash_attn namespace
+        return None, "", f"{pretty} is not installed (module {name} has no flash_attn_func)"
+    return module, dist_version(distribution) or getattr(module, "__version__", ""), ""
+
+
+class FlashAttention(FlashAttn2):
+    """A flash-attn package as a kernel: model.py's flash-attn 2 kernel over another package, found under the
+    first of `modules` ((import name, pretty name, distribution), tried in order) that imports."""
+
+    def __init__(self, label: str, modules: tuple[tuple[str, str, str], ...], min_capability, rule: str):
+        super().__init__()
+        self.label, self.modules, self.min_capability, self.rule = label, modules, min_capability, rule
+        self.has_dropout = False
+
+    def import_package(self):
+        found = [self.import_module(*module) for module in self.modules]
+        return next((package for package in found if package[0] is not None), found[0])
+
+    def import_module(self, name: str, pretty: str, distribution: str):
+        return import_package(name, pretty, distribution)
 
 
 class FlashAttention3(FlashAttention):
-    def capability_problem(self, capability, sm):
+    def why_not_capability(self, capability, sm):
         return "" if capability[0] == 9 else f"FlashAttention-3 needs a Hopper GPU (sm90; this GPU is {sm})"
 
 
 class FlashAttention4(FlashAttention):
     """flash-attn-4 (CuTe DSL), called through custom ops (flash_attn_4_ops) that torch.compile can keep."""
 
-    def load(self, name, pretty, distribution):
+    def import_module(self, name, pretty, distribution):
         if not dist_version(distribution):  # flash-attn 2.8 ships an early draft under flash_attn.cute
-            return Package(None, "", f"{pretty} is not installed")
-        package = import_package(name, pretty, distribution)
-        if package.module is None:
-            return package
-        interface = getattr(package.module, "interface", None)
+            return None, "", f"{pretty} is not installed"
+        module, version, why = import_package(name, pretty, distribution)
+        if module is None:
+            return module, version, why
+        interface = getattr(module, "interface", None)
         if not all(hasattr(interface, f) for f in ("_flash_attn_fwd", "_flash_attn_bwd")):
-            return Package(
+            return (
                 None,
-                package.version,
-                f"flash-attn-4 {package.version} has no interface._flash_attn_fwd/"
+                version,
+                f"flash-attn-4 {version} has no interface._flash_attn_fwd/"
                 "_flash_attn_bwd, which this repo calls (written against 4.0.0b36)",
             )
-        return package._replace(module=flash_attn_4_ops(interface))
+        return flash_attn_4_ops(interface), version, ""
 
-    def capability_problem(self, capability, sm):
+    def why_not_capability(self, capability, sm):
         if capability[0] not in (9, 10, 11):
             return f"flash-attn-4 trains on Hopper and Blackwell GPUs only (sm90, sm100, sm110; this GPU is {sm})"
         return ""
 
-    def problem(self, need):
-        problem = super().problem(need)
-        if problem or need.device.type != "cuda":
-            return problem
-        capability = cuda_capability(need.device)
-        if capability[0] != 9 and 128 < need.head_dim < 256:
-            return (
-                f"flash-attn-4 on sm{capability[0]}{capability[1]} needs a head dim <= 128 or 256 (got {need.head_dim})"
-            )
+    def why_not(self, use):
+        why = super().why_not(use)
+        if why or use.device.type != "cuda":
+            return why
+        capability = cuda_capability(use.device)
+        if capability[0] != 9 and 128 < use.head_dim < 256:
+            sm = "sm{}{}".format(*capability)
+            return f"flash-attn-4 on {sm} needs a head dim <= 128 or 256 (got {use.head_dim})"
         return ""
 
 
 # FA3 is built from the hopper/ folder of flash-attention; older builds name the module flash_attn_interface
-FLASH_ATTN_3 = FlashAttention3(
-    "flash_attn_3",
-    (
-        ("flash_attn_interface", "flash-attn 3 (flash_attn_interface)", "flash-attn-3"),
-        ("flash_attn_3", "flash-attn 3", "flash-attn-3"),
-    ),
-    (9, 0),
-    "sm90",
+FA3_MODULES = (
+    ("flash_attn_interface", "flash-attn 3 (flash_attn_interface)", "flash-attn-3"),
+    ("flash_attn_3", "flash-attn 3", "flash-attn-3"),
 )
-FLASH_ATTN_4 = FlashAttention4(
-    "flash_attn_4", (("flash_attn.cute", "flash-attn-4 (flash_attn.cute)", "flash-attn-4"),), (9, 0), "sm90+"
-)
+FA4_MODULES = (("flash_attn.cute", "flash-attn-4 (flash_attn.cute)", "flash-attn-4"),)
+
+
+def flash_attn_3_backend() -> AttentionBackend:
+    """flash_attn_3's record over a kernel of its own (a fresh one imports the package anew)."""
+    kernel = FlashAttention3("flash_attn_3", FA3_MODULES, (9, 0), "sm90")
+    return AttentionBackend("flash_attn_3", kernel, kernel.why_not, "flash_attn_2", ("flash_attention_3",))
+
+
+def flash_attn_4_backend() -> AttentionBackend:
+    """flash_attn_4's record over a kernel of its own (a fresh one imports the package anew)."""
+    kernel = FlashAttention4("flash_attn_4", FA4_MODULES, (9, 0), "sm90+")
+    return AttentionBackend("flash_attn_4", kernel, kernel.why_not, "flash_attn_3", ("flash_attention_4",))
 
 
 # Longer than a function should be, for a reason: the two custom ops, their fake (shape) versions and the
@@ -144,5 +189,5 @@ def flash_attn_4_ops(interface, namespace: str = "gpt_flash_attn_4"):
     return SimpleNamespace(flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func)
 
 
-register(AttentionBackend("flash_attn_4", FLASH_ATTN_4, FLASH_ATTN_4.problem, "flash_attn_3", ("flash_attention_4",)))
-register(AttentionBackend("flash_attn_3", FLASH_ATTN_3, FLASH_ATTN_3.problem, "flash_attn_2", ("flash_attention_3",)))
+FLASH_ATTN_4 = register(flash_attn_4_backend()).kernel
+FLASH_ATTN_3 = register(flash_attn_3_backend()).kernel

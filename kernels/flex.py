@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from model import HALF, AttentionBackend, AttentionMask, Need, dtype_name, register, torch_version
+from model import HALF, AttentionBackend, AttentionMask, AttentionUse, dtype_name, register
 
 
 def block_mask(mask: AttentionMask, heads: int):
@@ -66,20 +66,25 @@ def compiled_flex_attention():
     return torch.compile(flex, dynamic=False)
 
 
-def flex_problem(need: Need) -> str:
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def why_not_flex(use: AttentionUse) -> str:
     if torch_version() < (2, 5):
         return f"flex_attention needs torch >= 2.5 (this is {torch.__version__})"
-    if need.device.type not in ("cuda", "cpu"):
-        return f"flex_attention runs on CUDA and CPU only (device is {need.device.type})"
-    if need.device.type == "cpu" and need.training:
+    if use.device.type not in ("cuda", "cpu"):
+        return f"flex_attention runs on CUDA and CPU only (device is {use.device.type})"
+    if use.device.type == "cpu" and use.training:
         return "flex_attention has no backward pass on CPU; it can only run inference there"
-    if need.device.type == "cpu" and need.dtype not in (torch.float32, *HALF):
-        return f"flex_attention on CPU needs float32, float16 or bfloat16 (this run is {dtype_name(need.dtype)})"
-    if need.dropout:
+    if use.device.type == "cpu" and use.dtype not in (torch.float32, *HALF):
+        return f"flex_attention on CPU needs float32, float16 or bfloat16 (this run is {dtype_name(use.dtype)})"
+    if use.dropout:
         return "flex_attention has no attention dropout (set dropout=0)"
-    if need.head_dim < 16:
-        return f"flex_attention needs a head dim >= 16 (got {need.head_dim})"
+    if use.head_dim < 16:
+        return f"flex_attention needs a head dim >= 16 (got {use.head_dim})"
     return ""
 
 
-register(AttentionBackend("flex_attention", flex_attention, flex_problem, "sdpa", ("flex",)))
+register(AttentionBackend("flex_attention", flex_attention, why_not_flex, "sdpa", ("flex",)))

@@ -423,14 +423,16 @@ def stand_in_flash_module(calls: list, table_keyword: str = "block_table"):
 
 
 def stand_in_flash(monkeypatch, module):
-    """A flash kernel (model.FlashAttention) over `module`, registered as flash_attn_2 (with its KV cache decode
-    kernel, generation.kv_cache.DECODE_KERNELS) and allowed on CPU."""
+    """A fresh flash kernel (kernels.flash.FlashAttention, without dropout) that imports `module` as a package
+    named stand_in_flash, registered as flash_attn_2 (with its KV cache decode kernel,
+    generation.kv_cache.DECODE_KERNELS) and allowed on CPU."""
     import model
     from generation import kv_cache
+    from kernels.flash import FlashAttention
 
-    kernel = model.FlashAttention("stand-in flash", (), (0, 0), "")
-    kernel._package = model.Package(module, "0.0-fake", "")
-    record = model.AttentionBackend("flash_attn_2", kernel, lambda need: "", "sdpa")
+    monkeypatch.setitem(sys.modules, "stand_in_flash", module)
+    kernel = FlashAttention("stand-in flash", (("stand_in_flash", "stand-in flash", "stand-in-flash"),), (0, 0), "")
+    record = model.AttentionBackend("flash_attn_2", kernel, lambda use: "", "sdpa")
     monkeypatch.setitem(model.BACKENDS, "flash_attn_2", record)
     monkeypatch.setitem(kv_cache.DECODE_KERNELS, "flash_attn_2", kv_cache.flash_decode(kernel))
     return kernel

@@ -410,17 +410,8 @@ def check_checkpoint_shape(model_config: GPTConfig, saved: dict) -> None:
 
 
 def parameter_count(config: GPTConfig) -> int:
-    """GPT's parameter count from its config alone, so that sizes are checked before anything is allocated."""
-    width, bias, hidden = config.n_embd, int(config.bias), config.mlp_width
-
-    def norm(n: int) -> int:  # LayerNorm: weight and bias; RMSNorm: weight only
-        return n * (1 + bias) if config.norm == "layernorm" else n
-
-    qkv = (config.n_head + 2 * config.kv_heads) * config.head_dim
-    attention = (width + bias) * qkv + (width + bias) * width + (2 * norm(config.head_dim) if config.qk_norm else 0)
-    mlp = (2 if config.mlp == "swiglu" else 1) * (width + bias) * hidden + (hidden + bias) * width
-    positions = 0 if config.rope else config.block_size * width
-    return config.vocab_size * width + positions + config.n_layer * (attention + mlp + 2 * norm(width)) + norm(width)
+    """GPT's parameter count from its config alone (GPTConfig.parameter_count, which the weights loaders use too)."""
+    return config.parameter_count()
 
 
 def state_bytes_per_param(cfg, ranks: int) -> float:

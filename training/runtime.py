@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from errors import PeerFailed, Stopped, UsageError, silence
+from model import peak_flops
 from storage.checkpoint import format_bytes
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -379,28 +380,7 @@ class StopOnSignals:
 
 
 # ----------------------------------------------------------------------------------------------
-# Peak FLOP/s and MFU: dense bf16/fp16 tensor-core rates from the vendors' datasheets
-
-PEAK_FLOPS = (  # (name fragment, FLOP/s); the first fragment found in the GPU's name wins
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("GH200", 989.5e12),
-    ("H200", 989.5e12),
-    ("H100", 989.5e12),
-    ("H800", 989.5e12),
-    ("A100", 312e12),
-    ("A800", 312e12),
-    ("L40S", 362e12),
-    ("L40", 181e12),
-    ("L4", 121e12),
-    ("A10G", 70e12),
-    ("A10", 125e12),
-    ("RTX 4090", 165.2e12),
-    ("RTX 3090", 71e12),
-    ("TITAN RTX", 130e12),
-    ("T4", 65e12),
-    ("V100", 125e12),
-)
+# Peak FLOP/s and MFU: dense bf16/fp16 tensor-core rates from the vendors' datasheets (model.PEAK_FLOPS)
 
 
 def peak_flops_for(device: torch.device, dtype: torch.dtype, override: float | None) -> tuple[float, str]:
@@ -409,13 +389,12 @@ def peak_flops_for(device: torch.device, dtype: torch.dtype, override: float | N
         return override, ""
     if device.type != "cuda":
         return 0.0, f"no peak FLOP/s known for {device.type}; set --peak_flops to get MFU"
-    name = torch.cuda.get_device_name(device)
     if dtype == torch.float32:
         return 0.0, "the peak table is for bf16/fp16 tensor cores, this run is float32; set --peak_flops"
-    for fragment, flops in PEAK_FLOPS:
-        if fragment.lower() in name.lower():
-            return flops, ""
-    return 0.0, f"no peak FLOP/s known for {name!r}; set --peak_flops to get MFU"
+    flops = peak_flops(device)  # model.py's table (PEAK_FLOPS), which GPT.estimate_mfu reads too
+    if flops:
+        return flops, ""
+    return 0.0, f"no peak FLOP/s known for {torch.cuda.get_device_name(device)!r}; set --peak_flops to get MFU"
 
 
 def model_flops_utilization(

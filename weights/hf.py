@@ -5,9 +5,10 @@ checkpoints export as Hugging Face GPT-2 folders.
     python -m weights hf out/ckpt.pt hf-model/       # config.json + model.safetensors, for GPT2LMHeadModel
     model = from_pretrained("gpt2")                  # or a folder with config.json + model.safetensors
 
-Hugging Face's GPT-2 keeps GPT-2's parameter names, as ours do, but stores its four projections as Conv1D with
-weights (in, out) where nn.Linear has (out, in): they are transposed on the way in and out. Hub names
-(gpt2 ... gpt2-xl) resolve through the Hugging Face cache; with HF_HUB_OFFLINE=1 only what is cached loads.
+Reading a Hugging Face folder or a hub name is model.py's (GPT.from_pretrained); this adds the checks and
+one-line errors of this repo, LoRA checkpoints, and the export. Hugging Face's GPT-2 stores its four projections
+as Conv1D with weights (in, out) where nn.Linear has (out, in): they are transposed on the way in and out. Hub
+names (gpt2 ... gpt2-xl) resolve through the Hugging Face cache; with HF_HUB_OFFLINE=1 only what is cached loads.
 """
 
 from __future__ import annotations
@@ -23,29 +24,25 @@ import torch
 from data.common import make_out_dir
 from data.tokenizer import gpt2_meta
 from errors import CheckpointError, DataError
-from model import GPT, GPTConfig
+from model import CONV1D, GPT, HUB_NAMES, GPTConfig, check_fits_in_memory, hub_folder, read_hf_folder
 from storage.atomic import atomic_path
 from storage.checkpoint import (
     LATEST,
     check_model_weights,
     missing_checkpoint,
     newest_save,
-    read_torch_file,
     write_safetensors,
 )
-from weights.load import is_mask_buffer, load_checkpoint, refuse_adapters
+from weights.load import load_checkpoint, refuse_adapters
 from weights.lora import load_model_weights
 
-HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # in order of preference
-CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")  # stored (in, out)
 SOURCES = (
     "a .pt checkpoint, an out_dir with ckpt.pt, a Hugging Face GPT-2 folder (config.json + model.safetensors "
     f"or pytorch_model.bin), or a hub name ({', '.join(HUB_NAMES)})"
 )
 # GPTConfig fields HF GPT-2 writes in config.json (bias=False exports as zero biases), and fields that only say
 # how the model runs here. Any other field must keep its default, GPT-2's architecture, to be exported.
-EXPRESSIBLE = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "bias")
+EXPRESSIBLE = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dropout", "bias", "tie_embeddings")
 RUNTIME_ONLY = ("attention_backend", "sdpa_kernel", "auto_measure", "use_flash_attention", "disable_mps_fix")
 
 
@@ -77,117 +74,28 @@ def load_weights(source, also: tuple[str, ...] = ()) -> tuple[dict, Path]:
 
 
 def load_hf(name_or_dir) -> dict:
-    """A Hugging Face GPT-2 checkpoint (a folder, or a hub name from the local cache) as our checkpoint dict."""
-    folder = Path(name_or_dir) if Path(name_or_dir).is_dir() else hub_folder(str(name_or_dir))
-    config = hf_model_config(folder / "config.json")
-    weights = hf_weights(folder)
-    meta = weights.pop("meta", None) or gpt2_meta()  # HF's GPT-2 folders carry no tokenizer we read
-    return {"model": weights["model"], "model_config": config, "meta": meta, "source": "huggingface"}
-
-
-def hub_folder(name: str) -> Path:
-    """The cached snapshot of a hub model (downloaded first unless HF_HUB_OFFLINE=1); one line if it is not there."""
+    """A Hugging Face GPT-2 checkpoint (a folder, or a hub name from the local cache) as our checkpoint dict; the
+    reading is model.py's (GPT.from_pretrained's), its one-line errors CheckpointErrors."""
     try:
-        from huggingface_hub import constants, snapshot_download
-    except ImportError:
-        raise CheckpointError(f"loading {name} by name needs huggingface_hub: pip install huggingface_hub") from None
-    patterns = ["config.json", "model.safetensors"]
-    try:
-        return Path(snapshot_download(name, allow_patterns=patterns, local_files_only=True))
-    except (OSError, ValueError):  # not cached (LocalEntryNotFoundError is an OSError)
-        pass
-    try:
-        if constants.HF_HUB_OFFLINE:
-            raise OSError("offline")
-        return Path(snapshot_download(name, allow_patterns=patterns))
-    except (OSError, ValueError):  # no network, offline mode, a failed download: all HfHubHTTPError/OSError
-        raise CheckpointError(
-            f"{name} is not in the local Hugging Face cache and the hub cannot be reached; download it with "
-            f"`hf download {name} config.json model.safetensors` or pass a local directory"
-        ) from None
-
-
-def hf_model_config(path: Path) -> dict:
-    """config.json -> GPTConfig fields; a setting our GPT cannot reproduce exactly is one CheckpointError line."""
-    try:
-        hf = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{path} cannot be read as JSON ({error})") from None
-    if not isinstance(hf, dict):
-        raise CheckpointError(f"{path} must hold a JSON object")
-    if hf.get("model_type", "gpt2") != "gpt2":
-        raise CheckpointError(f"{path}: model_type {hf['model_type']!r} is not gpt2; only GPT-2 models load")
-    required = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12}  # HF's defaults
-    config = {key: hf.get(key, default) for key, default in required.items()}
-    # what GPT-2's math would need that ours does not do: (setting, HF's default, what is allowed)
-    exact = [
-        ("layer_norm_epsilon", 1e-5, "1e-05"),
-        ("activation_function", "gelu_new", "gelu_new (tanh GELU)"),
-        ("n_inner", None, f"null or 4*n_embd = {4 * config['n_embd']}"),
-        ("scale_attn_weights", True, "true"),
-        ("scale_attn_by_inverse_layer_idx", False, "false"),
-        ("add_cross_attention", False, "false"),
-    ]
-    for key, default, allowed in exact:
-        value = hf.get(key, default)
-        if value != default and not (key == "n_inner" and value == 4 * config["n_embd"]):
-            raise CheckpointError(f"{path}: {key}={value!r} is not supported; allowed: {allowed}")
-    model_config = {
-        "block_size": config["n_positions"],
-        "vocab_size": config["vocab_size"],  # as is, never padded: the logits must be HF's
-        "n_layer": config["n_layer"],
-        "n_head": config["n_head"],
-        "n_embd": config["n_embd"],
-        "dropout": 0.0,  # the run's own setting applies
-        "bias": True,
-    }
-    try:
-        return dataclasses.asdict(GPTConfig(**model_config))  # every field, as our checkpoints hold them
-    except (TypeError, ValueError) as error:
-        raise CheckpointError(f"{path}: {error}") from None
-
-
-def hf_weights(folder: Path) -> dict:
-    """{"model": our state dict, "meta": the tokenizer written by export_hf or None} from a folder's weights."""
-    path = next((folder / name for name in WEIGHT_FILES if (folder / name).is_file()), None)
-    if path is None:
-        raise CheckpointError(
-            f"{folder} is a Hugging Face GPT-2 folder with config.json but no weights ({' or '.join(WEIGHT_FILES)}); "
-            f"copy or download its weights file into it"
-        )
-    meta = None
-    if path.suffix == ".safetensors":
-        from safetensors import SafetensorError, safe_open
-
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                saved = {key: f.get_tensor(key) for key in f.keys()}
-                meta = json.loads((f.metadata() or {}).get("meta", "null"))
-        except (SafetensorError, OSError, json.JSONDecodeError) as error:
-            raise CheckpointError(f"{path} is not a readable safetensors file ({error})") from None
-    else:
-        saved = read_torch_file(path)
-        if not isinstance(saved, dict):
-            raise CheckpointError(f"{path} is not a state dict")
-    model = {}
-    for key, tensor in saved.items():
-        name = key.removeprefix("transformer.")  # older files (the hub's gpt2) have no prefix
-        if is_mask_buffer(name) or name == "lm_head.weight":  # lm_head is tied to wte
-            continue
-        model["transformer." + name] = tensor.t() if name.endswith(CONV1D) and tensor.dim() == 2 else tensor
-    if "transformer.wte.weight" in model:
-        model["lm_head.weight"] = model["transformer.wte.weight"]
-    return {"model": model, "meta": meta if isinstance(meta, dict) else None}
+        folder = Path(name_or_dir) if Path(name_or_dir).is_dir() else hub_folder(str(name_or_dir))
+        config, weights, meta = read_hf_folder(folder)
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
+    meta = meta or gpt2_meta()  # HF's GPT-2 folders carry no tokenizer we read
+    return {"model": weights, "model_config": config, "meta": meta, "source": "huggingface"}
 
 
 def model_from_checkpoint(state: dict, path, **overrides) -> GPT:
     """A GPT with the checkpoint's weights; `overrides` set GPTConfig fields that do not change the weights'
-    shapes (attention_backend, dropout, ...); a smaller block_size crops the position embeddings."""
+    shapes (attention_backend, dropout, ...); a smaller block_size crops the position embeddings. The size the
+    config asks for is checked before anything is allocated."""
     block_size = overrides.pop("block_size", None)
     try:
-        model = GPT(GPTConfig(**{**state["model_config"], **overrides}))
+        config = GPTConfig(**{**state["model_config"], **overrides})
+        check_fits_in_memory(config)
     except (TypeError, ValueError) as error:
         raise CheckpointError(f"{path}: {error}") from None
+    model = GPT(config)
     load_model_weights(model, state, path)  # a mismatch is one line, not a traceback; LoRA adapters merged in
     if block_size is not None and block_size != model.config.block_size:
         model.crop_block_size(block_size)
@@ -196,7 +104,8 @@ def model_from_checkpoint(state: dict, path, **overrides) -> GPT:
 
 def from_pretrained(source, **overrides) -> GPT:
     """GPT from a hub name (gpt2 ... gpt2-xl), a Hugging Face GPT-2 folder, or one of our or nanoGPT's
-    checkpoints; see model_from_checkpoint for `overrides`."""
+    checkpoints (LoRA adapters merged in), with this repo's checks and one-line CheckpointErrors;
+    GPT.from_pretrained is the same loader for model.py alone. See model_from_checkpoint for `overrides`."""
     state, path = load_weights(source)
     return model_from_checkpoint(state, path, **{"dropout": 0.0, **overrides})
 
@@ -220,6 +129,10 @@ def export_hf(model_or_checkpoint, out_dir) -> Path:
         config, weights, meta = state["model_config"], state["model"], state.get("meta")
     # every check before out_dir is created: a refused export leaves no folder behind
     check_expressible(config)
+    try:
+        check_fits_in_memory(GPTConfig(**config))  # before a model of that size is built, even on the meta device
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{source}: {error}") from None
     with torch.device("meta"):  # names and shapes only, no memory: ours, and GPT-2's (which has biases)
         ours, gpt2 = GPT(GPTConfig(**config)), GPT(GPTConfig(**{**config, "bias": True}))
     check_model_weights(ours.state_dict(), weights, source)
@@ -246,7 +159,7 @@ def write_hf_files(config: dict, weights: dict, meta: dict | None, gpt2: GPT, ou
     dtype = weights["lm_head.weight"].dtype
     hf = {}
     for name, tensor in gpt2.state_dict().items():
-        if name == "lm_head.weight":  # tied to wte; HF stores it once too
+        if name == "lm_head.weight" and config.get("tie_embeddings", True):  # tied to wte; HF stores it once too
             continue
         tensor = weights[name] if name in weights else torch.zeros(tensor.shape, dtype=dtype)  # bias=False: exact
         hf[name] = (tensor.t() if name.endswith(CONV1D) else tensor).contiguous()
@@ -289,7 +202,7 @@ def write_config_json(config: dict, meta: dict | None, path: Path) -> None:
         "attn_pdrop": config.get("dropout", 0.0),
         "initializer_range": 0.02,
         "scale_attn_weights": True,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": config.get("tie_embeddings", True),
         "bos_token_id": 50256 if gpt2_tokens else None,  # <|endoftext|>
         "eos_token_id": 50256 if gpt2_tokens else None,
     }

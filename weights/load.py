@@ -14,12 +14,10 @@ import torch
 from data.common import read_meta_pkl
 from data.tokenizer import gpt2_meta
 from errors import CheckpointError, DataError
-from model import GPTConfig
+from model import GPTConfig, is_mask_buffer
 from storage import checkpoint as storage
 from storage.checkpoint import is_checkpoint_name, write_safetensors
 from storage.memory import available_memory, format_bytes
-
-BUFFERS = ("attn.bias", "attn.masked_bias")  # the causal mask, saved by older GPT-2 code: not weights
 
 
 def load_checkpoint(path, map_location="cpu", *, resume: bool = False) -> dict:
@@ -74,19 +72,10 @@ def saved_model_config(state: dict, path, device: torch.device | None = None) ->
     return config
 
 
-def parameter_count(config: GPTConfig) -> int:
-    """A lower bound of GPT's parameters from its config alone: its matrices, without biases and norms."""
-    width, kv_width = config.n_embd, config.kv_heads * config.head_dim
-    attention = width * (width + 2 * kv_width) + width * width  # q, k, v; the output projection
-    mlp = (3 if config.mlp == "swiglu" else 2) * width * config.mlp_width
-    positions = 0 if config.rope else config.block_size * width
-    return config.vocab_size * width + positions + config.n_layer * (attention + mlp)
-
-
 def check_model_memory(config: GPTConfig, path, device: torch.device | None = None) -> None:
     """CheckpointError (one line) before a model is built whose float32 weights (as GPT builds them, on the host,
     then on `device`) cannot fit in the memory available: a checkpoint's config is untrusted input."""
-    params = parameter_count(config)
+    params = config.parameter_count()
     need = 4 * params
     if device is not None and device.type == "cuda":
         available, where = torch.cuda.mem_get_info(device)[0], f"{device} has"
@@ -112,10 +101,6 @@ def check_finite_weights(weights: dict[str, torch.Tensor], path, consequence: st
             f"{path} has non-finite weights (NaN or inf in {names}): {consequence}; "
             f"use an earlier checkpoint of the run (best.pt, ckpt-NNNNNNN.pt)"
         )
-
-
-def is_mask_buffer(name: str) -> bool:
-    return ".".join(name.split(".")[-2:]) in BUFFERS  # h.0.attn.bias is; h.0.attn.c_attn.bias is not
 
 
 def from_nanogpt(state: dict, path: Path) -> dict:
@@ -174,7 +159,10 @@ def export_safetensors(checkpoint_path, out_path) -> Path:
     state = load_checkpoint(checkpoint_path)
     refuse_adapters(state, checkpoint_path)
     check_finite_weights(state["model"], checkpoint_path, "an export of them is of no use to any tool")
-    # lm_head.weight is tied to transformer.wte.weight; safetensors stores shared tensors only once
-    weights = {k: v.contiguous() for k, v in state["model"].items() if k != "lm_head.weight"}
-    metadata = {"model_config": json.dumps(state["model_config"]), "tied": "lm_head.weight=transformer.wte.weight"}
+    # lm_head.weight is tied to transformer.wte.weight (unless tie_embeddings=False); safetensors stores shared
+    # tensors only once
+    tied = state["model_config"].get("tie_embeddings", True)
+    weights = {k: v.contiguous() for k, v in state["model"].items() if k != "lm_head.weight" or not tied}
+    metadata = {"model_config": json.dumps(state["model_config"])}
+    metadata |= {"tied": "lm_head.weight=transformer.wte.weight"} if tied else {}
     return write_safetensors(weights, out_path, metadata)

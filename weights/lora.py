@@ -184,6 +184,12 @@ def load_model_weights(model: GPT, checkpoint: dict, path, *, keep_adapters: boo
     adapters go on: kept as adapters with keep_adapters (resuming LoRA training), else merged in. CheckpointError
     (one line) for anything that does not fit."""
     entry = checkpoint.get("lora")
+    untied = checkpoint.get("model_config", {}).get("tie_embeddings", True) is False
+    if untied and model.config.tie_embeddings:  # both hold lm_head.weight: loading would silently tie them
+        raise CheckpointError(
+            f"{path}: its output layer is untied from wte (tie_embeddings=False), and this model ties them; "
+            f"build the model with tie_embeddings=False"
+        )
     if entry is None:
         check_model_weights(model.state_dict(), checkpoint["model"], path)
         model.load_state_dict(checkpoint["model"])

@@ -52,9 +52,9 @@ def eval_loss(backend: str, steps: int, heads: int = 4) -> float:
 @pytest.mark.parametrize("backend", DOCUMENT_BACKENDS)
 @pytest.mark.parametrize("heads", [4, 1])
 def test_packed_documents_train_and_evaluate_under_compile(backend, heads):
-    from model import Need
+    from model import AttentionUse
 
-    problem = BACKENDS[backend].problem(Need(CUDA, torch.bfloat16, head_dim=128 // heads, documents=True))
+    problem = BACKENDS[backend].why_not(AttentionUse(CUDA, torch.bfloat16, head_dim=128 // heads, documents=True))
     if problem:
         pytest.skip(problem)
     loss, reference = eval_loss(backend, 5, heads), eval_loss("manual", 5, heads)

@@ -29,7 +29,7 @@ import model
 from generation import kv_cache
 from generation.loop import generate, generation_attention
 from helpers import REPO, subprocess_env, tiny_config
-from model import GPT, AttentionMask, Need, Package, Resolution
+from model import GPT, AttentionMask, AttentionUse, Resolution
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # an object only: the resolver tests never touch a real GPU
@@ -124,31 +124,28 @@ def assert_docs_masked(out_docs, out_causal, doc_ids, same=1e-4):
             assert diff > 0.1, f"row {b} has {n_docs} documents yet equals causal ({diff:.3g}): mask not applied"
 
 
-class StandInFlash(model.FlashAttention):
-    """A flash kernel whose package is a stand-in module, loaded as a real one is (through `load`)."""
-
-    def __init__(self, module):
-        super().__init__("stand-in", (("stand_in_flash", "stand-in flash", "stand-in-flash"),), (0, 0), "")
-        self.module = module
-
-    def load(self, name, pretty, distribution):
-        return Package(self.module, "0.0-fake", "")
+def stand_in_flash(monkeypatch, module):
+    """A fresh flash kernel that imports `module` as a package named stand_in_flash, as a real one is imported."""
+    monkeypatch.setitem(sys.modules, "stand_in_flash", module)
+    return kernels.flash.FlashAttention(
+        "stand-in", (("stand_in_flash", "stand-in flash", "stand-in-flash"),), (0, 0), ""
+    )
 
 
-FLASH_KERNELS = (model.FLASH_ATTN_2, kernels.flash.FLASH_ATTN_3, kernels.flash.FLASH_ATTN_4)
+def installed(monkeypatch, **modules):
+    """Simulate the packages: a module object is installed under its name, None is missing."""
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name.replace("__", "."), module)
 
 
-def forget_flash_packages():
-    for kernel in FLASH_KERNELS:
-        kernel.forget()
-
-
-@pytest.fixture(autouse=True)
-def fresh_flash_packages():
-    """Tests simulate installs; no test sees a package another test imported or faked."""
-    forget_flash_packages()
-    yield
-    forget_flash_packages()
+def fresh_flash_backends(monkeypatch):
+    """Registry records of flash-attn 2, 3 and 4 over fresh kernels: they import (the simulated) packages anew."""
+    for record in (
+        model.flash_attn_2_backend(),
+        kernels.flash.flash_attn_3_backend(),
+        kernels.flash.flash_attn_4_backend(),
+    ):
+        monkeypatch.setitem(model.BACKENDS, record.name, record)
 
 
 # ---- masks ------------------------------------------------------------------------------------
@@ -216,7 +213,7 @@ CPU_BACKENDS = {"sdpa-auto": sdpa_with("auto"), "sdpa-math": sdpa_with("math"), 
 
 
 @functools.cache
-def cpu_sdpa_kernel_problem(kernel: str, dtype: torch.dtype, with_mask: bool) -> str:
+def cpu_why_not_sdpa_kernel(kernel: str, dtype: torch.dtype, with_mask: bool) -> str:
     """'' when PyTorch's CPU build runs this SDPA kernel for this dtype and mask form, else why not."""
     x = torch.randn(1, 1, 8, 8, dtype=dtype)
     mask = AttentionMask(8, CPU, torch.tensor([[0] * 4 + [1] * 4]) if with_mask else None)
@@ -235,7 +232,7 @@ def cpu_sdpa_kernel_problem(kernel: str, dtype: torch.dtype, with_mask: bool) ->
 @pytest.mark.parametrize("backend", sorted(CPU_BACKENDS))
 def test_cpu_backend_matches_manual(backend, dtype, docs, shape):
     kernel = backend.split("-")[1]
-    problem = cpu_sdpa_kernel_problem(kernel, dtype, docs)
+    problem = cpu_why_not_sdpa_kernel(kernel, dtype, docs)
     if problem:
         pytest.skip(problem)
     q, k, v, dy = random_qkv(shape, dtype, generator_for(backend, shape, docs, dtype))
@@ -267,7 +264,7 @@ def no_eager_flex():
 )
 def test_flex_attention_cpu_forward_matches_manual(docs, shape):
     """flex_attention on CPU: compiled, forward only, float32. One shape each (a compile is ~10 s)."""
-    problem = kernels.flex.flex_problem(Need(CPU, torch.float32, shape[-1], docs, training=False))
+    problem = kernels.flex.why_not_flex(AttentionUse(CPU, torch.float32, shape[-1], docs, training=False))
     if problem:
         pytest.skip(problem)
     q, k, v, _ = random_qkv(shape, torch.float32, generator_for("flex", shape, docs))
@@ -320,7 +317,9 @@ def fake_flash_module(returns_tuple: bool, calls: list):
 def test_flash_call_path_with_stand_in_kernels(monkeypatch, name, docs):
     calls = []
     fake = fake_flash_module(returns_tuple=name == "flash_attn_3", calls=calls)
-    monkeypatch.setattr(model, "import_package", lambda *module: Package(fake, "0.0-fake", ""))
+    module_name = "flash_attn" if name == "flash_attn_2" else "flash_attn_interface"
+    installed(monkeypatch, **{module_name: fake})
+    fresh_flash_backends(monkeypatch)
     q, k, v, _ = random_qkv((3, 2, 30, 16), torch.float64, generator_for("fakeflash", name, docs))
     doc_ids = doc_ids_for(3, 30) if docs else None
     out = model.BACKENDS[name].kernel(q, k, v, AttentionMask(30, CPU, doc_ids), 0.0)
@@ -376,12 +375,12 @@ def fake_flash_attn_4_interface(calls: list):
 
 
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "docs"])
-def test_flash_attn_4_custom_ops_give_manual_gradients_and_compile_in_one_graph(docs):
+def test_flash_attn_4_custom_ops_give_manual_gradients_and_compile_in_one_graph(monkeypatch, docs):
     """The custom-op wrapper of flash-attn-4: the autograd formula matches manual attention in float64, and
     torch.compile traces it whole (fullgraph, fake tensors of the right shapes through aot_eager)."""
     calls = []
     ops = kernels.flash.flash_attn_4_ops(fake_flash_attn_4_interface(calls), f"test_fa4_{'docs' if docs else 'causal'}")
-    attend = StandInFlash(ops)
+    attend = stand_in_flash(monkeypatch, ops)
     q, k, v, dy = random_qkv((2, 3, 24, 16), torch.float64, generator_for("fa4ops", docs))
     mask = AttentionMask(24, CPU, doc_ids_for(2, 24) if docs else None)
     ref_out, ref_grads = forward_backward(model.manual_attention, q, k, v, dy, mask)
@@ -409,26 +408,27 @@ def test_flash_attn_4_custom_ops_give_manual_gradients_and_compile_in_one_graph(
 
 def test_flash_attn_4_without_the_private_functions_is_unavailable(monkeypatch):
     module = SimpleNamespace(interface=None, flash_attn_func=None)
-    monkeypatch.setattr(kernels.flash, "import_package", lambda *names: Package(module, "4.9", ""))
+    installed(monkeypatch, flash_attn__cute=module)
     monkeypatch.setattr(kernels.flash, "dist_version", lambda distribution: "4.9")
-    package = kernels.flash.FLASH_ATTN_4.package()
-    assert package.module is None and "has no interface._flash_attn_fwd" in package.problem
+    kernel = kernels.flash.flash_attn_4_backend().kernel
+    assert "has no interface._flash_attn_fwd" in kernel.why_not(AttentionUse(CUDA, torch.bfloat16))
+    assert kernel.module is None
 
 
 def test_flash_kernel_imports_its_package_once(monkeypatch):
-    """The package is imported by the first problem check; calls read it from an attribute, so a compiled
+    """The package is imported by the first why_not check; calls read it from an attribute, so a compiled
     forward never traces an import lookup."""
     calls, lookups = [], []
     fake = fake_flash_module(returns_tuple=False, calls=calls)
-
-    def load(name, pretty, distribution):
-        lookups.append(name)
-        return Package(fake, "0.0-fake", "")
-
-    monkeypatch.setattr(model, "import_package", load)
-    kernel = model.BACKENDS["flash_attn_2"].kernel
-    assert kernel.problem(Need(CPU, torch.bfloat16)) == "flash-attn runs on CUDA GPUs only (device is cpu)"
-    kernel.problem(Need(CPU, torch.bfloat16))
+    real_import = importlib.import_module
+    monkeypatch.setattr(
+        importlib,
+        "import_module",
+        lambda name: lookups.append(name) or fake if name == "flash_attn" else real_import(name),
+    )
+    kernel = model.flash_attn_2_backend().kernel
+    assert kernel.why_not(AttentionUse(CPU, torch.bfloat16)) == "flash-attn runs on CUDA GPUs only (device is cpu)"
+    kernel.why_not(AttentionUse(CPU, torch.bfloat16))
     q, k, v, _ = random_qkv((2, 2, 8, 16), torch.float64, generator_for("bound"))
     kernel(q, k, v, AttentionMask(8, CPU), 0.0)
     assert lookups == ["flash_attn"] and len(calls) == 1
@@ -436,25 +436,23 @@ def test_flash_kernel_imports_its_package_once(monkeypatch):
 
 def test_flash_attn_4_alone_is_not_taken_for_flash_attn_2(monkeypatch):
     """flash-attn-4 installs flash_attn.cute; without flash-attn 2, `flash_attn` is a bare namespace."""
-    monkeypatch.setattr(importlib, "import_module", lambda name: SimpleNamespace(__name__="flash_attn"))
-    package = model.FLASH_ATTN_2.package()
-    assert package.module is None and "flash-attn is not installed" in package.problem
+    installed(monkeypatch, flash_attn=SimpleNamespace(__name__="flash_attn"))
+    kernel = model.flash_attn_2_backend().kernel
+    assert "flash-attn is not installed" in kernel.why_not(AttentionUse(CUDA, torch.bfloat16))
+    assert kernel.module is None
 
 
 def test_flash_attn_2_draft_of_flash_attn_cute_is_not_flash_attn_4(monkeypatch):
     """flash-attn 2.8 ships an early flash_attn.cute; only the flash-attn-4 distribution counts as FA4."""
     interface = SimpleNamespace(_flash_attn_fwd=None, _flash_attn_bwd=None)
-    monkeypatch.setattr(
-        importlib, "import_module", lambda name: SimpleNamespace(flash_attn_func=None, interface=interface)
-    )
+    installed(monkeypatch, flash_attn__cute=SimpleNamespace(flash_attn_func=None, interface=interface))
     monkeypatch.setattr(kernels.flash, "flash_attn_4_ops", lambda interface: "ops")  # no op registered for a fake
-    for module in (model, kernels.flash):  # the distribution's version: asked by both, the gate and the package
-        monkeypatch.setattr(module, "dist_version", lambda distribution: "")
-    assert kernels.flash.FLASH_ATTN_4.package().problem == "flash-attn-4 (flash_attn.cute) is not installed"
-    kernels.flash.FLASH_ATTN_4.forget()
-    for module in (model, kernels.flash):
-        monkeypatch.setattr(module, "dist_version", lambda distribution: "4.0.0b36")
-    assert kernels.flash.FLASH_ATTN_4.package() == Package("ops", "4.0.0b36", "")
+    monkeypatch.setattr(kernels.flash, "dist_version", lambda distribution: "")
+    use = AttentionUse(CUDA, torch.bfloat16)
+    assert kernels.flash.flash_attn_4_backend().kernel.why_not(use) == "flash-attn-4 (flash_attn.cute) is not installed"
+    monkeypatch.setattr(kernels.flash, "dist_version", lambda distribution: "4.0.0b36")
+    kernel = kernels.flash.flash_attn_4_backend().kernel
+    assert kernel.load() == "" and (kernel.module, kernel.version) == ("ops", "4.0.0b36")
 
 
 # ---- resolution: the fallback chain, with availability simulated ----------------------------------
@@ -470,20 +468,15 @@ def fake_env(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", guard)
 
     def configure(installed=(), capability=(9, 0), torch_version=(2, 11)):
-        def load(name, pretty, distribution):
-            if name in installed:
-                module = SimpleNamespace(
-                    __name__=name,
-                    flash_attn_func=None,
-                    flash_attn_varlen_func=None,
-                    interface=SimpleNamespace(_flash_attn_fwd=None, _flash_attn_bwd=None),
-                )
-                return Package(module, "9.9", "")
-            return Package(None, "", f"{pretty} is not installed")
-
-        forget_flash_packages()
-        for module in (model, kernels.flash):  # flash-attn 2 and 3 load through model's, 4 through its own
-            monkeypatch.setattr(module, "import_package", load)
+        for name in ("flash_attn", "flash_attn_interface", "flash_attn_3", "flash_attn.cute"):
+            module = SimpleNamespace(
+                __name__=name,
+                flash_attn_func=None,
+                flash_attn_varlen_func=None,
+                interface=SimpleNamespace(_flash_attn_fwd=None, _flash_attn_bwd=None),
+            )
+            monkeypatch.setitem(sys.modules, name, module if name in installed else None)  # None: not installed
+        fresh_flash_backends(monkeypatch)  # kernels that import the simulated packages
         monkeypatch.setattr(kernels.flash, "dist_version", lambda d: "9.9" if "flash_attn.cute" in installed else "")
         monkeypatch.setattr(kernels.flash, "flash_attn_4_ops", lambda interface: interface)  # no op registered
         # every module asks torch for the capability of the (never touched) GPU
@@ -494,7 +487,7 @@ def fake_env(monkeypatch):
 
 
 def resolve(name, device, dtype=torch.bfloat16, doc_mask=False, backward=False, dropout=False, head_dim=64, seq_len=0):
-    return model.resolve(name, Need(device, dtype, head_dim, doc_mask, dropout, backward, seq_len))
+    return model.resolve(name, AttentionUse(device, dtype, head_dim, doc_mask, dropout, backward, seq_len))
 
 
 def test_flash_attn_missing_on_cuda_falls_back_to_sdpa(fake_env):
@@ -648,7 +641,7 @@ def test_model_resolves_auto_for_the_length_it_is_set_up_for(fake_env):
     start = dict(kernels.auto.read_auto_table()["sm90"]["causal"])[64]  # head dim 128 / 2 = 64
     assert gpt.setup_attention(CUDA, torch.bfloat16, seq_len=start - 1).used == "sdpa"
     assert gpt.setup_attention(CUDA, torch.bfloat16, seq_len=start).used == "flash_attn_4"
-    assert gpt.attention.kernel is kernels.flash.FLASH_ATTN_4
+    assert gpt.attention.kernel is model.BACKENDS["flash_attn_4"].kernel
 
 
 def test_auto_on_sm90_without_flash_attn_picks_sdpa(fake_env):
@@ -681,7 +674,7 @@ def test_every_fallback_chain_ends_in_manual_and_every_auto_order_names_backends
             chain.append(model.BACKENDS[chain[-1]].fallback)
             assert len(chain) <= len(model.BACKENDS), f"{name}: the fallback chain loops: {chain}"
         assert chain[-1] == "manual"
-    default = [model.default_auto_order(Need(CPU, torch.float32, documents=docs))[0] for docs in (False, True)]
+    default = [model.default_auto_order(AttentionUse(CPU, torch.float32, documents=docs))[0] for docs in (False, True)]
     for order in [*kernels.auto.AUTO_ORDER.values(), *default]:
         assert order[-1] == "manual" and set(order) <= set(model.BACKENDS)
     # generation decodes with every backend that has a kernel (paged_attention names a cache layout)
@@ -690,11 +683,11 @@ def test_every_fallback_chain_ends_in_manual_and_every_auto_order_names_backends
         assert "manual" in order and set(order) <= set(kv_cache.DECODE_KERNELS)
 
 
-def test_sdpa_kernel_problems():
-    assert model.sdpa_kernel_problem("math", Need(CPU, torch.float32)) == ""
-    assert model.sdpa_kernel_problem("flash", Need(CPU, torch.float32)) == ""
-    assert "CUDA only" in model.sdpa_kernel_problem("cudnn", Need(CPU, torch.bfloat16))
-    assert "document mask" in model.sdpa_kernel_problem("flash", Need(CPU, torch.float32, documents=True))
+def test_why_not_sdpa_kernels():
+    assert model.why_not_sdpa_kernel("math", AttentionUse(CPU, torch.float32)) == ""
+    assert model.why_not_sdpa_kernel("flash", AttentionUse(CPU, torch.float32)) == ""
+    assert "CUDA only" in model.why_not_sdpa_kernel("cudnn", AttentionUse(CPU, torch.bfloat16))
+    assert "document mask" in model.why_not_sdpa_kernel("flash", AttentionUse(CPU, torch.float32, documents=True))
 
 
 # ---- the model logs its choice once, and resolves for the device/dtype it runs with ---------------
@@ -718,7 +711,8 @@ def train_and_eval(gpt, steps=3, T=16):
 
 
 def test_fallback_is_logged_once_per_model(monkeypatch, caplog):
-    monkeypatch.setattr(model, "import_package", lambda *names: Package(None, "", "flash-attn is not installed"))
+    installed(monkeypatch, flash_attn=None)
+    fresh_flash_backends(monkeypatch)
     caplog.set_level(logging.DEBUG, logger="model")
     torch.manual_seed(0)
     train_and_eval(GPT(tiny_config(n_layer=3, attention_backend="flash_attn_2")))
@@ -759,7 +753,7 @@ def test_a_model_not_set_up_resolves_at_its_first_forward_for_the_autocast_dtype
         _, loss = gpt(idx, idx)
     assert torch.isfinite(loss)
     assert "cpu/bfloat16" in gpt.attention.resolution.reason
-    assert gpt.attention.need.dtype == torch.bfloat16 and not gpt.attention.need.documents
+    assert gpt.attention.use.dtype == torch.bfloat16 and not gpt.attention.use.documents
     gpt(idx, idx)  # set up already: forward only reads the attribute
     assert "cpu/bfloat16" in gpt.attention.resolution.reason
     assert "cpu/float32" in gpt.setup_attention(CPU, torch.float32).reason
@@ -771,6 +765,27 @@ def test_training_and_inference_resolve_apart_for_flex_on_cpu():
     gpt = GPT(tiny_config(attention_backend="flex_attention"))
     assert gpt.setup_attention(CPU, torch.float32, training=True).used == "sdpa"
     assert gpt.setup_attention(CPU, torch.float32, training=False).used == "flex_attention"
+
+
+def test_the_first_forward_resolves_for_the_mode_the_model_is_in(caplog):
+    """A model in eval mode under no_grad runs inference: flex_attention on CPU, without a fallback; a later
+    forward that trains resolves again (flex has no backward on CPU), and an eval forward then keeps that."""
+    caplog.set_level(logging.INFO, logger="model")
+    gpt = GPT(tiny_config(attention_backend="flex_attention", n_embd=32, n_head=2)).eval()
+    idx = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        gpt(idx)
+    assert gpt.attention.resolution == Resolution("flex_attention", "") and not gpt.attention.use.training
+    assert "WARNING" not in [r.levelname for r in caplog.records]
+    gpt.train()
+    _, loss = gpt(idx, idx)
+    loss.backward()
+    assert gpt.attention.resolution.used == "sdpa" and gpt.attention.use.training
+    assert "no backward pass on CPU" in caplog.text
+    held = gpt.attention
+    with torch.no_grad():
+        gpt.eval()(idx)
+    assert gpt.attention is held  # resolved for training: it serves inference as it is
 
 
 def test_generation_resolves_for_inference_once_and_keeps_the_training_choice(monkeypatch):
@@ -820,7 +835,7 @@ def test_model_alone_registers_its_own_three_kernels_and_kernels_adds_the_rest()
     registry."""
     script = (
         "import json, sys, torch, model\n"
-        "need = model.Need('cpu', torch.float32)\n"
+        "need = model.AttentionUse('cpu', torch.float32)\n"
         "alone = (sorted(model.BACKENDS), model.resolve('auto', need).reason, 'kernels' in sys.modules)\n"
         "import kernels\n"
         "print(json.dumps([alone, sorted(model.BACKENDS), model.resolve('auto', need).reason]))\n"
@@ -845,11 +860,11 @@ def test_decode_order_depends_on_how_the_step_runs(fake_env):
     compiled). Off CUDA a graphed or compiled step runs eagerly, so its order is the eager one."""
     fake_env(installed=(), capability=(9, 0))  # no flash-attn
     gpt = GPT(tiny_config(n_embd=128, n_head=2))  # head dim 64
-    need = gpt.attention_need(CUDA, torch.bfloat16, training=False, seq_len=384, kv_cache="contiguous")
+    need = gpt.attention_use(CUDA, torch.bfloat16, training=False, seq_len=384, kv_cache="contiguous")
     assert kv_cache.decode_order(need) == (kv_cache.DECODE_ORDER[("cuda", "contiguous", "eager")], "decode order")
     attention, decode = generation_attention(gpt, need)
     assert attention.resolution.used == "sdpa" and decode == kv_cache.DECODE_KERNELS["sdpa"]
-    assert "decode order" in attention.resolution.reason and attention.need == need
+    assert "decode order" in attention.resolution.reason and attention.use == need
     for step, first in (("graph", "manual"), ("compiled", "flex_attention")):
         static = dataclasses.replace(need, decode_step=step)
         assert kv_cache.decode_order(static)[1] == f"{step} decode order"
@@ -866,12 +881,11 @@ def test_decode_order_depends_on_how_the_step_runs(fake_env):
 def test_auto_table_file_is_data_the_resolver_reads(fake_env, tmp_path):
     fake_env(installed=("flash_attn.cute",), capability=(9, 0))
     table = {"sm90": {"first": "flash_attn_4", "causal": [[64, 100], [256, 200]]}}
-    long_need = Need(CUDA, torch.bfloat16, 64, seq_len=100)
-    assert kernels.auto.auto_order(long_need, table)[0][0] == "flash_attn_4"
-    assert kernels.auto.auto_order(Need(CUDA, torch.bfloat16, 128, seq_len=100), table)[0][0] == "sdpa"
-    assert kernels.auto.auto_order(Need(CUDA, torch.bfloat16, 64, documents=True, seq_len=10**6), table)[0][0] != (
-        "flash_attn_4"
-    )  # no documents entry: the default order
+    long_need = AttentionUse(CUDA, torch.bfloat16, 64, seq_len=100)
+    assert kernels.auto.table_order(long_need, table)[0][0] == "flash_attn_4"
+    assert kernels.auto.table_order(AttentionUse(CUDA, torch.bfloat16, 128, seq_len=100), table)[0][0] == "sdpa"
+    documents = AttentionUse(CUDA, torch.bfloat16, 64, documents=True, seq_len=10**6)
+    assert kernels.auto.table_order(documents, table)[0][0] != "flash_attn_4"  # no documents entry: the default order
     path = tmp_path / "auto.json"
     path.write_text(json.dumps({"cards": table}))
     assert kernels.auto.read_auto_table(path) == table
@@ -881,7 +895,7 @@ def test_auto_table_file_is_data_the_resolver_reads(fake_env, tmp_path):
 
 def test_auto_times_the_candidates_once_and_caches_the_choice(monkeypatch, tmp_path):
     cache = tmp_path / "auto.json"
-    need = Need(CPU, torch.float32, 16, seq_len=32)
+    need = AttentionUse(CPU, torch.float32, 16, seq_len=32)
     slow = functools.partial(model.manual_attention)
     order, how = kernels.auto.measured_order({"sdpa": model.sdpa_attention, "slow": slow}, need, 2, cache, 64)
     assert set(order) == {"sdpa", "slow"} and how.startswith("measured on this card: ")
@@ -938,11 +952,11 @@ def gpu_attention(backend, dtype, docs, head_dim):
     device = torch.device("cuda", torch.cuda.current_device())
     if backend.startswith("sdpa-"):
         kernel = backend.split("-")[1]
-        problem = model.sdpa_kernel_problem(kernel, Need(device, dtype, head_dim, docs))
+        problem = model.why_not_sdpa_kernel(kernel, AttentionUse(device, dtype, head_dim, docs))
         if problem:
             pytest.skip(problem)
         return sdpa_with(kernel)
-    problem = model.BACKENDS[backend].problem(Need(device, dtype, head_dim, docs))
+    problem = model.BACKENDS[backend].why_not(AttentionUse(device, dtype, head_dim, docs))
     if problem:
         pytest.skip(problem)
     return model.BACKENDS[backend].kernel

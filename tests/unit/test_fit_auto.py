@@ -10,7 +10,7 @@ import torch
 
 import kernels
 from bench import fit_auto
-from model import Need
+from model import AttentionUse
 
 CUDA = torch.device("cuda")  # an object only: auto_order is asked about a card that is never touched
 
@@ -27,8 +27,8 @@ def on_card(monkeypatch, card: str):
 
 def first(cards: dict, seq_len: int, head_dim: int = 64, documents: bool = False) -> str:
     """What auto tries first on the card on_card set, by the table `cards`."""
-    need = Need(CUDA, torch.bfloat16, head_dim, documents, seq_len=seq_len)
-    return kernels.auto.auto_order(need, cards)[0][0]
+    need = AttentionUse(CUDA, torch.bfloat16, head_dim, documents, seq_len=seq_len)
+    return kernels.auto.table_order(need, cards)[0][0]
 
 
 def test_fit_takes_flash_attn_4_from_where_it_wins_at_every_longer_length():

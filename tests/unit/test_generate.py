@@ -10,6 +10,7 @@ import gc
 import json
 import logging
 import re
+import sys
 import warnings
 
 import pytest
@@ -18,11 +19,11 @@ import torch
 import model
 from errors import NonFiniteLogits
 from generation import generate, kv_cache, loop
-from generation.kv_cache import ContiguousKVCache, PagedKVCache, Step
+from generation.kv_cache import CacheMask, ContiguousKVCache, PagedKVCache
 from generation.loop import forward_cached, generation_attention
 from helpers import REPO, stand_in_flash, stand_in_flash_module, tiny_config, tree_digest
 from kernels import flash, flex
-from model import GPT, Need, Package
+from model import GPT, AttentionUse
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is faster, and the CPU is shared
 
@@ -100,7 +101,7 @@ def test_cached_logits_match_the_full_forward(backend, cache, static):
     idx = tokens(3, 14)
     with torch.no_grad():
         full, _ = gpt(idx, idx)  # (B, T, V)
-    need = gpt.attention_need("cpu", torch.float32, training=False, kv_cache=cache)
+    need = gpt.attention_use("cpu", torch.float32, training=False, kv_cache=cache)
     attention, decode = generation_attention(gpt, need)
     assert attention.resolution.used == backend and decode is kv_cache.DECODE_KERNELS[backend]
     shape = (2, 3, 16, 2, 16, torch.float32, "cpu")
@@ -114,7 +115,7 @@ def test_cached_logits_match_the_full_forward(backend, cache, static):
         checks.append((forward_cached(gpt, idx[:, 6:9], store.extend(3), attends), 8))
         for t in range(9, 14):
             if static:
-                step = Step.decoding(store.lengths.clone(), store.capacity)
+                step = CacheMask.decoding(store.lengths.clone(), store.capacity)
                 store.reserve([t + 1] * 3)
                 store.advance(1)
             else:
@@ -199,7 +200,7 @@ def test_flex_block_masks_list_each_rows_own_blocks_up_to_its_length():
     paged = PagedKVCache(1, 2, 12, 1, 16, torch.float32, "cpu", page_size=4, num_pages=6)
     paged.prefill([3, 9], 9)  # row 0 takes a page, row 1 three, from the free list
     paged.reserve([5, 9])  # row 0 grows into a second page
-    step = Step(torch.tensor([[4], [9]]), torch.tensor([5, 10]), 12)
+    step = CacheMask(torch.tensor([[4], [9]]), torch.tensor([5, 10]), 12)
     mask = paged.flex_block_mask(step, heads=3).to_dense()  # (B, heads, q blocks, pages)
     assert mask.shape[1] == 3 and torch.equal(mask, mask[:, :1].expand_as(mask))  # every head the same
     blocks = mask[:, 0, 0]
@@ -207,7 +208,7 @@ def test_flex_block_masks_list_each_rows_own_blocks_up_to_its_length():
     assert blocks[1].nonzero().flatten().tolist() == sorted(paged.pages[1])
     assert not set(paged.pages[0]) & set(paged.pages[1])
     contiguous = ContiguousKVCache(1, 2, 300, 1, 16, torch.float32, "cpu")
-    step = Step(torch.tensor([[99], [200]]), torch.tensor([100, 201]), 300)
+    step = CacheMask(torch.tensor([[99], [200]]), torch.tensor([100, 201]), 300)
     blocks = contiguous.flex_block_mask(step, heads=2).to_dense()[:, 1, 0]
     assert blocks.tolist() == [[1, 0, 0], [1, 1, 0]]  # 128-token blocks up to each length
 
@@ -262,12 +263,13 @@ def test_the_static_decode_step_compiles_as_one_graph(monkeypatch):
 
 def test_a_flash_package_without_flash_attn_with_kvcache_falls_back_for_decoding(monkeypatch):
     module = type("NoKVCache", (), {"flash_attn_func": None})
-    monkeypatch.setattr(flash.FLASH_ATTN_4, "_package", Package(module, "9", ""))
-    for where in (model, flash):  # FlashAttention's checks, and flash-attn-4's own
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", module)  # installed, as a stand-in
+    kernel = flash.flash_attn_3_backend().kernel  # a fresh kernel: it imports the stand-in
+    for where in (model, flash):  # FlashAttn2's checks, and flash-attn-4's own
         monkeypatch.setattr(where, "cuda_capability", lambda device: (9, 0))
-    need = Need(torch.device("cuda"), torch.bfloat16, 64, training=False, kv_cache="paged")
-    assert "flash_attn_4 has no flash_attn_with_kvcache" in flash.FLASH_ATTN_4.problem(need)
-    assert flash.FLASH_ATTN_4.problem(dataclasses.replace(need, kv_cache="none")) == ""
+    need = AttentionUse(torch.device("cuda"), torch.bfloat16, 64, training=False, kv_cache="paged")
+    assert "flash_attn_3 has no flash_attn_with_kvcache" in kernel.why_not(need)
+    assert kernel.why_not(dataclasses.replace(need, kv_cache="none")) == ""
 
 
 # ---- the paged cache ------------------------------------------------------------------------------
@@ -434,7 +436,7 @@ def test_sample_bad_generation_settings_are_one_error_line(trained_out, tmp_path
 
 def gpu_or_skip(backend: str, cache: str, dtype=torch.bfloat16) -> torch.device:
     device = torch.device("cuda", torch.cuda.current_device())
-    problem = model.BACKENDS[backend].problem(Need(device, dtype, 64, training=False, kv_cache=cache))
+    problem = model.BACKENDS[backend].why_not(AttentionUse(device, dtype, 64, training=False, kv_cache=cache))
     if problem:
         pytest.skip(problem)
     return device
@@ -452,7 +454,7 @@ def test_gpu_cached_logits_match_a_float32_full_forward(backend, cache):
     idx = tokens(3, 40).to(device)
     with torch.no_grad():
         full, _ = reference(idx, idx)
-    need = gpt.attention_need(device, torch.bfloat16, training=False, kv_cache=cache)
+    need = gpt.attention_use(device, torch.bfloat16, training=False, kv_cache=cache)
     attention, decode = generation_attention(gpt, need)
     assert attention.resolution.used == backend
     shape = (2, 3, 64, 2, 64, torch.bfloat16, device)
@@ -582,7 +584,7 @@ def test_a_backend_registered_without_a_decode_kernel_decodes_with_sdpas(caplog)
     kernel and says so, and gives the tokens manual's kernel gives."""
     import model
 
-    model.register(model.AttentionBackend("toy_decode", model.manual_attention, model.manual_problem, "sdpa"))
+    model.register(model.AttentionBackend("toy_decode", model.manual_attention, lambda use: "", "sdpa"))
     try:
         gpt = tiny_model(attention_backend="toy_decode")
         prompt = tokens(1, 5)

@@ -1,6 +1,6 @@
-"""weights/hf.py and weights/load.py: Hugging Face GPT-2 and nanoGPT weights in, HF GPT-2 folders out
-(`python -m weights hf`), with transformers as the oracle. Nothing here downloads: hub names resolve from a
-temporary Hugging Face cache, offline."""
+"""weights/hf.py, weights/load.py and model.py's GPT.from_pretrained: Hugging Face GPT-2 and nanoGPT weights in,
+HF GPT-2 folders out (`python -m weights hf`), with transformers as the oracle. Nothing here downloads: hub names
+resolve from a temporary Hugging Face cache, offline."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from weights import hf as interop
 from weights.__main__ import main as weights_main
 from weights.hf import from_pretrained
 from weights.load import load_checkpoint
+from weights.lora import load_model_weights
 
 transformers = pytest.importorskip("transformers")  # slow to import: once, here
 
@@ -275,3 +276,109 @@ def test_meta_pkl_that_loads_a_class_is_refused(tmp_path):
     with pytest.raises(DataError, match=r"meta.pkl refused: only plain dicts, lists, strings and numbers .*os"):
         read_meta(tmp_path)
     assert victim.read_text() == "still here"
+
+
+# ---- GPT.from_pretrained: nanoGPT's loader, in model.py alone -------------------------------------
+
+
+@pytest.mark.parametrize("form", ["safetensors", "bin"])
+def test_gpt_from_pretrained_reads_a_hf_folder_with_hf_logits(hf_model, hf_dirs, form):
+    model = GPT.from_pretrained(str(hf_dirs[form]))
+    assert model.config.dropout == 0.0 and model.config.tie_embeddings
+    x = tokens(7)
+    with torch.no_grad():
+        torch.testing.assert_close(all_logits(model.eval(), x), hf_model(x).logits, atol=1e-5, rtol=0)
+
+
+def test_gpt_from_pretrained_takes_override_args(hf_dirs):
+    model = GPT.from_pretrained(str(hf_dirs["safetensors"]), dict(dropout=0.1, block_size=20))
+    assert model.config.dropout == 0.1 and model.config.block_size == 20
+    assert model.transformer.wpe.weight.shape == (20, HF_SIZES["n_embd"])
+
+
+def test_gpt_from_pretrained_reads_a_hub_name_from_the_cache(hf_cache, hf_model, hf_dirs):
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (hf_cache / "models--gpt2" / "refs").mkdir(parents=True)
+    (hf_cache / "models--gpt2" / "refs" / "main").write_text(commit)
+    shutil.copytree(hf_dirs["safetensors"], hf_cache / "models--gpt2" / "snapshots" / commit)
+    x = tokens(8)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            all_logits(GPT.from_pretrained("gpt2").eval(), x), hf_model(x).logits, atol=1e-5, rtol=0
+        )
+    with pytest.raises(ValueError, match=r"^gpt2-xl is not in the local Hugging Face cache"):
+        GPT.from_pretrained("gpt2-xl")
+
+
+def test_gpt_from_pretrained_reads_our_checkpoint_and_out_dir(tmp_path):
+    model, _ = char_checkpoint(tmp_path, bias=True)
+    x = tokens(9, vocab=29, T=16)
+    for source in (tmp_path / "ckpt.pt", tmp_path):
+        loaded = GPT.from_pretrained(str(source)).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(all_logits(loaded, x), all_logits(model, x), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="is not a checkpoint file, an out_dir with ckpt.pt, a Hugging Face"):
+        GPT.from_pretrained(str(tmp_path / "missing"))
+
+
+@pytest.fixture(scope="module")
+def untied_hf(tmp_path_factory):
+    """A HF GPT-2 with tie_word_embeddings=false: its lm_head has weights of its own."""
+    torch.manual_seed(1)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**HF_SIZES, tie_word_embeddings=False))
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    assert not torch.equal(hf.lm_head.weight, hf.transformer.wte.weight)
+    folder = tmp_path_factory.mktemp("untied")
+    hf.save_pretrained(folder)
+    return hf.eval(), folder
+
+
+def test_an_untied_hf_folder_loads_untied_with_hf_logits(untied_hf, tmp_path):
+    hf, folder = untied_hf
+    x = tokens(10)
+    with torch.no_grad():
+        expected = hf(x).logits
+        for model in (GPT.from_pretrained(str(folder)), from_pretrained(folder)):
+            assert not model.config.tie_embeddings
+            assert model.lm_head.weight.data_ptr() != model.transformer.wte.weight.data_ptr()
+            torch.testing.assert_close(all_logits(model.eval(), x), expected, atol=1e-5, rtol=0)
+        # and back out: the export keeps its own lm_head
+        interop.export_hf(model, tmp_path / "out")
+        again = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
+        torch.testing.assert_close(again(x).logits, expected, atol=1e-5, rtol=0)
+
+
+HUGE = dict(n_layer=10000, n_embd=65536, n_head=64)  # 5e14 parameters: petabytes
+
+
+def test_a_config_larger_than_memory_is_refused_before_anything_is_allocated(hf_dirs, tmp_path, capsys):
+    config = json.loads((hf_dirs["safetensors"] / "config.json").read_text())
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **HUGE}))
+    shutil.copy(hf_dirs["safetensors"] / "model.safetensors", tmp_path / "hf")
+    with pytest.raises(ValueError, match=r"^the model asks for [\d,]+ parameters .* of RAM \(n_layer=10000"):
+        GPT.from_pretrained(str(tmp_path / "hf"))
+    with pytest.raises(CheckpointError, match=r"asks for [\d,]+ parameters"):
+        interop.load_hf(tmp_path / "hf")
+    # a checkpoint of ours whose model_config asks for it: sample.py's loader and the export refuse it in one line
+    char_checkpoint(tmp_path)
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    state["model_config"].update(HUGE)
+    torch.save(state, tmp_path / "ckpt.pt")
+    with pytest.raises(CheckpointError, match=r"asks for [\d,]+ parameters"):
+        interop.model_from_checkpoint(state, tmp_path / "ckpt.pt")
+    assert weights_main(["hf", str(tmp_path / "ckpt.pt"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "parameters" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_untied_checkpoint_is_refused_by_a_model_that_ties(untied_hf, tmp_path):
+    """Both models hold lm_head.weight: loading into a tied one would silently make wte the output layer."""
+    _, folder = untied_hf
+    state = interop.load_hf(folder)
+    tied = GPT(GPTConfig(**{**state["model_config"], "tie_embeddings": True}))
+    with pytest.raises(CheckpointError, match="untied from wte"):
+        load_model_weights(tied, state, folder)

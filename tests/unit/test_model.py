@@ -1,5 +1,5 @@
 """The GPT-2 model of model.py: structure, init, forward/loss, helpers for training, generation,
-documents in packed rows, `python model.py` and the GPU smoke tests."""
+documents in packed rows, `python -m kernels` and the GPU smoke tests."""
 
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ import kernels  # noqa: F401  (registers flash_attn_3/4 and flex_attention)
 import model
 from generation.loop import generation_attention
 from helpers import run_script, tiny_config
-from model import GPT, GPTConfig, Need
+from kernels.report import attention_report
+from model import GPT, AttentionUse, GPTConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
-ALL_NAMES = model.backend_names() + tuple(model.aliases())
+ALL_NAMES = ("auto", *model.BACKENDS) + tuple(model.aliases())
 MODEL_BACKENDS = ("flash_attn_2", "sdpa", "manual")  # model.py's own; kernels/ and generation/ add the others
 
 
@@ -83,7 +84,7 @@ def test_aliases_map_to_canonical_names(alias, canonical):
 
 
 def test_canonical_names_map_to_themselves():
-    for name in model.backend_names():
+    for name in ("auto", *model.BACKENDS):
         assert model.canonical_backend(name) == name
 
 
@@ -97,7 +98,7 @@ def test_use_flash_attention_is_deprecated(value, backend):
 def test_unknown_backend_name_lists_every_choice():
     for make in (
         lambda: tiny_config(attention_backend="flash"),
-        lambda: model.resolve("flash", Need("cpu", torch.float32)),
+        lambda: model.resolve("flash", AttentionUse("cpu", torch.float32)),
     ):
         with pytest.raises(ValueError, match="unknown attention_backend 'flash'") as info:
             make()
@@ -225,9 +226,42 @@ def test_sequence_longer_than_block_size_is_an_error():
 def test_num_params_counts_by_hand():
     gpt = tiny_model()
     total, non_embedding = hand_param_count(gpt.config)
-    assert gpt.num_params(non_embedding=False) == total
-    assert gpt.num_params() == non_embedding
+    assert gpt.get_num_params(non_embedding=False) == gpt.num_params(non_embedding=False) == total
+    assert gpt.get_num_params() == gpt.num_params() == non_embedding  # nanoGPT's name and this repo's
     assert total - non_embedding == gpt.config.block_size * gpt.config.n_embd  # wpe only
+    assert gpt.config.parameter_count() == total
+
+
+def test_untied_embeddings_have_their_own_output_layer():
+    gpt = GPT(tiny_config(tie_embeddings=False))
+    assert gpt.lm_head.weight is not gpt.transformer.wte.weight
+    assert gpt.config.parameter_count() == sum(p.numel() for p in gpt.parameters())
+    assert "lm_head.weight" in gpt.state_dict() and "transformer.wte.weight" in gpt.state_dict()
+
+
+def test_estimate_mfu_is_against_the_cards_peak_and_none_where_it_is_unknown(monkeypatch):
+    gpt = tiny_model()
+    assert gpt.estimate_mfu(4, 0.5) is None  # a CPU: no peak, and no A100 figure in its place
+    monkeypatch.setattr(model, "peak_flops", lambda device: 312e12)
+    expected = gpt.flops_per_token() * gpt.config.block_size * 4 / 0.5 / 312e12  # nanoGPT's formula
+    assert gpt.estimate_mfu(fwdbwd_per_iter=4, dt=0.5) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("name, flops", [("NVIDIA H100 80GB HBM3", 989.5e12), ("NVIDIA A100-SXM4-40GB", 312e12)])
+def test_peak_flops_by_card_name(monkeypatch, name, flops):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert model.peak_flops("cuda") == flops
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+    assert model.peak_flops("cuda") is None and model.peak_flops("cpu") is None
+
+
+@pytest.mark.parametrize("norm_bias", [True, False])
+def test_layernorm_keeps_the_state_dict_names_checkpoints_hold(norm_bias):
+    """nn.LayerNorm(bias=...) in place of the old LayerNorm class: the same keys, so every checkpoint loads."""
+    keys = GPT(tiny_config(n_layer=1, bias=norm_bias)).state_dict().keys()
+    norms = sorted(k for k in keys if ".ln_" in k or k.startswith("transformer.ln_f"))
+    expected = [f"transformer.{n}.{p}" for n in ("h.0.ln_1", "h.0.ln_2", "ln_f") for p in ("weight", "bias")]
+    assert norms == sorted(e for e in expected if norm_bias or e.endswith("weight"))
 
 
 def test_flops_per_token_by_hand():
@@ -352,17 +386,14 @@ def test_documents_do_not_see_each_other(name):
     torch.testing.assert_close(base[1], base_without_docs[1], rtol=1e-5, atol=1e-5)
 
 
-# ---- python model.py and attention_report ------------------------------------------------------
+# ---- python -m kernels and attention_report ------------------------------------------------------
 
 
-def test_python_model_py_reports_its_backends_and_what_auto_picks(warm_interpreter):
+def test_python_model_py_points_to_python_m_kernels(warm_interpreter):
+    """`python model.py` no longer prints the report: one line names the command that does."""
     result = run_script("model.py", [], warm=True)
     assert result.returncode == 0, result.stderr
-    lines = {line.split()[0]: line for line in result.stdout.splitlines() if line.startswith("  ") and line.split()}
-    for name in MODEL_BACKENDS:
-        assert name in lines and "available" in lines[name], name
-    assert " available " in lines["sdpa"] and " available " in lines["manual"]
-    assert "auto picks at T=1024" in result.stdout and "auto picks at T=32768" in result.stdout
+    assert result.stdout.strip().startswith("python -m kernels prints")
 
 
 def test_python_m_kernels_reports_every_registered_backend():
@@ -375,7 +406,7 @@ def test_python_m_kernels_reports_every_registered_backend():
 
 
 def test_attention_report_keys():
-    report = model.attention_report("cpu")
+    report = attention_report("cpu")
     assert set(report) == {
         "torch",
         "cuda",
@@ -422,7 +453,7 @@ def test_tiny_gpt_trains_on_cuda_under_bf16_autocast(monkeypatch, name):
         losses.append(loss.item())
     assert all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0] - 0.05, losses
-    need = gpt.attention.need  # set up lazily by the first forward, for autocast's dtype
+    need = gpt.attention.use  # set up lazily by the first forward, for autocast's dtype
     assert need.device.type == "cuda" and need.dtype == torch.bfloat16 and need.training
 
 
@@ -435,7 +466,7 @@ def test_cpu_built_model_resolves_for_cuda_bf16():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         logits, _ = gpt(tokens(2, 8, device="cuda"))
     assert logits.device.type == "cuda" and torch.isfinite(logits).all()
-    assert gpt.attention.need.device == device and "cuda/bfloat16" in gpt.attention.resolution.reason
+    assert gpt.attention.use.device == device and "cuda/bfloat16" in gpt.attention.resolution.reason
 
 
 @pytest.mark.gpu
@@ -444,7 +475,7 @@ def test_flash_backends_compile_without_breaks_per_layer(name):
     """torch.compile keeps the flash kernels in the graph: as many graphs as with sdpa. (A traced package
     lookup once broke flash-attn 2's graph at every layer; flash-attn-4 needs its custom ops for this.)"""
     device = torch.device("cuda", torch.cuda.current_device())
-    problem = model.BACKENDS[name].problem(Need(device, torch.bfloat16, 64))
+    problem = model.BACKENDS[name].why_not(AttentionUse(device, torch.bfloat16, 64))
     if problem:
         pytest.skip(problem)
     idx = tokens(2, 64, device="cuda")
@@ -465,7 +496,7 @@ def test_mps_keeps_sdpa_away_from_explicit_masks(caplog):
     mps = torch.device("mps")
     for requested in ("auto", "sdpa"):
         gpt = tiny_model(attention_backend=requested)
-        decoding = gpt.attention_need(mps, torch.float32, training=False, kv_cache="contiguous")
+        decoding = gpt.attention_use(mps, torch.float32, training=False, kv_cache="contiguous")
         with caplog.at_level("WARNING", logger="model"):
             caplog.clear()
             generation_attention(gpt, decoding)
@@ -477,7 +508,7 @@ def test_mps_keeps_sdpa_away_from_explicit_masks(caplog):
     gpt = tiny_model(disable_mps_fix=True)
     with caplog.at_level("WARNING", logger="model"):
         caplog.clear()
-        decoding = gpt.attention_need(mps, torch.float32, training=False, kv_cache="contiguous")
+        decoding = gpt.attention_use(mps, torch.float32, training=False, kv_cache="contiguous")
         assert generation_attention(gpt, decoding)[0].resolution.used == "sdpa"
         assert gpt.setup_attention(mps, torch.float32, training=False, documents=True).used == "sdpa"
     assert not caplog.records

@@ -23,7 +23,7 @@ from errors import UsageError
 from generation import generate, kv_cache
 from generation.loop import forward_cached, generation_attention, make_cache
 from helpers import stand_in_flash, stand_in_flash_module, tiny_args, tiny_config
-from model import GPT, GPTConfig, Need, Rotary, apply_rotary, mlp_hidden_size
+from model import GPT, AttentionUse, GPTConfig, Rotary, apply_rotary, mlp_hidden_size
 from training import preflight
 from weights.load import load_checkpoint
 
@@ -103,7 +103,7 @@ def test_sdpa_matches_manual_forward_and_backward_in_float64(switches, backend, 
     gpt = with_backend(reference, "sdpa", **pinned)
     idx, doc_ids = tokens(2, 16), documents(2, 16) if docs else None
     assert_same(*forward_backward(gpt, idx, doc_ids), *forward_backward(reference, idx, doc_ids))
-    assert gpt.attention.resolution.used == "sdpa" and gpt.attention.need.documents == docs
+    assert gpt.attention.resolution.used == "sdpa" and gpt.attention.use.documents == docs
 
 
 @pytest.fixture
@@ -179,7 +179,7 @@ def test_rope_attention_depends_only_on_relative_positions():
     gpt.setup_attention("cpu", torch.float32, training=False)
     idx = tokens(1, 6).expand(2, 6)
     q_pos = torch.arange(6) + torch.tensor([[0], [7]])  # (B, T): row 1 seven positions further on
-    shifted = kv_cache.Step(q_pos, q_pos[:, -1] + 1, 13, fresh=True)
+    shifted = kv_cache.CacheMask(q_pos, q_pos[:, -1] + 1, 13, fresh=True)
     kernel = gpt.attention.kernel
     attends = [lambda q, k, v, s, p: kernel(q, k, v, s.chunk_mask, p)] * gpt.config.n_layer
     with torch.no_grad():
@@ -335,10 +335,10 @@ GPU_BACKENDS = ["sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex_atte
 GPU_BACKENDS += ["flash_attn_2", "flash_attn_3", "flash_attn_4", "manual"]
 
 
-def gpu_model(backend: str, reference: GPT, need: Need) -> GPT:
+def gpu_model(backend: str, reference: GPT, need: AttentionUse) -> GPT:
     """reference's weights under `backend` (sdpa_KERNEL pins one SDPA kernel); skip where it cannot run."""
     name, _, kernel = backend.partition("_") if backend.startswith("sdpa_") else (backend, "", "")
-    problem = model.BACKENDS[name].problem(need)
+    problem = model.BACKENDS[name].why_not(need)
     if problem:
         pytest.skip(problem)
     return with_backend(reference, name, **({"sdpa_kernel": kernel} if kernel else {}))
@@ -355,7 +355,7 @@ def test_gpu_training_with_grouped_heads_matches_float32_manual(backend):
     switches = {**ALL, "n_kv_head": 2}
     reference = GPT(tiny_config(n_head=8, n_embd=512, block_size=128, attention_backend="manual", **switches))
     reference = reference.to(device)
-    need = Need(device, torch.bfloat16, 64, documents=True, training=True, seq_len=128)
+    need = AttentionUse(device, torch.bfloat16, 64, documents=True, training=True, seq_len=128)
     gpt = gpu_model(backend, reference, need).to(device)
     reference.setup_attention(device, torch.float32, documents=True)  # each runs with and without doc_ids
     gpt.setup_attention(device, torch.bfloat16, documents=True)  # autocast's dtype
@@ -380,10 +380,10 @@ def test_gpu_decoding_with_grouped_heads_matches_a_float32_full_forward(backend,
         switches = {**ALL, "n_kv_head": n_kv_head}
         reference = GPT(tiny_config(n_head=4, n_embd=256, block_size=64, attention_backend="manual", **switches))
         reference = reference.to(device).eval()
-        need = Need(device, torch.bfloat16, 64, training=False, kv_cache=cache)
+        need = AttentionUse(device, torch.bfloat16, 64, training=False, kv_cache=cache)
         gpt = gpu_model(backend, reference, need).to(device, torch.bfloat16).eval()
         prompts = [tokens(n, seed=n).to(device) for n in (5, 30, 17)]
-        need = gpt.attention_need(device, torch.bfloat16, training=False, kv_cache=cache)
+        need = gpt.attention_use(device, torch.bfloat16, training=False, kv_cache=cache)
         attention, decode = generation_attention(gpt, need)
         assert attention.resolution.used == backend
         store = make_cache(gpt.config, prompts, 40, cache, decode, device, torch.bfloat16)

@@ -86,10 +86,10 @@ def test_doc_ids_need_a_model_set_up_for_documents():
     assert torch.isfinite(loss)
     fresh = GPT(tiny_config())
     fresh(x, x, doc_ids)
-    assert fresh.attention.need.documents
+    assert fresh.attention.use.documents
     unpacked = GPT(tiny_config())
     unpacked(x, x)
-    assert not unpacked.attention.need.documents
+    assert not unpacked.attention.use.documents
 
 
 @pytest.fixture(scope="module")
