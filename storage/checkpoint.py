@@ -526,21 +526,23 @@ def read_torch_file(path: Path, map_location="cpu"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return torch.load(path, map_location=map_location, weights_only=True)
-    except (
-        pickle.UnpicklingError,
-        RuntimeError,
-        EOFError,
-        zipfile.BadZipFile,
-        OSError,
-        ValueError,
-        IndexError,
-        KeyError,
-        TypeError,
-        AttributeError,
-    ) as error:  # what torch's loader raises on garbage
+    except TORCH_LOAD_ERRORS as error:
         raise CheckpointError(_load_failure(path, error)) from None
 
 
+# what torch.load raises on a file that is not a checkpoint, or a damaged one
+TORCH_LOAD_ERRORS = (
+    pickle.UnpicklingError,
+    RuntimeError,
+    EOFError,
+    zipfile.BadZipFile,
+    OSError,
+    ValueError,
+    IndexError,
+    KeyError,
+    TypeError,
+    AttributeError,
+)
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6: a zip archive
 LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")  # what torch.save's older pickle format begins with
 

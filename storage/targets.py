@@ -14,15 +14,13 @@ them, made before anything is read or written (check_output_file).
 from __future__ import annotations
 
 import os
-import pickle
 import warnings
-import zipfile
 from pathlib import Path
 
 import torch
 
 from errors import CheckpointError
-from storage.checkpoint import broken_link, live_lock_holder, other_file_kind
+from storage.checkpoint import TORCH_LOAD_ERRORS, broken_link, live_lock_holder, other_file_kind
 from storage.memory import check_archive_sizes
 
 
@@ -67,19 +65,7 @@ def resumable_iteration(path: Path) -> int | None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (
-        CheckpointError,
-        pickle.UnpicklingError,
-        RuntimeError,
-        EOFError,
-        zipfile.BadZipFile,
-        OSError,
-        ValueError,
-        IndexError,
-        KeyError,
-        TypeError,
-        AttributeError,
-    ):  # what torch's loader raises on garbage
+    except (CheckpointError, *TORCH_LOAD_ERRORS):
         return None
     if isinstance(state, dict) and "optimizer" in state and isinstance(state.get("iter_num"), int):
         return state["iter_num"]
