@@ -542,7 +542,7 @@ class GPT(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
-# Pretrained weights: a Hugging Face GPT-2 folder, a hub name, or a checkpoint, read without the rest of this repo.
+# Pretrained weights: a hub name, a Hugging Face GPT-2 folder, or a checkpoint, read without the rest of this repo.
 # HF's GPT-2 keeps GPT-2's parameter names, as ours do, but stores its four projections as Conv1D with weights
 # (in, out) where nn.Linear has (out, in): they are transposed on the way in (and out, in weights/hf.py).
 
@@ -550,6 +550,12 @@ HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # in order of preference
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")  # stored (in, out)
 MASK_BUFFERS = ("attn.bias", "attn.masked_bias")  # the causal mask, saved by older GPT-2 code: not weights
+# config.json settings that GPT-2's math would need and ours does not do: {setting: (HF's default, what is allowed)}
+# fmt: off
+HF_EXACT = {"layer_norm_epsilon": (1e-5, "1e-05"), "activation_function": ("gelu_new", "gelu_new (tanh GELU)"),
+            "scale_attn_weights": (True, "true"), "scale_attn_by_inverse_layer_idx": (False, "false"),
+            "add_cross_attention": (False, "false")}
+# fmt: on
 
 
 def read_pretrained(source) -> tuple[dict, dict]:
@@ -559,10 +565,8 @@ def read_pretrained(source) -> tuple[dict, dict]:
         path = path / "ckpt.pt"
     if path.is_file():
         return read_checkpoint(path)
-    if path.is_dir() and (path / "config.json").is_file():
-        return read_hf_folder(path)[:2]
-    if str(source) in HUB_NAMES:
-        return read_hf_folder(hub_folder(str(source)))[:2]
+    if (path / "config.json").is_file() or str(source) in HUB_NAMES:
+        return read_hf_folder(path if (path / "config.json").is_file() else hub_folder(str(source)))
     raise ValueError(
         f"{source!r} is not a checkpoint file, an out_dir with ckpt.pt, a Hugging Face GPT-2 folder "
         f"(config.json + weights) or a hub name ({', '.join(HUB_NAMES)})"
@@ -583,9 +587,14 @@ def read_checkpoint(path: Path) -> tuple[dict, dict]:
 
 
 def load_torch_file(path: Path):
+    """A torch.save file (tensors and containers only: no code runs) or a safetensors file, on the CPU."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)  # tensors and containers only: no code runs
-    except Exception as error:  # torch.load raises many kinds for a file that is not a checkpoint
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(path)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch.load and safetensors raise many kinds for a file that is not one
         raise ValueError(f"{path} cannot be read as a checkpoint ({str(error).splitlines()[0]})") from None
 
 
@@ -598,90 +607,61 @@ def hub_folder(name: str) -> Path:
     patterns = ["config.json", "model.safetensors"]
     with contextlib.suppress(OSError, ValueError):  # not cached (LocalEntryNotFoundError is an OSError)
         return Path(snapshot_download(name, allow_patterns=patterns, local_files_only=True))
-    try:
-        if constants.HF_HUB_OFFLINE:
-            raise OSError("offline")
-        return Path(snapshot_download(name, allow_patterns=patterns))
-    except (OSError, ValueError):  # no network, offline mode, a failed download: all HfHubHTTPError/OSError
-        raise ValueError(
-            f"{name} is not in the local Hugging Face cache and the hub cannot be reached; download it with "
-            f"`hf download {name} config.json model.safetensors` or pass a local directory"
-        ) from None
+    with contextlib.suppress(OSError, ValueError):  # no network, a failed download: HfHubHTTPError is an OSError
+        if not constants.HF_HUB_OFFLINE:
+            return Path(snapshot_download(name, allow_patterns=patterns))
+    raise ValueError(
+        f"{name} is not in the local Hugging Face cache and the hub cannot be reached; download it with "
+        f"`hf download {name} config.json model.safetensors` or pass a local directory"
+    )
 
 
-def read_hf_folder(folder: Path) -> tuple[dict, dict, dict | None]:
-    """(GPTConfig fields, state dict, the tokenizer meta weights/hf.py's export wrote or None) of a Hugging Face
-    GPT-2 folder; its size is checked before its weights are read."""
-    path = folder / "config.json"
-    try:
-        hf = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path} cannot be read as JSON ({error})") from None
-    model_config = hf_model_config(hf, path)
+def read_hf_folder(folder: Path) -> tuple[dict, dict]:
+    """(GPTConfig fields, state dict) of a Hugging Face GPT-2 folder; its size is checked before its weights
+    are read."""
+    model_config = hf_model_config(folder / "config.json")
     check_fits_in_memory(GPTConfig(**model_config))
-    saved, meta = read_hf_weights(folder)
-    return model_config, hf_state_dict(saved, model_config["tie_embeddings"]), meta
-
-
-def hf_model_config(hf, path) -> dict:
-    """config.json -> GPTConfig fields; a setting our GPT cannot reproduce exactly is one ValueError line."""
-    if not isinstance(hf, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    if hf.get("model_type", "gpt2") != "gpt2":
-        raise ValueError(f"{path}: model_type {hf['model_type']!r} is not gpt2; only GPT-2 models load")
-    required = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12}  # HF's defaults
-    config = {key: hf.get(key, default) for key, default in required.items()}
-    # what GPT-2's math would need that ours does not do: (setting, HF's default, what is allowed)
-    exact = [
-        ("layer_norm_epsilon", 1e-5, "1e-05"),
-        ("activation_function", "gelu_new", "gelu_new (tanh GELU)"),
-        ("n_inner", None, f"null or 4*n_embd = {4 * config['n_embd']}"),
-        ("scale_attn_weights", True, "true"),
-        ("scale_attn_by_inverse_layer_idx", False, "false"),
-        ("add_cross_attention", False, "false"),
-    ]
-    for key, default, allowed in exact:
-        value = hf.get(key, default)
-        if value != default and not (key == "n_inner" and value == 4 * config["n_embd"]):
-            raise ValueError(f"{path}: {key}={value!r} is not supported; allowed: {allowed}")
-    model_config = {
-        "block_size": config["n_positions"],
-        "vocab_size": config["vocab_size"],  # as is, never padded: the logits must be HF's
-        "n_layer": config["n_layer"],
-        "n_head": config["n_head"],
-        "n_embd": config["n_embd"],
-        "dropout": 0.0,  # the run's own setting applies
-        "bias": True,
-        "tie_embeddings": hf.get("tie_word_embeddings", True) is not False,
-    }
-    try:
-        return asdict(GPTConfig(**model_config))  # every field, as our checkpoints hold them
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"{path}: {error}") from None
-
-
-def read_hf_weights(folder: Path) -> tuple[dict, dict | None]:
-    """(the tensors of a Hugging Face folder's weights file, the meta in its safetensors metadata or None)."""
     path = next((folder / name for name in HF_WEIGHT_FILES if (folder / name).is_file()), None)
     if path is None:
         raise ValueError(
             f"{folder} is a Hugging Face GPT-2 folder with config.json but no weights "
             f"({' or '.join(HF_WEIGHT_FILES)}); copy or download its weights file into it"
         )
-    if path.suffix != ".safetensors":
-        saved = load_torch_file(path)
-        if not isinstance(saved, dict):
-            raise ValueError(f"{path} is not a state dict")
-        return saved, None
-    from safetensors import SafetensorError, safe_open
+    saved = load_torch_file(path)
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path} is not a state dict")
+    return model_config, hf_state_dict(saved, model_config["tie_embeddings"])
 
+
+def hf_model_config(path: Path) -> dict:
+    """config.json -> GPTConfig fields (every field, as our checkpoints hold them); a setting our GPT cannot
+    reproduce exactly is one ValueError line."""
     try:
-        with safe_open(str(path), framework="pt") as f:
-            saved = {key: f.get_tensor(key) for key in f.keys()}
-            meta = json.loads((f.metadata() or {}).get("meta", "null"))
-    except (SafetensorError, OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path} is not a readable safetensors file ({error})") from None
-    return saved, meta if isinstance(meta, dict) else None
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} cannot be read as JSON ({error})") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    if hf.get("model_type", "gpt2") != "gpt2":
+        raise ValueError(f"{path}: model_type {hf['model_type']!r} is not gpt2; only GPT-2 models load")
+    n_embd = hf.get("n_embd", 768)
+    exact = {**HF_EXACT, "n_inner": (None, f"null or 4*n_embd = {4 * n_embd}")}
+    for key, (default, allowed) in exact.items():
+        value = hf.get(key, default)
+        if value != default and not (key == "n_inner" and value == 4 * n_embd):
+            raise ValueError(f"{path}: {key}={value!r} is not supported; allowed: {allowed}")
+    try:  # HF's defaults where config.json is silent; vocab_size as is, never padded: the logits must be HF's
+        return asdict(
+            GPTConfig(
+                block_size=hf.get("n_positions", 1024),
+                vocab_size=hf.get("vocab_size", 50257),
+                **{key: hf.get(key, 12) for key in ("n_layer", "n_head")},
+                n_embd=n_embd,
+                tie_embeddings=hf.get("tie_word_embeddings", True) is not False,
+            )
+        )
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: {error}") from None
 
 
 def hf_state_dict(saved: dict, tied: bool = True) -> dict:
