@@ -41,15 +41,17 @@ log = logging.getLogger("model")
 # ----------------------------------------------------------------------------------------------
 # Config
 
-NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "swiglu")
+POSITIVE = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")
 # fmt: off
 SDPA_KERNELS = {"auto": None, "flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
                 "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+CHOICES = {  # the settings that name one of a few choices, and those choices
+    "norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu"), "sdpa_kernel": tuple(SDPA_KERNELS),
+    "cross_entropy": ("auto", "plain", "chunked"),
+    "activation_checkpointing": ("none", "mlp", "block"),  # mlp keeps attention's outputs: at long T, the costly part
+}
 # fmt: on
-CROSS_ENTROPY = ("auto", "plain", "chunked")
 AUTO_CHUNKED_LOGITS = 2**31  # auto chunks the loss past this many logits a micro-batch (8 GiB in float32)
-CHECKPOINTING = ("none", "mlp", "block")  # mlp keeps attention's outputs: at long T, attention is the costly part
 
 
 @dataclass
@@ -85,7 +87,7 @@ class GPTConfig:
                 f"use_flash_attention is deprecated; use attention_backend={new!r}", DeprecationWarning, stacklevel=3
             )
             self.attention_backend, self.use_flash_attention = new, None
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+        for name in POSITIVE:
             if not positive_int(getattr(self, name)):
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.n_embd % self.n_head:
@@ -94,33 +96,20 @@ class GPTConfig:
             raise ValueError(f"head dim n_embd/n_head = {self.head_dim} must be even")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        self.check_block()
-        self.attention_backend = canonical_backend(self.attention_backend)
-        for name, allowed in (
-            ("sdpa_kernel", SDPA_KERNELS),
-            ("cross_entropy", CROSS_ENTROPY),
-            ("activation_checkpointing", CHECKPOINTING),
-        ):
+        for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
-
-    def check_block(self) -> None:
-        """ValueError, one line naming what is allowed, for a bad switch of the modern block."""
-        if self.norm not in NORMS:
-            raise ValueError(f"unknown norm {self.norm!r}; choose one of {', '.join(NORMS)}")
-        if self.mlp not in MLPS:
-            raise ValueError(f"unknown mlp {self.mlp!r}; choose one of {', '.join(MLPS)}")
         if self.mlp_hidden is not None and not positive_int(self.mlp_hidden):
             raise ValueError(f"mlp_hidden must be a positive integer or None (its default); got {self.mlp_hidden}")
-        n_kv_head, n_head = self.n_kv_head, self.n_head
-        if n_kv_head is not None and not (positive_int(n_kv_head) and n_head % n_kv_head == 0):
+        if self.n_kv_head is not None and not (positive_int(self.n_kv_head) and self.n_head % self.n_kv_head == 0):
             raise ValueError(
-                f"n_kv_head must be a positive integer that divides n_head ({n_head}), or None (= n_head); "
-                f"got {n_kv_head}"
+                f"n_kv_head must be a positive integer that divides n_head ({self.n_head}), or None (= n_head); "
+                f"got {self.n_kv_head}"
             )
         theta = self.rope_theta
         if not (isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 0):
             raise ValueError(f"rope_theta must be a finite number > 0, got {theta!r}")
+        self.attention_backend = canonical_backend(self.attention_backend)
 
     @classmethod
     def from_dict(cls, saved: dict) -> GPTConfig:
@@ -197,37 +186,21 @@ def mlp_hidden_size(kind: str, n_embd: int) -> int:
 
 
 class MLP(nn.Module):
-    """GPT-2's MLP: c_fc, tanh GELU, c_proj."""
+    """GPT-2's MLP: c_proj(tanh GELU(c_fc(x))); with kind="swiglu", SwiGLU (Shazeer 2020; Llama's MLP):
+    c_proj(silu(c_gate(x)) * c_fc(x)). The gate is its own Linear, not a half of a c_fc twice as wide: each
+    matrix maps one to one to Llama's gate_proj, up_proj, down_proj, and LoRA or a sharded layer can take each whole."""
 
-    def __init__(self, n_embd: int, hidden: int, bias: bool, dropout: float):
+    def __init__(self, kind: str, n_embd: int, hidden: int, bias: bool, dropout: float):
         super().__init__()
+        self.c_gate = nn.Linear(n_embd, hidden, bias=bias) if kind == "swiglu" else None
         self.c_fc = nn.Linear(n_embd, hidden, bias=bias)
         self.gelu = nn.GELU(approximate="tanh")
         self.c_proj = nn.Linear(hidden, n_embd, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x):
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
-
-
-class SwiGLU(nn.Module):
-    """SwiGLU (Shazeer 2020; Llama's MLP): c_proj(silu(c_gate(x)) * c_fc(x)). The gate is its own Linear, not a
-    half of a c_fc twice as wide: each matrix maps one to one to Llama's gate_proj, up_proj, down_proj, and
-    LoRA or a sharded layer can take each whole."""
-
-    def __init__(self, n_embd: int, hidden: int, bias: bool, dropout: float):
-        super().__init__()
-        self.c_gate = nn.Linear(n_embd, hidden, bias=bias)
-        self.c_fc = nn.Linear(n_embd, hidden, bias=bias)
-        self.c_proj = nn.Linear(hidden, n_embd, bias=bias)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x):
-        return self.dropout(self.c_proj(F.silu(self.c_gate(x)) * self.c_fc(x)))
-
-
-def make_mlp(kind: str, n_embd: int, hidden: int, bias: bool, dropout: float) -> nn.Module:
-    return (SwiGLU if kind == "swiglu" else MLP)(n_embd, hidden, bias, dropout)
+        h = self.gelu(self.c_fc(x)) if self.c_gate is None else F.silu(self.c_gate(x)) * self.c_fc(x)
+        return self.dropout(self.c_proj(h))
 
 
 class Rotary(nn.Module):
@@ -310,7 +283,7 @@ class Block(nn.Module):
         self.ln_1 = make_norm(config.norm, config.n_embd, config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = make_norm(config.norm, config.n_embd, config.bias)
-        self.mlp = make_mlp(config.mlp, config.n_embd, config.mlp_width, config.bias, config.dropout)
+        self.mlp = MLP(config.mlp, config.n_embd, config.mlp_width, config.bias, config.dropout)
         self.recompute_mlp = config.activation_checkpointing == "mlp"
 
     def forward(self, x, attend: Callable, mask: AttentionMask, rope=None):
@@ -425,20 +398,11 @@ class GPT(nn.Module):
 
     # -- attention: resolved for the device, dtype and use the model runs with --
 
-    def setup_attention(
-        self,
-        device,
-        dtype: torch.dtype,
-        *,
-        training: bool = True,
-        seq_len: int | None = None,
-        documents: bool = False,
-        measure: bool = False,
-    ) -> Resolution:
-        """Resolve the attention backend for this device, compute dtype (autocast's) and use (training or not,
-        packed documents or not), hold it, and log it: a WARNING when an explicit request falls back, one INFO
-        line naming what runs. Call it before torch.compile; forward then reads the result. `measure`: auto on
-        a card its table does not know may time the candidates (kernels/auto.py) here, never in forward."""
+    def setup_attention(self, device, dtype, *, training=True, seq_len=None, documents=False, measure=False):
+        """Resolve the attention backend for this device, compute dtype (autocast's) and use (training or not, packed
+        documents or not), hold it, log it (a WARNING when an explicit request falls back, one INFO line naming
+        what runs) and return its Resolution. Call it before torch.compile; forward then reads the result.
+        `measure`: auto on a card its table does not know may time the candidates here, never in forward."""
         use = self.attention_use(device, dtype, training=training, seq_len=seq_len, documents=documents)
         measure = measure and self.config.auto_measure
         self.attention = attention_for(self.config, use, self.logged_lines, measure=measure)
@@ -954,9 +918,6 @@ class FlashAttn2:
         return y.reshape(B, T, H, D).transpose(1, 2)
 
 
-FLASH_ATTN_2 = FlashAttn2()
-
-
 # ----------------------------------------------------------------------------------------------
 # The registry: one record per backend; `resolve` turns a request into the backend that runs. Adding a backend =
 # its kernel + one register() call (kernels/ and generation/ register the ones beyond this file's three).
@@ -984,7 +945,7 @@ def flash_attn_2_backend() -> AttentionBackend:
     return AttentionBackend("flash_attn_2", kernel, kernel.why_not, "sdpa", ("flash_attention_2",))
 
 
-register(AttentionBackend("flash_attn_2", FLASH_ATTN_2, FLASH_ATTN_2.why_not, "sdpa", ("flash_attention_2",)))
+FLASH_ATTN_2 = register(flash_attn_2_backend()).kernel
 register(AttentionBackend("sdpa", sdpa_attention, why_not_sdpa, "manual"))
 register(AttentionBackend("manual", manual_attention, lambda use: "", None, ("eager",)))
 
