@@ -2,17 +2,13 @@
 A GPT-2 language model in one file, with a choice of attention kernels and switches for a modern block (RoPE,
 RMSNorm, SwiGLU, grouped key/value heads, q/k norm; all off is GPT-2 exactly).
 
-Read top-down: the config; the block's parts (norms, MLPs, RoPE); CausalSelfAttention, Block and GPT (with
-nanoGPT's from_pretrained, get_num_params, estimate_mfu, configure_optimizers, crop_block_size and generate);
-GPT-2 weights from Hugging Face; then attention's kernels (manual, sdpa, flash_attn_2), the registry and
-`resolve`, which turns a requested backend into the one that runs (falling back with a WARNING that says why,
-and one INFO line naming what runs); the loss without full logits last. The model resolves its attention when it
-is set up for a device, dtype and use, or at its first forward for the mode it is in; never inside forward's
-hot path.
+Read top-down: the config; the block's parts; CausalSelfAttention, Block and GPT (with nanoGPT's API); reading
+pretrained weights; attention's kernels (manual, sdpa, flash_attn_2) and the registry, whose `resolve` turns a
+requested backend into the one that runs (falling back with a WARNING that says why); the loss last. Attention is
+resolved when the model is set up for a device, dtype and use, or at its first forward; never in forward's hot path.
 
-This file imports nothing else of this repo. More kernels (flash-attn 3 and 4, flex_attention, auto's measured
-per-card order) register themselves from kernels/ (`import kernels`); `python -m kernels` prints what this machine
-can run; generation with a KV cache lives in generation/.
+This file imports nothing else of this repo. More kernels register themselves from kernels/ (`import kernels`);
+`python -m kernels` prints what this machine can run; generation with a KV cache lives in generation/.
 """
 
 from __future__ import annotations
@@ -237,11 +233,15 @@ def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> to
 def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
     """(B, T) position of each token within its document (runs of equal ids): packed documents each start at 0,
     as they would alone."""
-    T = doc_ids.size(1)
-    index = torch.arange(T, device=doc_ids.device).expand_as(doc_ids)  # (B, T)
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    return index - torch.where(starts, index, 0).cummax(dim=1).values  # minus where its document starts
+    index = torch.arange(doc_ids.size(1), device=doc_ids.device).expand_as(doc_ids)  # (B, T)
+    return index - torch.where(run_starts(doc_ids), index, 0).cummax(dim=1).values  # minus where its document starts
+
+
+def run_starts(ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool, True where a run of equal ids (a document of a packed row) starts."""
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    return starts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -733,7 +733,8 @@ class AttentionMask:
 
     def __init__(self, seq_len: int, device: torch.device, doc_ids: torch.Tensor | None = None):
         self.seq_len, self.device = seq_len, device
-        self.segments = None if doc_ids is None else _run_ids(doc_ids)
+        # each token's document: the runs of equal ids numbered 0, 1, 2, ... per row
+        self.segments = None if doc_ids is None else run_starts(doc_ids).cumsum(dim=1, dtype=torch.int32) - 1
         self._dense = self._varlen = None
         self._forms: dict[str, object] = {}
 
@@ -754,9 +755,7 @@ class AttentionMask:
     def varlen(self) -> tuple[torch.Tensor, int]:
         """cu_seqlens (int32, one entry per document start plus the end) over the flattened (B*T) tokens."""
         if self._varlen is None:
-            starts = torch.ones_like(self.segments, dtype=torch.bool)
-            starts[:, 1:] = self.segments[:, 1:] != self.segments[:, :-1]
-            first = starts.flatten().nonzero().flatten()  # one host sync per forward, not per layer
+            first = run_starts(self.segments).flatten().nonzero().flatten()  # one host sync per forward, not per layer
             cu_seqlens = torch.cat([first, first.new_tensor([self.segments.numel()])]).to(torch.int32)
             self._varlen = (cu_seqlens, self.seq_len)  # T bounds every document's length
         return self._varlen
@@ -766,13 +765,6 @@ class AttentionMask:
         if name not in self._forms:
             self._forms[name] = make(self)
         return self._forms[name]
-
-
-def _run_ids(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Number the runs of equal ids in each row 0, 1, 2, ... (documents are contiguous runs)."""
-    change = torch.zeros_like(doc_ids, dtype=torch.int32)
-    change[:, 1:] = (doc_ids[:, 1:] != doc_ids[:, :-1]).to(torch.int32)
-    return change.cumsum(dim=1)
 
 
 def repeat_kv(q, k, v):
