@@ -989,22 +989,17 @@ def resolve(requested: str, use: AttentionUse, order=None, measure: bool = False
         names, how = [requested], ""
         while BACKENDS[names[-1]].fallback:
             names.append(BACKENDS[names[-1]].fallback)
-    skipped = []
+    skipped = []  # (name, why not) of each that cannot run
     for name in names:
         why = BACKENDS[name].why_not(use) if name in BACKENDS else f"{name} is not registered (import kernels)"
         if not why:
             break
         skipped.append((name, why))
     if requested == "auto":
-        why = "; ".join(f"{n}: {p}" for n, p in skipped)
         how = f" ({how})" if how and how != "default order" else ""
-        return Resolution(
-            name,
-            f"auto: first that runs on {use.where} of {' > '.join(names)}{how}" + (f"; skipped {why}" if why else ""),
-        )
-    if not skipped:
-        return Resolution(name, "")
-    return Resolution(name, skipped[0][1] + "".join(f"; then {n}: {p}" for n, p in skipped[1:]))
+        chosen = f"auto: first that runs on {use.where} of {' > '.join(names)}{how}"
+        return Resolution(name, chosen + ("; skipped " + "; ".join(f"{n}: {p}" for n, p in skipped) if skipped else ""))
+    return Resolution(name, "; then ".join([p for _, p in skipped[:1]] + [f"{n}: {p}" for n, p in skipped[1:]]))
 
 
 class Attention(NamedTuple):
@@ -1021,13 +1016,12 @@ def attention_for(config: GPTConfig, use: AttentionUse, logged: set[str], order=
     resolution = resolve(config.attention_backend, use, order, measure)
     kernel = BACKENDS[resolution.used].kernel
     if resolution.used == "sdpa" and config.sdpa_kernel != "auto":
-        why = why_not_sdpa_kernel(config.sdpa_kernel, use)
+        pinned = config.sdpa_kernel
+        why = why_not_sdpa_kernel(pinned, use)
         if why:
-            log_once(
-                logged, logging.WARNING, f"sdpa_kernel={config.sdpa_kernel} requested but {why}; letting PyTorch choose"
-            )
+            log_once(logged, logging.WARNING, f"sdpa_kernel={pinned} requested but {why}; letting PyTorch choose")
         else:
-            kernel = functools.partial(sdpa_attention, kernel=config.sdpa_kernel)
+            kernel = functools.partial(sdpa_attention, kernel=pinned)
     return Attention(kernel, resolution, use)
 
 
