@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 log = logging.getLogger("model")
@@ -431,9 +432,8 @@ class GPT(nn.Module):
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         """autocast's dtype where it is on, else the weights'."""
-        if torch.is_autocast_enabled(device.type):
-            return torch.get_autocast_dtype(device.type)
-        return self.lm_head.weight.dtype
+        autocast = torch.is_autocast_enabled(device.type)
+        return torch.get_autocast_dtype(device.type) if autocast else self.lm_head.weight.dtype
 
     # -- nanoGPT's helpers: parameters, FLOPs, the optimizer, the context --
 
@@ -449,17 +449,14 @@ class GPT(nn.Module):
         """Training FLOPs per token (forward + backward), PaLM appendix B as nanoGPT uses it:
         6N for the weight matmuls plus 12·L·H·Q·T for attention (full, not halved for causality)."""
         c = self.config
-        T = seq_len or c.block_size
-        return 6 * self.get_num_params() + 12 * c.n_layer * c.n_head * c.head_dim * T
+        return 6 * self.get_num_params() + 12 * c.n_layer * c.n_head * c.head_dim * (seq_len or c.block_size)
 
     def estimate_mfu(self, fwdbwd_per_iter: int, dt: float) -> float | None:
         """nanoGPT's model FLOPs utilization: fwdbwd_per_iter sequences of block_size tokens each dt seconds,
         over the dense bf16 peak of the GPU the model's weights are on (PEAK_FLOPS). None where that peak is
         not known (a CPU, MPS, or a card not in the table): no A100 figure stands in for another device."""
         peak = peak_flops(self.lm_head.weight.device)
-        if peak is None:
-            return None
-        return self.flops_per_token() * self.config.block_size * fwdbwd_per_iter / dt / peak
+        return None if peak is None else self.flops_per_token() * self.config.block_size * fwdbwd_per_iter / dt / peak
 
     def configure_optimizers(self, weight_decay: float, learning_rate: float, betas, device_type: str):
         """AdamW; weight decay on matrices and embeddings (>= 2-D) only, the fused kernel on CUDA and CPU."""
@@ -788,12 +785,7 @@ def manual_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
 
 def sdpa_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0, kernel: str = "auto"):
     """torch.nn.functional.scaled_dot_product_attention; `kernel` pins one of PyTorch's kernels."""
-    if kernel == "auto":
-        context = contextlib.nullcontext()
-    else:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        context = sdpa_kernel(getattr(SDPBackend, SDPA_KERNELS[kernel]))
+    context = contextlib.nullcontext() if kernel == "auto" else sdpa_kernel(getattr(SDPBackend, SDPA_KERNELS[kernel]))
     attn_mask = mask.dense() if mask.has_documents else None
     k, v, gqa = sdpa_kv(q, k, v, attn_mask, kernel)
     with context:
