@@ -202,11 +202,9 @@ class MLP(nn.Module):
 
 class Rotary(nn.Module):
     """Rotary position embedding (RoPE, Su et al. 2021) in the half-split layout of GPT-NeoX and Hugging Face's
-    Llama: dimension i of a head turns with i + head_dim/2 by the angle pos · theta^(-2i/head_dim).
-
-    cos and sin are tabled once for every position below block_size, as non-persistent buffers (checkpoints
-    never hold them); `forward(pos)` looks up any positions: (T,) shared by the batch, or (B, T), one row each
-    (positions that restart per document, or each sequence's own positions in a KV cache)."""
+    Llama: dimension i of a head turns with i + head_dim/2 by the angle pos · theta^(-2i/head_dim). cos and sin
+    are tabled once below block_size, as non-persistent buffers (checkpoints never hold them); forward(pos) looks
+    up (T,) positions shared by the batch or (B, T), one row each (packed documents, a KV cache's sequences)."""
 
     def __init__(self, head_dim: int, block_size: int, theta: float):
         super().__init__()
@@ -721,12 +719,9 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
 
 
 class AttentionMask:
-    """The causal (and same-document) mask of one forward pass.
-
-    Built once per forward and shared by all layers; each kernel asks for the form it needs (a dense
-    boolean mask, cu_seqlens for varlen kernels, or a kernel's own `form`), made on first use.
-    `doc_ids` (B, T): documents are the runs of equal ids, so ids need not be sorted.
-    """
+    """The causal (and same-document) mask of one forward pass, built once and shared by all layers: each kernel
+    asks for the form it needs (a dense boolean mask, cu_seqlens for varlen kernels, or a kernel's own `form`),
+    made on first use. `doc_ids` (B, T): documents are the runs of equal ids, so ids need not be sorted."""
 
     def __init__(self, seq_len: int, device: torch.device, doc_ids: torch.Tensor | None = None):
         self.seq_len, self.device = seq_len, device
@@ -937,9 +932,8 @@ register(AttentionBackend("manual", manual_attention, lambda use: "", None, ("ea
 def default_auto_order(use: AttentionUse, measure: bool = False) -> tuple[tuple[str, ...], str]:
     """auto's order without kernels/: PyTorch's SDPA first (it picks its own fastest kernel), except for packed
     documents, which SDPA only takes as a dense mask and flash-attn's varlen kernel reads as cu_seqlens."""
-    if use.documents:
-        return ("flash_attn_2", "sdpa", "manual"), "default order"
-    return ("sdpa", "flash_attn_2", "manual"), "default order"
+    first = ("flash_attn_2", "sdpa") if use.documents else ("sdpa", "flash_attn_2")
+    return (*first, "manual"), "default order"
 
 
 # auto's order for a use: (use, measure) -> (names to try, how they were chosen). kernels/auto.py registers a
