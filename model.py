@@ -2,17 +2,13 @@
 A GPT-2 language model in one file, with a choice of attention kernels and switches for a modern block (RoPE,
 RMSNorm, SwiGLU, grouped key/value heads, q/k norm; all off is GPT-2 exactly).
 
-Read top-down: the config; the block's parts (norms, MLPs, RoPE); CausalSelfAttention, Block and GPT (with
-nanoGPT's from_pretrained, get_num_params, estimate_mfu, configure_optimizers, crop_block_size and generate);
-GPT-2 weights from Hugging Face; then attention's kernels (manual, sdpa, flash_attn_2), the registry and
-`resolve`, which turns a requested backend into the one that runs (falling back with a WARNING that says why,
-and one INFO line naming what runs); the loss without full logits last. The model resolves its attention when it
-is set up for a device, dtype and use, or at its first forward for the mode it is in; never inside forward's
-hot path.
+Read top-down: the config; the block's parts; CausalSelfAttention, Block and GPT (with nanoGPT's API); reading
+pretrained weights; attention's kernels (manual, sdpa, flash_attn_2) and the registry, whose `resolve` turns a
+requested backend into the one that runs (falling back with a WARNING that says why); the loss last. Attention is
+resolved when the model is set up for a device, dtype and use, or at its first forward; never in forward's hot path.
 
-This file imports nothing else of this repo. More kernels (flash-attn 3 and 4, flex_attention, auto's measured
-per-card order) register themselves from kernels/ (`import kernels`); `python -m kernels` prints what this machine
-can run; generation with a KV cache lives in generation/.
+This file imports nothing else of this repo. More kernels register themselves from kernels/ (`import kernels`);
+`python -m kernels` prints what this machine can run; generation with a KV cache lives in generation/.
 """
 
 from __future__ import annotations
@@ -34,6 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 log = logging.getLogger("model")
@@ -41,15 +38,17 @@ log = logging.getLogger("model")
 # ----------------------------------------------------------------------------------------------
 # Config
 
-NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "swiglu")
+POSITIVE = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")
 # fmt: off
 SDPA_KERNELS = {"auto": None, "flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
                 "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+CHOICES = {  # the settings that name one of a few choices, and those choices
+    "norm": ("layernorm", "rmsnorm"), "mlp": ("gelu", "swiglu"), "sdpa_kernel": tuple(SDPA_KERNELS),
+    "cross_entropy": ("auto", "plain", "chunked"),
+    "activation_checkpointing": ("none", "mlp", "block"),  # mlp keeps attention's outputs: at long T, the costly part
+}
 # fmt: on
-CROSS_ENTROPY = ("auto", "plain", "chunked")
 AUTO_CHUNKED_LOGITS = 2**31  # auto chunks the loss past this many logits a micro-batch (8 GiB in float32)
-CHECKPOINTING = ("none", "mlp", "block")  # mlp keeps attention's outputs: at long T, attention is the costly part
 
 
 @dataclass
@@ -85,7 +84,7 @@ class GPTConfig:
                 f"use_flash_attention is deprecated; use attention_backend={new!r}", DeprecationWarning, stacklevel=3
             )
             self.attention_backend, self.use_flash_attention = new, None
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+        for name in POSITIVE:
             if not positive_int(getattr(self, name)):
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.n_embd % self.n_head:
@@ -94,33 +93,20 @@ class GPTConfig:
             raise ValueError(f"head dim n_embd/n_head = {self.head_dim} must be even")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        self.check_block()
-        self.attention_backend = canonical_backend(self.attention_backend)
-        for name, allowed in (
-            ("sdpa_kernel", SDPA_KERNELS),
-            ("cross_entropy", CROSS_ENTROPY),
-            ("activation_checkpointing", CHECKPOINTING),
-        ):
+        for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {', '.join(allowed)}")
-
-    def check_block(self) -> None:
-        """ValueError, one line naming what is allowed, for a bad switch of the modern block."""
-        if self.norm not in NORMS:
-            raise ValueError(f"unknown norm {self.norm!r}; choose one of {', '.join(NORMS)}")
-        if self.mlp not in MLPS:
-            raise ValueError(f"unknown mlp {self.mlp!r}; choose one of {', '.join(MLPS)}")
         if self.mlp_hidden is not None and not positive_int(self.mlp_hidden):
             raise ValueError(f"mlp_hidden must be a positive integer or None (its default); got {self.mlp_hidden}")
-        n_kv_head, n_head = self.n_kv_head, self.n_head
-        if n_kv_head is not None and not (positive_int(n_kv_head) and n_head % n_kv_head == 0):
+        if self.n_kv_head is not None and not (positive_int(self.n_kv_head) and self.n_head % self.n_kv_head == 0):
             raise ValueError(
-                f"n_kv_head must be a positive integer that divides n_head ({n_head}), or None (= n_head); "
-                f"got {n_kv_head}"
+                f"n_kv_head must be a positive integer that divides n_head ({self.n_head}), or None (= n_head); "
+                f"got {self.n_kv_head}"
             )
         theta = self.rope_theta
         if not (isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 0):
             raise ValueError(f"rope_theta must be a finite number > 0, got {theta!r}")
+        self.attention_backend = canonical_backend(self.attention_backend)
 
     @classmethod
     def from_dict(cls, saved: dict) -> GPTConfig:
@@ -197,46 +183,28 @@ def mlp_hidden_size(kind: str, n_embd: int) -> int:
 
 
 class MLP(nn.Module):
-    """GPT-2's MLP: c_fc, tanh GELU, c_proj."""
+    """GPT-2's MLP: c_proj(tanh GELU(c_fc(x))); with kind="swiglu", SwiGLU (Shazeer 2020; Llama's MLP):
+    c_proj(silu(c_gate(x)) * c_fc(x)). The gate is its own Linear, not a half of a c_fc twice as wide: each
+    matrix maps one to one to Llama's gate_proj, up_proj, down_proj, and LoRA or a sharded layer can take each whole."""
 
-    def __init__(self, n_embd: int, hidden: int, bias: bool, dropout: float):
+    def __init__(self, kind: str, n_embd: int, hidden: int, bias: bool, dropout: float):
         super().__init__()
+        self.c_gate = nn.Linear(n_embd, hidden, bias=bias) if kind == "swiglu" else None
         self.c_fc = nn.Linear(n_embd, hidden, bias=bias)
         self.gelu = nn.GELU(approximate="tanh")
         self.c_proj = nn.Linear(hidden, n_embd, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x):
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
-
-
-class SwiGLU(nn.Module):
-    """SwiGLU (Shazeer 2020; Llama's MLP): c_proj(silu(c_gate(x)) * c_fc(x)). The gate is its own Linear, not a
-    half of a c_fc twice as wide: each matrix maps one to one to Llama's gate_proj, up_proj, down_proj, and
-    LoRA or a sharded layer can take each whole."""
-
-    def __init__(self, n_embd: int, hidden: int, bias: bool, dropout: float):
-        super().__init__()
-        self.c_gate = nn.Linear(n_embd, hidden, bias=bias)
-        self.c_fc = nn.Linear(n_embd, hidden, bias=bias)
-        self.c_proj = nn.Linear(hidden, n_embd, bias=bias)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x):
-        return self.dropout(self.c_proj(F.silu(self.c_gate(x)) * self.c_fc(x)))
-
-
-def make_mlp(kind: str, n_embd: int, hidden: int, bias: bool, dropout: float) -> nn.Module:
-    return (SwiGLU if kind == "swiglu" else MLP)(n_embd, hidden, bias, dropout)
+        h = self.gelu(self.c_fc(x)) if self.c_gate is None else F.silu(self.c_gate(x)) * self.c_fc(x)
+        return self.dropout(self.c_proj(h))
 
 
 class Rotary(nn.Module):
     """Rotary position embedding (RoPE, Su et al. 2021) in the half-split layout of GPT-NeoX and Hugging Face's
-    Llama: dimension i of a head turns with i + head_dim/2 by the angle pos · theta^(-2i/head_dim).
-
-    cos and sin are tabled once for every position below block_size, as non-persistent buffers (checkpoints
-    never hold them); `forward(pos)` looks up any positions: (T,) shared by the batch, or (B, T), one row each
-    (positions that restart per document, or each sequence's own positions in a KV cache)."""
+    Llama: dimension i of a head turns with i + head_dim/2 by the angle pos · theta^(-2i/head_dim). cos and sin
+    are tabled once below block_size, as non-persistent buffers (checkpoints never hold them); forward(pos) looks
+    up (T,) positions shared by the batch or (B, T), one row each (packed documents, a KV cache's sequences)."""
 
     def __init__(self, head_dim: int, block_size: int, theta: float):
         super().__init__()
@@ -264,11 +232,15 @@ def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> to
 def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
     """(B, T) position of each token within its document (runs of equal ids): packed documents each start at 0,
     as they would alone."""
-    T = doc_ids.size(1)
-    index = torch.arange(T, device=doc_ids.device).expand_as(doc_ids)  # (B, T)
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    return index - torch.where(starts, index, 0).cummax(dim=1).values  # minus where its document starts
+    index = torch.arange(doc_ids.size(1), device=doc_ids.device).expand_as(doc_ids)  # (B, T)
+    return index - torch.where(run_starts(doc_ids), index, 0).cummax(dim=1).values  # minus where its document starts
+
+
+def run_starts(ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool, True where a run of equal ids (a document of a packed row) starts."""
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    return starts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,7 +282,7 @@ class Block(nn.Module):
         self.ln_1 = make_norm(config.norm, config.n_embd, config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = make_norm(config.norm, config.n_embd, config.bias)
-        self.mlp = make_mlp(config.mlp, config.n_embd, config.mlp_width, config.bias, config.dropout)
+        self.mlp = MLP(config.mlp, config.n_embd, config.mlp_width, config.bias, config.dropout)
         self.recompute_mlp = config.activation_checkpointing == "mlp"
 
     def forward(self, x, attend: Callable, mask: AttentionMask, rope=None):
@@ -425,20 +397,11 @@ class GPT(nn.Module):
 
     # -- attention: resolved for the device, dtype and use the model runs with --
 
-    def setup_attention(
-        self,
-        device,
-        dtype: torch.dtype,
-        *,
-        training: bool = True,
-        seq_len: int | None = None,
-        documents: bool = False,
-        measure: bool = False,
-    ) -> Resolution:
-        """Resolve the attention backend for this device, compute dtype (autocast's) and use (training or not,
-        packed documents or not), hold it, and log it: a WARNING when an explicit request falls back, one INFO
-        line naming what runs. Call it before torch.compile; forward then reads the result. `measure`: auto on
-        a card its table does not know may time the candidates (kernels/auto.py) here, never in forward."""
+    def setup_attention(self, device, dtype, *, training=True, seq_len=None, documents=False, measure=False):
+        """Resolve the attention backend for this device, compute dtype (autocast's) and use (training or not, packed
+        documents or not), hold it, log it (a WARNING when an explicit request falls back, one INFO line naming
+        what runs) and return its Resolution. Call it before torch.compile; forward then reads the result.
+        `measure`: auto on a card its table does not know may time the candidates here, never in forward."""
         use = self.attention_use(device, dtype, training=training, seq_len=seq_len, documents=documents)
         measure = measure and self.config.auto_measure
         self.attention = attention_for(self.config, use, self.logged_lines, measure=measure)
@@ -467,9 +430,8 @@ class GPT(nn.Module):
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         """autocast's dtype where it is on, else the weights'."""
-        if torch.is_autocast_enabled(device.type):
-            return torch.get_autocast_dtype(device.type)
-        return self.lm_head.weight.dtype
+        autocast = torch.is_autocast_enabled(device.type)
+        return torch.get_autocast_dtype(device.type) if autocast else self.lm_head.weight.dtype
 
     # -- nanoGPT's helpers: parameters, FLOPs, the optimizer, the context --
 
@@ -485,17 +447,14 @@ class GPT(nn.Module):
         """Training FLOPs per token (forward + backward), PaLM appendix B as nanoGPT uses it:
         6N for the weight matmuls plus 12·L·H·Q·T for attention (full, not halved for causality)."""
         c = self.config
-        T = seq_len or c.block_size
-        return 6 * self.get_num_params() + 12 * c.n_layer * c.n_head * c.head_dim * T
+        return 6 * self.get_num_params() + 12 * c.n_layer * c.n_head * c.head_dim * (seq_len or c.block_size)
 
     def estimate_mfu(self, fwdbwd_per_iter: int, dt: float) -> float | None:
         """nanoGPT's model FLOPs utilization: fwdbwd_per_iter sequences of block_size tokens each dt seconds,
         over the dense bf16 peak of the GPU the model's weights are on (PEAK_FLOPS). None where that peak is
         not known (a CPU, MPS, or a card not in the table): no A100 figure stands in for another device."""
         peak = peak_flops(self.lm_head.weight.device)
-        if peak is None:
-            return None
-        return self.flops_per_token() * self.config.block_size * fwdbwd_per_iter / dt / peak
+        return None if peak is None else self.flops_per_token() * self.config.block_size * fwdbwd_per_iter / dt / peak
 
     def configure_optimizers(self, weight_decay: float, learning_rate: float, betas, device_type: str):
         """AdamW; weight decay on matrices and embeddings (>= 2-D) only, the fused kernel on CUDA and CPU."""
@@ -542,7 +501,7 @@ class GPT(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
-# Pretrained weights: a Hugging Face GPT-2 folder, a hub name, or a checkpoint, read without the rest of this repo.
+# Pretrained weights: a hub name, a Hugging Face GPT-2 folder, or a checkpoint, read without the rest of this repo.
 # HF's GPT-2 keeps GPT-2's parameter names, as ours do, but stores its four projections as Conv1D with weights
 # (in, out) where nn.Linear has (out, in): they are transposed on the way in (and out, in weights/hf.py).
 
@@ -550,6 +509,12 @@ HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # in order of preference
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")  # stored (in, out)
 MASK_BUFFERS = ("attn.bias", "attn.masked_bias")  # the causal mask, saved by older GPT-2 code: not weights
+# config.json settings that GPT-2's math would need and ours does not do: {setting: (HF's default, what is allowed)}
+# fmt: off
+HF_EXACT = {"layer_norm_epsilon": (1e-5, "1e-05"), "activation_function": ("gelu_new", "gelu_new (tanh GELU)"),
+            "scale_attn_weights": (True, "true"), "scale_attn_by_inverse_layer_idx": (False, "false"),
+            "add_cross_attention": (False, "false")}
+# fmt: on
 
 
 def read_pretrained(source) -> tuple[dict, dict]:
@@ -559,10 +524,8 @@ def read_pretrained(source) -> tuple[dict, dict]:
         path = path / "ckpt.pt"
     if path.is_file():
         return read_checkpoint(path)
-    if path.is_dir() and (path / "config.json").is_file():
-        return read_hf_folder(path)[:2]
-    if str(source) in HUB_NAMES:
-        return read_hf_folder(hub_folder(str(source)))[:2]
+    if (path / "config.json").is_file() or str(source) in HUB_NAMES:
+        return read_hf_folder(path if (path / "config.json").is_file() else hub_folder(str(source)))
     raise ValueError(
         f"{source!r} is not a checkpoint file, an out_dir with ckpt.pt, a Hugging Face GPT-2 folder "
         f"(config.json + weights) or a hub name ({', '.join(HUB_NAMES)})"
@@ -583,9 +546,14 @@ def read_checkpoint(path: Path) -> tuple[dict, dict]:
 
 
 def load_torch_file(path: Path):
+    """A torch.save file (tensors and containers only: no code runs) or a safetensors file, on the CPU."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)  # tensors and containers only: no code runs
-    except Exception as error:  # torch.load raises many kinds for a file that is not a checkpoint
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(path)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch.load and safetensors raise many kinds for a file that is not one
         raise ValueError(f"{path} cannot be read as a checkpoint ({str(error).splitlines()[0]})") from None
 
 
@@ -598,90 +566,61 @@ def hub_folder(name: str) -> Path:
     patterns = ["config.json", "model.safetensors"]
     with contextlib.suppress(OSError, ValueError):  # not cached (LocalEntryNotFoundError is an OSError)
         return Path(snapshot_download(name, allow_patterns=patterns, local_files_only=True))
-    try:
-        if constants.HF_HUB_OFFLINE:
-            raise OSError("offline")
-        return Path(snapshot_download(name, allow_patterns=patterns))
-    except (OSError, ValueError):  # no network, offline mode, a failed download: all HfHubHTTPError/OSError
-        raise ValueError(
-            f"{name} is not in the local Hugging Face cache and the hub cannot be reached; download it with "
-            f"`hf download {name} config.json model.safetensors` or pass a local directory"
-        ) from None
+    with contextlib.suppress(OSError, ValueError):  # no network, a failed download: HfHubHTTPError is an OSError
+        if not constants.HF_HUB_OFFLINE:
+            return Path(snapshot_download(name, allow_patterns=patterns))
+    raise ValueError(
+        f"{name} is not in the local Hugging Face cache and the hub cannot be reached; download it with "
+        f"`hf download {name} config.json model.safetensors` or pass a local directory"
+    )
 
 
-def read_hf_folder(folder: Path) -> tuple[dict, dict, dict | None]:
-    """(GPTConfig fields, state dict, the tokenizer meta weights/hf.py's export wrote or None) of a Hugging Face
-    GPT-2 folder; its size is checked before its weights are read."""
-    path = folder / "config.json"
-    try:
-        hf = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path} cannot be read as JSON ({error})") from None
-    model_config = hf_model_config(hf, path)
+def read_hf_folder(folder: Path) -> tuple[dict, dict]:
+    """(GPTConfig fields, state dict) of a Hugging Face GPT-2 folder; its size is checked before its weights
+    are read."""
+    model_config = hf_model_config(folder / "config.json")
     check_fits_in_memory(GPTConfig(**model_config))
-    saved, meta = read_hf_weights(folder)
-    return model_config, hf_state_dict(saved, model_config["tie_embeddings"]), meta
-
-
-def hf_model_config(hf, path) -> dict:
-    """config.json -> GPTConfig fields; a setting our GPT cannot reproduce exactly is one ValueError line."""
-    if not isinstance(hf, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    if hf.get("model_type", "gpt2") != "gpt2":
-        raise ValueError(f"{path}: model_type {hf['model_type']!r} is not gpt2; only GPT-2 models load")
-    required = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12}  # HF's defaults
-    config = {key: hf.get(key, default) for key, default in required.items()}
-    # what GPT-2's math would need that ours does not do: (setting, HF's default, what is allowed)
-    exact = [
-        ("layer_norm_epsilon", 1e-5, "1e-05"),
-        ("activation_function", "gelu_new", "gelu_new (tanh GELU)"),
-        ("n_inner", None, f"null or 4*n_embd = {4 * config['n_embd']}"),
-        ("scale_attn_weights", True, "true"),
-        ("scale_attn_by_inverse_layer_idx", False, "false"),
-        ("add_cross_attention", False, "false"),
-    ]
-    for key, default, allowed in exact:
-        value = hf.get(key, default)
-        if value != default and not (key == "n_inner" and value == 4 * config["n_embd"]):
-            raise ValueError(f"{path}: {key}={value!r} is not supported; allowed: {allowed}")
-    model_config = {
-        "block_size": config["n_positions"],
-        "vocab_size": config["vocab_size"],  # as is, never padded: the logits must be HF's
-        "n_layer": config["n_layer"],
-        "n_head": config["n_head"],
-        "n_embd": config["n_embd"],
-        "dropout": 0.0,  # the run's own setting applies
-        "bias": True,
-        "tie_embeddings": hf.get("tie_word_embeddings", True) is not False,
-    }
-    try:
-        return asdict(GPTConfig(**model_config))  # every field, as our checkpoints hold them
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"{path}: {error}") from None
-
-
-def read_hf_weights(folder: Path) -> tuple[dict, dict | None]:
-    """(the tensors of a Hugging Face folder's weights file, the meta in its safetensors metadata or None)."""
     path = next((folder / name for name in HF_WEIGHT_FILES if (folder / name).is_file()), None)
     if path is None:
         raise ValueError(
             f"{folder} is a Hugging Face GPT-2 folder with config.json but no weights "
             f"({' or '.join(HF_WEIGHT_FILES)}); copy or download its weights file into it"
         )
-    if path.suffix != ".safetensors":
-        saved = load_torch_file(path)
-        if not isinstance(saved, dict):
-            raise ValueError(f"{path} is not a state dict")
-        return saved, None
-    from safetensors import SafetensorError, safe_open
+    saved = load_torch_file(path)
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path} is not a state dict")
+    return model_config, hf_state_dict(saved, model_config["tie_embeddings"])
 
+
+def hf_model_config(path: Path) -> dict:
+    """config.json -> GPTConfig fields (every field, as our checkpoints hold them); a setting our GPT cannot
+    reproduce exactly is one ValueError line."""
     try:
-        with safe_open(str(path), framework="pt") as f:
-            saved = {key: f.get_tensor(key) for key in f.keys()}
-            meta = json.loads((f.metadata() or {}).get("meta", "null"))
-    except (SafetensorError, OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path} is not a readable safetensors file ({error})") from None
-    return saved, meta if isinstance(meta, dict) else None
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} cannot be read as JSON ({error})") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    if hf.get("model_type", "gpt2") != "gpt2":
+        raise ValueError(f"{path}: model_type {hf['model_type']!r} is not gpt2; only GPT-2 models load")
+    n_embd = hf.get("n_embd", 768)
+    exact = {**HF_EXACT, "n_inner": (None, f"null or 4*n_embd = {4 * n_embd}")}
+    for key, (default, allowed) in exact.items():
+        value = hf.get(key, default)
+        if value != default and not (key == "n_inner" and value == 4 * n_embd):
+            raise ValueError(f"{path}: {key}={value!r} is not supported; allowed: {allowed}")
+    try:  # HF's defaults where config.json is silent; vocab_size as is, never padded: the logits must be HF's
+        return asdict(
+            GPTConfig(
+                block_size=hf.get("n_positions", 1024),
+                vocab_size=hf.get("vocab_size", 50257),
+                **{key: hf.get(key, 12) for key in ("n_layer", "n_head")},
+                n_embd=n_embd,
+                tie_embeddings=hf.get("tie_word_embeddings", True) is not False,
+            )
+        )
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: {error}") from None
 
 
 def hf_state_dict(saved: dict, tied: bool = True) -> dict:
@@ -780,16 +719,14 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
 
 
 class AttentionMask:
-    """The causal (and same-document) mask of one forward pass.
-
-    Built once per forward and shared by all layers; each kernel asks for the form it needs (a dense
-    boolean mask, cu_seqlens for varlen kernels, or a kernel's own `form`), made on first use.
-    `doc_ids` (B, T): documents are the runs of equal ids, so ids need not be sorted.
-    """
+    """The causal (and same-document) mask of one forward pass, built once and shared by all layers: each kernel
+    asks for the form it needs (a dense boolean mask, cu_seqlens for varlen kernels, or a kernel's own `form`),
+    made on first use. `doc_ids` (B, T): documents are the runs of equal ids, so ids need not be sorted."""
 
     def __init__(self, seq_len: int, device: torch.device, doc_ids: torch.Tensor | None = None):
         self.seq_len, self.device = seq_len, device
-        self.segments = None if doc_ids is None else _run_ids(doc_ids)
+        # each token's document: the runs of equal ids numbered 0, 1, 2, ... per row
+        self.segments = None if doc_ids is None else run_starts(doc_ids).cumsum(dim=1, dtype=torch.int32) - 1
         self._dense = self._varlen = None
         self._forms: dict[str, object] = {}
 
@@ -810,9 +747,7 @@ class AttentionMask:
     def varlen(self) -> tuple[torch.Tensor, int]:
         """cu_seqlens (int32, one entry per document start plus the end) over the flattened (B*T) tokens."""
         if self._varlen is None:
-            starts = torch.ones_like(self.segments, dtype=torch.bool)
-            starts[:, 1:] = self.segments[:, 1:] != self.segments[:, :-1]
-            first = starts.flatten().nonzero().flatten()  # one host sync per forward, not per layer
+            first = run_starts(self.segments).flatten().nonzero().flatten()  # one host sync per forward, not per layer
             cu_seqlens = torch.cat([first, first.new_tensor([self.segments.numel()])]).to(torch.int32)
             self._varlen = (cu_seqlens, self.seq_len)  # T bounds every document's length
         return self._varlen
@@ -822,13 +757,6 @@ class AttentionMask:
         if name not in self._forms:
             self._forms[name] = make(self)
         return self._forms[name]
-
-
-def _run_ids(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Number the runs of equal ids in each row 0, 1, 2, ... (documents are contiguous runs)."""
-    change = torch.zeros_like(doc_ids, dtype=torch.int32)
-    change[:, 1:] = (doc_ids[:, 1:] != doc_ids[:, :-1]).to(torch.int32)
-    return change.cumsum(dim=1)
 
 
 def repeat_kv(q, k, v):
@@ -852,12 +780,7 @@ def manual_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
 
 def sdpa_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0, kernel: str = "auto"):
     """torch.nn.functional.scaled_dot_product_attention; `kernel` pins one of PyTorch's kernels."""
-    if kernel == "auto":
-        context = contextlib.nullcontext()
-    else:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        context = sdpa_kernel(getattr(SDPBackend, SDPA_KERNELS[kernel]))
+    context = contextlib.nullcontext() if kernel == "auto" else sdpa_kernel(getattr(SDPBackend, SDPA_KERNELS[kernel]))
     attn_mask = mask.dense() if mask.has_documents else None
     k, v, gqa = sdpa_kv(q, k, v, attn_mask, kernel)
     with context:
@@ -974,9 +897,6 @@ class FlashAttn2:
         return y.reshape(B, T, H, D).transpose(1, 2)
 
 
-FLASH_ATTN_2 = FlashAttn2()
-
-
 # ----------------------------------------------------------------------------------------------
 # The registry: one record per backend; `resolve` turns a request into the backend that runs. Adding a backend =
 # its kernel + one register() call (kernels/ and generation/ register the ones beyond this file's three).
@@ -1004,7 +924,7 @@ def flash_attn_2_backend() -> AttentionBackend:
     return AttentionBackend("flash_attn_2", kernel, kernel.why_not, "sdpa", ("flash_attention_2",))
 
 
-register(AttentionBackend("flash_attn_2", FLASH_ATTN_2, FLASH_ATTN_2.why_not, "sdpa", ("flash_attention_2",)))
+FLASH_ATTN_2 = register(flash_attn_2_backend()).kernel
 register(AttentionBackend("sdpa", sdpa_attention, why_not_sdpa, "manual"))
 register(AttentionBackend("manual", manual_attention, lambda use: "", None, ("eager",)))
 
@@ -1012,9 +932,8 @@ register(AttentionBackend("manual", manual_attention, lambda use: "", None, ("ea
 def default_auto_order(use: AttentionUse, measure: bool = False) -> tuple[tuple[str, ...], str]:
     """auto's order without kernels/: PyTorch's SDPA first (it picks its own fastest kernel), except for packed
     documents, which SDPA only takes as a dense mask and flash-attn's varlen kernel reads as cu_seqlens."""
-    if use.documents:
-        return ("flash_attn_2", "sdpa", "manual"), "default order"
-    return ("sdpa", "flash_attn_2", "manual"), "default order"
+    first = ("flash_attn_2", "sdpa") if use.documents else ("sdpa", "flash_attn_2")
+    return (*first, "manual"), "default order"
 
 
 # auto's order for a use: (use, measure) -> (names to try, how they were chosen). kernels/auto.py registers a
@@ -1056,22 +975,17 @@ def resolve(requested: str, use: AttentionUse, order=None, measure: bool = False
         names, how = [requested], ""
         while BACKENDS[names[-1]].fallback:
             names.append(BACKENDS[names[-1]].fallback)
-    skipped = []
+    skipped = []  # (name, why not) of each that cannot run
     for name in names:
         why = BACKENDS[name].why_not(use) if name in BACKENDS else f"{name} is not registered (import kernels)"
         if not why:
             break
         skipped.append((name, why))
     if requested == "auto":
-        why = "; ".join(f"{n}: {p}" for n, p in skipped)
         how = f" ({how})" if how and how != "default order" else ""
-        return Resolution(
-            name,
-            f"auto: first that runs on {use.where} of {' > '.join(names)}{how}" + (f"; skipped {why}" if why else ""),
-        )
-    if not skipped:
-        return Resolution(name, "")
-    return Resolution(name, skipped[0][1] + "".join(f"; then {n}: {p}" for n, p in skipped[1:]))
+        chosen = f"auto: first that runs on {use.where} of {' > '.join(names)}{how}"
+        return Resolution(name, chosen + ("; skipped " + "; ".join(f"{n}: {p}" for n, p in skipped) if skipped else ""))
+    return Resolution(name, "; then ".join([p for _, p in skipped[:1]] + [f"{n}: {p}" for n, p in skipped[1:]]))
 
 
 class Attention(NamedTuple):
@@ -1088,13 +1002,12 @@ def attention_for(config: GPTConfig, use: AttentionUse, logged: set[str], order=
     resolution = resolve(config.attention_backend, use, order, measure)
     kernel = BACKENDS[resolution.used].kernel
     if resolution.used == "sdpa" and config.sdpa_kernel != "auto":
-        why = why_not_sdpa_kernel(config.sdpa_kernel, use)
+        pinned = config.sdpa_kernel
+        why = why_not_sdpa_kernel(pinned, use)
         if why:
-            log_once(
-                logged, logging.WARNING, f"sdpa_kernel={config.sdpa_kernel} requested but {why}; letting PyTorch choose"
-            )
+            log_once(logged, logging.WARNING, f"sdpa_kernel={pinned} requested but {why}; letting PyTorch choose")
         else:
-            kernel = functools.partial(sdpa_attention, kernel=config.sdpa_kernel)
+            kernel = functools.partial(sdpa_attention, kernel=pinned)
     return Attention(kernel, resolution, use)
 
 

@@ -78,11 +78,26 @@ def load_hf(name_or_dir) -> dict:
     reading is model.py's (GPT.from_pretrained's), its one-line errors CheckpointErrors."""
     try:
         folder = Path(name_or_dir) if Path(name_or_dir).is_dir() else hub_folder(str(name_or_dir))
-        config, weights, meta = read_hf_folder(folder)
+        config, weights = read_hf_folder(folder)
     except ValueError as error:
         raise CheckpointError(str(error)) from None
-    meta = meta or gpt2_meta()  # HF's GPT-2 folders carry no tokenizer we read
+    meta = exported_meta(folder) or gpt2_meta()  # HF's own GPT-2 folders carry no tokenizer we read
     return {"model": weights, "model_config": config, "meta": meta, "source": "huggingface"}
+
+
+def exported_meta(folder: Path) -> dict | None:
+    """The tokenizer meta export_hf wrote into model.safetensors' metadata, or None."""
+    path = folder / "model.safetensors"
+    if not path.is_file():
+        return None
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("meta", "null"))
+    except (SafetensorError, OSError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({error})") from None
+    return meta if isinstance(meta, dict) else None
 
 
 def model_from_checkpoint(state: dict, path, **overrides) -> GPT:
