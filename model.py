@@ -243,6 +243,15 @@ def run_starts(ids: torch.Tensor) -> torch.Tensor:
     return starts
 
 
+def run_ids(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) int32: the runs of equal ids in each row numbered 0, 1, 2, ... Built as int32 from the start and
+    summed once: the same numbers written as run_starts(...).cumsum(dtype=int32) - 1 made inductor fail to lower
+    flex_attention's packed BlockMask inside a compiled graph (torch 2.11, an H200)."""
+    change = torch.zeros_like(doc_ids, dtype=torch.int32)
+    change[:, 1:] = (doc_ids[:, 1:] != doc_ids[:, :-1]).to(torch.int32)
+    return change.cumsum(dim=1)
+
+
 # ----------------------------------------------------------------------------------------------
 # The model (GPT-2: learned positions, pre-LayerNorm, tanh GELU, tied embeddings; GPTConfig's switches
 # change the block: RoPE, RMSNorm, SwiGLU, grouped key/value heads, q/k norm)
@@ -726,7 +735,7 @@ class AttentionMask:
     def __init__(self, seq_len: int, device: torch.device, doc_ids: torch.Tensor | None = None):
         self.seq_len, self.device = seq_len, device
         # each token's document: the runs of equal ids numbered 0, 1, 2, ... per row
-        self.segments = None if doc_ids is None else run_starts(doc_ids).cumsum(dim=1, dtype=torch.int32) - 1
+        self.segments = None if doc_ids is None else run_ids(doc_ids)
         self._dense = self._varlen = None
         self._forms: dict[str, object] = {}
 

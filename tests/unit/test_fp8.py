@@ -109,5 +109,5 @@ def test_gpu_train_py_trains_with_fp8_compiled(recipe, char_data, tmp_path, caps
     assert f"fp8: {recipe} scaling on " in captured.err and "WARNING" not in captured.err
     state = torch.load(out / "ckpt.pt", map_location="cpu", weights_only=False)
     GPT(GPTConfig(**state["model_config"])).load_state_dict(state["model"])
-    evals = [float(line.split("val ")[1].split()[0]) for line in captured.out.splitlines() if "| val " in line]
+    evals = [float(line.split("| val ")[1].split()[0]) for line in captured.out.splitlines() if "| val " in line]
     assert evals and evals[-1] < evals[0]
