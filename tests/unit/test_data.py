@@ -185,7 +185,8 @@ def test_prepare_script_errors_are_one_line(module, tmp_path, monkeypatch, capsy
     (tmp_path / "a_file").write_text("not a folder")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     (tmp_path / "loop").symlink_to("loop")
-    source = "--dataset_path" if "dataset_path" in Path(script).read_text() else "--input"
+    hub = module.split(".")[1] in ("openwebtext", "fineweb")  # read from the hub or a --dataset_path copy
+    source = "--dataset_path" if hub else "--input"
     cases = {
         (f"--out_dir={tmp_path / 'a_file'}",): f"--out_dir {tmp_path / 'a_file'} is a file, not a folder",
         (f"--out_dir={tmp_path / 'a_file' / 'sub'}",): f"--out_dir {tmp_path / 'a_file' / 'sub'} cannot be created",
