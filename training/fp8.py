@@ -18,11 +18,13 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
+from kernels.auto import card_key
+
 log = logging.getLogger("train")
 
 FP8_MODES = ("off", "tensorwise", "rowwise", "auto")
 # auto: per card family, the narrowest model width from which a recipe measured faster than bf16 for the whole
-# train step (bench: python -m bench.bench_train --variants default fp8-tensorwise fp8-rowwise, per width). No
+# train step (bench: python -m bench.bench_train --variants bf16 fp8-tensorwise fp8-rowwise, per width). No
 # measurement has shown a win yet, so auto trains in bf16 everywhere.
 AUTO_FP8: dict[str, tuple[int, str]] = {}
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89), Hopper (sm90) and newer
@@ -34,7 +36,8 @@ class Fp8Choice(NamedTuple):
 
 
 def card_family(device: torch.device) -> str:
-    return "sm{}{}".format(*torch.cuda.get_device_capability(device)) if device.type == "cuda" else device.type
+    """auto's table key: the GPU's compute capability, as auto's attention table keys it (sm90), else cpu, mps."""
+    return card_key(device) or device.type
 
 
 def why_fp8_cannot_run(device: torch.device, dtype: torch.dtype, *, compiled: bool, lora: bool) -> str:
