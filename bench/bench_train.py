@@ -56,6 +56,8 @@ VARIANTS = {
     "bf16": dict(fp8="off"),  # the default, whatever fp8=auto decides: the baseline of the FP8 rows
     "fp8-tensorwise": dict(fp8="tensorwise"),
     "fp8-rowwise": dict(fp8="rowwise"),
+    "compile-whole": dict(compile_blocks=False),  # one graph for the whole model
+    "compile-blocks": dict(compile_blocks=True),  # regional: one graph per block, compiled once and reused
 }
 
 
