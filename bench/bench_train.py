@@ -57,7 +57,7 @@ VARIANTS = {
     "fp8-tensorwise": dict(fp8="tensorwise"),
     "fp8-rowwise": dict(fp8="rowwise"),
     "compile-whole": dict(compile_blocks=False),  # one graph for the whole model
-    "compile-blocks": dict(compile_blocks=True),  # regional: one graph per block, compiled once and reused
+    "compile-blocks": dict(compile_blocks=True),  # regional: each block and the head compiled apart
 }
 
 
