@@ -45,6 +45,7 @@ from training.preflight import (
     check_config,
     checkpoint_path,
     claim_run_out_dir,
+    compiles_per_block,
     resolve_init_from,
 )
 from training.profiling import StepProfiler
@@ -133,7 +134,7 @@ class TrainConfig:
     )
     compile: bool | None = None  # torch.compile the model; None: on for CUDA, off elsewhere
     compile_mode: str = "default"  # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
-    compile_blocks: bool = False  # compile each block and the head apart: compiles faster; DDP all-reduces in backward
+    compile_blocks: bool | None = None  # compile per block; None: yes, but whole with CUDA graphs or ddp_graph_split
     dist_backend: str = "nccl"  # DDP backend under torchrun: nccl | gloo
     parallelism: str = "ddp"  # under torchrun: ddp (a model copy per GPU) | fsdp (weights and optimizer sharded)
     context_parallel: int = 1  # under torchrun: ranks that split each sequence, for contexts one GPU cannot hold
@@ -451,29 +452,26 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     scaler = parallel.grad_scaler(
         model, device.type, init_scale=2.0**16 if scaled else 1.0, enabled=device.type in ("cuda", "cpu")
     )
+    per_block = compiles_per_block(cfg) or parallel.is_sharded(model)  # sharded: always (wrap_model)
     eval_model, train_model = parallel.wrap_model(
         model,
         runtime,
         use_compile=use_compile,
         compile_mode=cfg.compile_mode,
-        per_block=cfg.compile_blocks,
+        per_block=per_block,
         bucket_cap_mb=cfg.ddp_bucket_cap_mb,
         graph_split=cfg.ddp_graph_split,
         reduce_dtype=cfg.ddp_reduce_dtype,
     )
+    compiled = ("per block" if per_block else "whole model") if use_compile else ""
     optimizer = build_optimizer(cfg, runtime, model)
-    # Under CUDA graphs the compiled backward returns gradients in graph memory, which the next micro-step's replay
-    # overwrites; taken as .grad they would be lost to accumulation (pytorch/pytorch#169545). With .grad buffers of
-    # our own, every backward adds into them instead.
-    own_grads = use_compile and cfg.compile_mode in CUDA_GRAPH_MODES
+    own_grads = use_compile and cfg.compile_mode in CUDA_GRAPH_MODES  # parallel.keep_own_grads says why
     if own_grads:
-        for param in model.parameters():
-            if param.requires_grad:
-                param.grad = torch.zeros_like(param)
+        parallel.keep_own_grads(model)
     state = TrainState(
         cfg, runtime, model, eval_model, train_model, optimizer, scaler, StopFlags(runtime), next_batch, attention
     )
-    state.own_grads, state.fp8 = own_grads, fp8_choice
+    state.own_grads, state.fp8, state.compiled = own_grads, fp8_choice, compiled
     return state
 
 

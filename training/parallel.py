@@ -153,6 +153,15 @@ def compile_blocks(model: nn.Module, compile_mode: str) -> None:
     model.head = torch.compile(model.head, mode=compile_mode)
 
 
+def keep_own_grads(model: nn.Module) -> None:
+    """.grad buffers of the model's own, zeroed in place between steps. Under CUDA graphs the compiled backward
+    returns gradients in graph memory, which the next micro-step's replay overwrites; taken as .grad they would be
+    lost to accumulation (pytorch/pytorch#169545). With buffers of our own, every backward adds into them."""
+    for param in model.parameters():
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+
+
 def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
