@@ -434,8 +434,8 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     sees one backend), and build the compiled and DDP-wrapped (or FSDP-sharded) views, optimizer, GradScaler."""
     device = runtime.device
     use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
-    lora = cfg.lora_rank > 0
-    fp8_choice = fp8.setup_fp8(model, cfg.fp8, device, runtime.dtype, compiled=use_compile, lora=lora)  # then shard
+    lora, sharded = cfg.lora_rank > 0, runtime.ddp and cfg.parallelism == "fsdp"  # as place_model shards
+    fp8_choice = fp8.setup_fp8(model, cfg.fp8, device, runtime.dtype, compiled=use_compile, lora=lora, sharded=sharded)
     model = parallel.place_model(
         model,
         runtime,
@@ -465,6 +465,8 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     )
     compiled = ("per block" if per_block else "whole model") if use_compile else ""
     optimizer = build_optimizer(cfg, runtime, model)
+    if fp8_choice.fsdp_all_gather:
+        fp8.precompute_scales_after_each_step(optimizer, model)
     own_grads = use_compile and cfg.compile_mode in CUDA_GRAPH_MODES  # parallel.keep_own_grads says why
     if own_grads:
         parallel.keep_own_grads(model)
