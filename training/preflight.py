@@ -173,12 +173,17 @@ def check_parallelism(cfg) -> None:
         raise ValueError("ddp_reduce_dtype=bfloat16 needs dist_backend=nccl (no bf16 all-reduce hook for gloo)")
 
 
-def compiles_per_block(cfg) -> bool:
+def compiles_per_block(cfg, *, sharded: bool = False) -> bool:
     """Whether torch.compile takes the model block by block (regional compilation: one block's graph, compiled
     once and reused by every block, and the head; a deep model's first step in seconds, not minutes) or whole.
     compile_blocks=None chooses per block, but the whole model where the whole graph is the point: a CUDA-graph
     compile_mode (it replays the whole model's graph) and ddp_graph_split (it cuts that graph at DDP's buckets).
-    A sharded (FSDP) model is compiled per block whatever this says (parallel.wrap_model)."""
+    A sharded (FSDP) model always compiles per block (parallel.compile_blocks says why); a WARNING where
+    compile_blocks=false asked otherwise."""
+    if sharded:
+        if cfg.compile_blocks is False:
+            log.warning("compile_blocks=false: parallelism fsdp compiles each block apart all the same (FSDP's hooks)")
+        return True
     if cfg.compile_blocks is not None:
         return cfg.compile_blocks
     return cfg.compile_mode not in CUDA_GRAPH_MODES and not cfg.ddp_graph_split

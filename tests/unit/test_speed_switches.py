@@ -120,3 +120,16 @@ def test_compile_blocks_true_with_a_whole_graph_setting_is_one_line(other, capsy
     assert train.main(["--compile_blocks=true", other]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and "compile_blocks=true" in err, err
+
+
+def test_a_sharded_model_compiles_per_block_and_says_so_where_asked_otherwise(caplog):
+    import logging
+
+    from train import TrainConfig
+    from training.preflight import compiles_per_block
+
+    for compile_blocks, warned in ((None, False), (True, False), (False, True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="train"):
+            assert compiles_per_block(TrainConfig(compile_blocks=compile_blocks), sharded=True)
+        assert ("compile_blocks=false: parallelism fsdp compiles each block apart" in caplog.text) is warned
