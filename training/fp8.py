@@ -104,6 +104,7 @@ def float8_config(recipe: str, *, sharded: bool):
 
 
 def gathers_in_fp8(recipe: str, *, sharded: bool) -> bool:
+    """Whether FSDP all-gathers the weights `recipe` converts in FP8 (torchao offers it for tensorwise only)."""
     return sharded and recipe == "tensorwise"
 
 
@@ -157,9 +158,7 @@ def setup_fp8(
         return choice
     total = sum(isinstance(m, nn.Linear) for m in model.modules())
     names = convert_to_fp8(model, choice.recipe, sharded=sharded)
-    choice = choice._replace(
-        fsdp_all_gather=float8_config(choice.recipe, sharded=sharded).enable_fsdp_float8_all_gather
-    )
+    choice = choice._replace(fsdp_all_gather=gathers_in_fp8(choice.recipe, sharded=sharded))
     gather = "; FSDP all-gathers their weights in FP8" if choice.fsdp_all_gather else ""
     note = f"; {choice.reason}" if choice.reason else ""
     log.info(
