@@ -45,6 +45,7 @@ from training.preflight import (
     check_config,
     checkpoint_path,
     claim_run_out_dir,
+    compiles_per_block,
     resolve_init_from,
 )
 from training.profiling import StepProfiler
@@ -133,7 +134,7 @@ class TrainConfig:
     )
     compile: bool | None = None  # torch.compile the model; None: on for CUDA, off elsewhere
     compile_mode: str = "default"  # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
-    compile_blocks: bool = False  # compile each block and the head apart: compiles faster; DDP all-reduces in backward
+    compile_blocks: bool | None = None  # compile per block; None: yes, but whole with CUDA graphs or ddp_graph_split
     dist_backend: str = "nccl"  # DDP backend under torchrun: nccl | gloo
     parallelism: str = "ddp"  # under torchrun: ddp (a model copy per GPU) | fsdp (weights and optimizer sharded)
     context_parallel: int = 1  # under torchrun: ranks that split each sequence, for contexts one GPU cannot hold
@@ -433,8 +434,8 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     sees one backend), and build the compiled and DDP-wrapped (or FSDP-sharded) views, optimizer, GradScaler."""
     device = runtime.device
     use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
-    lora = cfg.lora_rank > 0
-    fp8_choice = fp8.setup_fp8(model, cfg.fp8, device, runtime.dtype, compiled=use_compile, lora=lora)  # then shard
+    lora, sharded = cfg.lora_rank > 0, runtime.ddp and cfg.parallelism == "fsdp"  # as place_model shards
+    fp8_choice = fp8.setup_fp8(model, cfg.fp8, device, runtime.dtype, compiled=use_compile, lora=lora, sharded=sharded)
     model = parallel.place_model(
         model,
         runtime,
@@ -451,29 +452,28 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     scaler = parallel.grad_scaler(
         model, device.type, init_scale=2.0**16 if scaled else 1.0, enabled=device.type in ("cuda", "cpu")
     )
+    per_block = use_compile and compiles_per_block(cfg, sharded=parallel.is_sharded(model))
     eval_model, train_model = parallel.wrap_model(
         model,
         runtime,
         use_compile=use_compile,
         compile_mode=cfg.compile_mode,
-        per_block=cfg.compile_blocks,
+        per_block=per_block,
         bucket_cap_mb=cfg.ddp_bucket_cap_mb,
         graph_split=cfg.ddp_graph_split,
         reduce_dtype=cfg.ddp_reduce_dtype,
     )
+    compiled = ("per block" if per_block else "whole model") if use_compile else ""
     optimizer = build_optimizer(cfg, runtime, model)
-    # Under CUDA graphs the compiled backward returns gradients in graph memory, which the next micro-step's replay
-    # overwrites; taken as .grad they would be lost to accumulation (pytorch/pytorch#169545). With .grad buffers of
-    # our own, every backward adds into them instead.
-    own_grads = use_compile and cfg.compile_mode in CUDA_GRAPH_MODES
+    if fp8_choice.fsdp_all_gather:
+        fp8.precompute_scales_after_each_step(optimizer, model)
+    own_grads = use_compile and cfg.compile_mode in CUDA_GRAPH_MODES  # parallel.keep_own_grads says why
     if own_grads:
-        for param in model.parameters():
-            if param.requires_grad:
-                param.grad = torch.zeros_like(param)
+        parallel.keep_own_grads(model)
     state = TrainState(
         cfg, runtime, model, eval_model, train_model, optimizer, scaler, StopFlags(runtime), next_batch, attention
     )
-    state.own_grads, state.fp8 = own_grads, fp8_choice
+    state.own_grads, state.fp8, state.compiled = own_grads, fp8_choice, compiled
     return state
 
 

@@ -6,13 +6,16 @@ FP8 matmuls for training, through torchao's float8 training (Float8Linear): whic
 card family says wins as a whole (AUTO_FP8; no entry: bf16). Where FP8 cannot run (LoRA, eager, no CUDA GPU of
 sm89 or newer, bf16 not the compute dtype, torchao missing) training stays in bf16 with one WARNING saying why.
 Checkpoints keep their format: Float8Linear keeps the nn.Linear's weight and bias as they were, and casts them to
-FP8 inside each matmul; MFU keeps the bf16 peak as its denominator.
+FP8 inside each matmul; MFU keeps the bf16 peak as its denominator. Under FSDP with tensorwise scaling, FSDP
+all-gathers the converted weights in FP8 (float8_config), their scales precomputed after each optimizer step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
+from collections import Counter
 from typing import NamedTuple
 
 import torch
@@ -33,6 +36,7 @@ MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89), Hopper (sm90) and newer
 class Fp8Choice(NamedTuple):
     recipe: str  # tensorwise | rowwise | off
     reason: str  # why FP8 is off (or how auto chose); '' when the request runs as asked
+    fsdp_all_gather: bool = False  # FSDP all-gathers the converted weights in FP8 (float8_config)
 
 
 def card_family(device: torch.device) -> str:
@@ -88,25 +92,62 @@ def converts(linear: nn.Linear, recipe: str) -> bool:
     return not (k <= 4096 and n <= 1024)
 
 
-def convert_to_fp8(model: nn.Module, recipe: str) -> list[str]:
-    """Swap the linears that `converts` picks for torchao's Float8Linear (in place); their names."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+def float8_config(recipe: str, *, sharded: bool):
+    """torchao's Float8LinearConfig for `recipe`. Sharded by FSDP with tensorwise scaling (the one recipe torchao
+    offers it for), FSDP all-gathers the converted weights in FP8, half of bf16's bytes, each with its scale."""
+    from torchao.float8 import Float8LinearConfig
 
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if gathers_in_fp8(recipe, sharded=sharded):
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    return config
+
+
+def gathers_in_fp8(recipe: str, *, sharded: bool) -> bool:
+    """Whether FSDP all-gathers the weights `recipe` converts in FP8 (torchao offers it for tensorwise only)."""
+    return sharded and recipe == "tensorwise"
+
+
+def convert_to_fp8(model: nn.Module, recipe: str, *, sharded: bool = False) -> list[str]:
+    """Swap the linears that `converts` picks for torchao's Float8Linear (in place); their names. Under the FP8
+    all-gather a linear whose weight another module shares (lm_head, tied to the token embedding) stays as it is:
+    torchao gives a converted linear a weight of its own type, which would untie it."""
+    from torchao.float8 import convert_to_float8_training
+
+    config = float8_config(recipe, sharded=sharded)
+    shared = shared_weights(model) if config.enable_fsdp_float8_all_gather else set()
     chosen: list[str] = []
 
     def pick(module: nn.Module, name: str) -> bool:
-        if isinstance(module, nn.Linear) and converts(module, recipe):
+        if isinstance(module, nn.Linear) and converts(module, recipe) and id(module.weight) not in shared:
             chosen.append(name)
             return True
         return False
 
-    convert_to_float8_training(model, module_filter_fn=pick, config=Float8LinearConfig.from_recipe_name(recipe))
+    convert_to_float8_training(model, module_filter_fn=pick, config=config)
     return chosen
 
 
-def setup_fp8(model: nn.Module, mode: str, device, dtype: torch.dtype, *, compiled: bool, lora: bool) -> Fp8Choice:
-    """Convert `model` for the recipe `mode` resolves to, before compile and the optimizer; log a WARNING when an
-    explicit request falls back (saying why) and one INFO line naming what runs."""
+def shared_weights(model: nn.Module) -> set[int]:
+    """The ids of the parameters that more than one module holds (tied weights)."""
+    holders = Counter(id(param) for _, param in model.named_parameters(remove_duplicate=False))
+    return {param_id for param_id, count in holders.items() if count > 1}
+
+
+def precompute_scales_after_each_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Under the FP8 all-gather: after every optimizer step, each converted weight's scale for the next step's
+    all-gathers, from one all-reduce of all their maxima (else each weight's all-gather runs its own), as torchao
+    recommends."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
+
+
+def setup_fp8(
+    model: nn.Module, mode: str, device, dtype: torch.dtype, *, compiled: bool, lora: bool, sharded: bool = False
+) -> Fp8Choice:
+    """Convert `model` for the recipe `mode` resolves to, before FSDP shards it (sharded: it will), compile and the
+    optimizer; log a WARNING when an explicit request falls back (saying why) and one INFO line naming what runs."""
     n_embd = model.config.n_embd
     choice = choose_fp8(mode, n_embd, device, dtype, compiled=compiled, lora=lora)
     if mode in ("tensorwise", "rowwise") and choice.recipe == "off":
@@ -115,11 +156,13 @@ def setup_fp8(model: nn.Module, mode: str, device, dtype: torch.dtype, *, compil
         if mode != "off":
             log.info(f"fp8: off, bf16 matmuls ({choice.reason})")
         return choice
-    names = convert_to_fp8(model, choice.recipe)
     total = sum(isinstance(m, nn.Linear) for m in model.modules())
+    names = convert_to_fp8(model, choice.recipe, sharded=sharded)
+    choice = choice._replace(fsdp_all_gather=gathers_in_fp8(choice.recipe, sharded=sharded))
+    gather = "; FSDP all-gathers their weights in FP8" if choice.fsdp_all_gather else ""
     note = f"; {choice.reason}" if choice.reason else ""
     log.info(
-        f"fp8: {choice.recipe} scaling on {len(names)} of {total} linears (torchao Float8Linear){note}; "
+        f"fp8: {choice.recipe} scaling on {len(names)} of {total} linears (torchao Float8Linear){gather}{note}; "
         f"MFU stays against the bf16 peak"
     )
     return choice

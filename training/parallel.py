@@ -47,7 +47,7 @@ def place_model(
     Under FSDP the weights are rank 0's: the other ranks may have built the model on the meta device (train.py
     does), so that only rank 0 holds and initializes the whole model in host memory."""
     if runtime.ddp and parallelism == "fsdp":
-        weights = model.state_dict() if runtime.master else {}
+        weights = plain_tensors(model.state_dict()) if runtime.master else {}
         # moves each shard to the device
         shard_model(model, runtime, reshard_after_forward=reshard_after_forward, blocks_per_unit=blocks_per_unit)
         if any(param.is_meta for param in model.parameters()):
@@ -151,6 +151,15 @@ def compile_blocks(model: nn.Module, compile_mode: str) -> None:
     for block in model.transformer.h:
         block.forward = torch.compile(block.forward, mode=compile_mode)
     model.head = torch.compile(model.head, mode=compile_mode)
+
+
+def keep_own_grads(model: nn.Module) -> None:
+    """.grad buffers of the model's own, zeroed in place between steps. Under CUDA graphs the compiled backward
+    returns gradients in graph memory, which the next micro-step's replay overwrites; taken as .grad they would be
+    lost to accumulation (pytorch/pytorch#169545). With buffers of our own, every backward adds into them."""
+    for param in model.parameters():
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -257,6 +266,7 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = plain_tensors(state)  # ckpt.pt loads without torchao, as any checkpoint
     # It gathers a tied weight (the token embedding that is also the head) once per name, as two tensors, and
     # torch.save would write both: tie them again, one tensor for all its names, stored once (0.8 GB of a 6.7B's).
     names_of: dict[int, list[str]] = {}
@@ -267,6 +277,20 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
             if first in state and alias in state:
                 state[alias] = state[first]
     return state
+
+
+def plain_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict with each tensor subclass that wraps one tensor (torchao's weights for FSDP's FP8 all-gather
+    wrap the weight itself) replaced by that tensor: the same values, no copy."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    def plain(tensor: torch.Tensor) -> torch.Tensor:
+        wrapper = is_traceable_wrapper_subclass(tensor) and not isinstance(tensor, DTensor)  # a shard stays one
+        inner = tensor.__tensor_flatten__()[0] if wrapper else ()
+        return plain(getattr(tensor, inner[0])) if len(inner) == 1 else tensor
+
+    return {name: plain(tensor) for name, tensor in state.items()}
 
 
 def save_sharded_optimizer(model: nn.Module, optimizer, folder: Path, runtime: Runtime) -> None:

@@ -149,6 +149,11 @@ def check_parallelism(cfg) -> None:
             f"compile_mode={cfg.compile_mode} replays CUDA graphs of the whole model; compile_blocks=true compiles "
             "each block apart: use default or max-autotune-no-cudagraphs with it"
         )
+    if cfg.compile_blocks and cfg.ddp_graph_split:  # each block's graph is smaller than a bucket: nothing to cut
+        raise ValueError(
+            "ddp_graph_split=true cuts the whole model's compiled graph at DDP's buckets; compile_blocks=true "
+            "compiles each block apart (DDP all-reduces each bucket once its blocks' backward is done): choose one"
+        )
     if cfg.parallelism == "fsdp" and cfg.lora_rank:
         raise ValueError("LoRA (lora_rank > 0) trains with parallelism ddp, not fsdp; its frozen base is not sharded")
     if cfg.parallelism == "fsdp" and cfg.shard_optimizer:
@@ -166,6 +171,22 @@ def check_parallelism(cfg) -> None:
         raise ValueError(f"unknown ddp_reduce_dtype {cfg.ddp_reduce_dtype!r}; choose one of {', '.join(REDUCE_DTYPES)}")
     if cfg.ddp_reduce_dtype == "bfloat16" and cfg.dist_backend != "nccl":
         raise ValueError("ddp_reduce_dtype=bfloat16 needs dist_backend=nccl (no bf16 all-reduce hook for gloo)")
+
+
+def compiles_per_block(cfg, *, sharded: bool = False) -> bool:
+    """Whether torch.compile takes the model block by block (regional compilation: one block's graph, compiled
+    once and reused by every block, and the head; a deep model's first step in seconds, not minutes) or whole.
+    compile_blocks=None chooses per block, but the whole model where the whole graph is the point: a CUDA-graph
+    compile_mode (it replays the whole model's graph) and ddp_graph_split (it cuts that graph at DDP's buckets).
+    A sharded (FSDP) model always compiles per block (parallel.compile_blocks says why); a WARNING where
+    compile_blocks=false asked otherwise."""
+    if sharded:
+        if cfg.compile_blocks is False:
+            log.warning("compile_blocks=false: parallelism fsdp compiles each block apart all the same (FSDP's hooks)")
+        return True
+    if cfg.compile_blocks is not None:
+        return cfg.compile_blocks
+    return cfg.compile_mode not in CUDA_GRAPH_MODES and not cfg.ddp_graph_split
 
 
 def check_packing_and_lora(cfg) -> None:

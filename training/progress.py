@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import signal
 import textwrap
@@ -29,6 +30,8 @@ from training.runtime import (
     take_stop_signals,
 )
 
+log = logging.getLogger("train")
+
 
 @dataclass
 class TrainState:
@@ -51,6 +54,7 @@ class TrainState:
     batch: tuple[torch.Tensor, ...] | None = None  # the next step's first micro-batch, prefetched
     own_grads: bool = False  # .grad buffers allocated once and zeroed in place (CUDA graphs: build_train_state)
     fp8: object = None  # training/fp8.py's Fp8Choice: .recipe (tensorwise, rowwise or off) and .reason
+    compiled: str = ""  # how torch.compile took the model: 'per block' or 'whole model'; '' when not compiled
 
     @property
     def accum(self) -> int:
@@ -163,12 +167,15 @@ class Throughput:
         self.devices, self.device = runtime.world_size, runtime.device
         self.last_time, self.last_iter = time.time(), state.iter_num
         self.first_iter, self.first_step_s = state.iter_num + 1, 0.0
+        self.compiled = state.compiled
 
     def step_done(self, iter_num: int) -> None:
         if iter_num == self.first_iter:  # wait for the first step once, and start the clock after it
             synchronize(self.device)
             now = time.time()
             self.first_step_s, self.last_time, self.last_iter = now - self.last_time, now, iter_num
+            if self.compiled:
+                log.info(first_step_line(self.first_step_s, self.compiled))
 
     @contextlib.contextmanager
     def paused(self):
@@ -188,6 +195,11 @@ class Throughput:
             self.tokens_per_iter / dt,
             model_flops_utilization(self.flops_per_iter, dt, self.peak_flops, self.devices),
         )
+
+
+def first_step_line(seconds: float, compiled: str) -> str:
+    """What the first step cost: its time, torch.compile's included (the step's own run is a small part of it)."""
+    return f"first step {seconds:.1f} s, compile included (torch.compile {compiled})"
 
 
 def format_log_line(

@@ -599,12 +599,12 @@ def test_e2e_torchrun_cells_give_each_rank_whole_micro_steps(tmp_path):
         for c in configs.values()
     ]
     assert shapes == [
-        ("ddp", False, False, 0, 1, "none"),
+        ("ddp", None, False, 0, 1, "none"),  # compile_blocks None: per block (preflight.compiles_per_block)
         ("ddp", True, False, 0, 1, "none"),
-        ("fsdp", False, False, 0, 1, "none"),
-        ("ddp", False, True, 2, 1, "none"),
-        ("ddp", False, False, 0, 2, "none"),
-        ("ddp", False, False, 0, 2, "block"),
+        ("fsdp", None, False, 0, 1, "none"),
+        ("ddp", None, True, 2, 1, "none"),
+        ("ddp", None, False, 0, 2, "none"),
+        ("ddp", None, False, 0, 2, "block"),
     ]
     assert len({cfg.out_dir for cfg in configs.values()}) == len(cells)
     for cell in cells:

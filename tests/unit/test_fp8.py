@@ -1,4 +1,5 @@
-"""training/fp8.py: which recipe runs and why, which linears convert, and that checkpoints keep their format."""
+"""training/fp8.py: which recipe runs and why, which linears convert, that checkpoints keep their format, and FSDP's
+FP8 all-gather (as one process of a gloo group: FSDP on a CPU)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from helpers import tiny_args, tiny_config
+from helpers import free_port, tiny_args, tiny_config
 from model import GPT, GPTConfig
-from training import fp8
+from training import fp8, parallel
+from training.runtime import Runtime, join_process_group, leave_process_group
 
 float8_linear = pytest.importorskip("torchao.float8.float8_linear")
 
@@ -78,6 +80,99 @@ def test_converted_linears_keep_their_weights_the_tie_and_the_checkpoint_format(
     plain = GPT(tiny_config(n_embd=64, n_head=2, vocab_size=2048))
     plain.load_state_dict(after)  # an FP8 run's checkpoint resumes without FP8, and the other way round
     model.load_state_dict(plain.state_dict())
+
+
+def wide_mlp_config(**overrides):
+    """A model whose MLP c_fc (2048 x 64) converts for tensorwise, as its lm_head (2048 x 64, tied) does."""
+    return tiny_config(n_embd=64, n_head=2, vocab_size=2048, mlp_hidden=2048, bias=False, **overrides)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "sharded", "gathers"),
+    [("tensorwise", True, True), ("tensorwise", False, False), ("rowwise", True, False), ("rowwise", False, False)],
+)
+def test_fsdp_all_gathers_in_fp8_with_tensorwise_scaling_only(recipe, sharded, gathers):
+    """torchao offers the FP8 all-gather for tensorwise scaling; rowwise under FSDP gathers bf16 weights."""
+    config = fp8.float8_config(recipe, sharded=sharded)
+    assert config.enable_fsdp_float8_all_gather is gathers
+    recipe_config = float8_config_module().Float8LinearConfig.from_recipe_name(recipe)
+    assert config.cast_config_weight == recipe_config.cast_config_weight  # the recipe itself is unchanged
+
+
+def float8_config_module():
+    return pytest.importorskip("torchao.float8.config")
+
+
+def test_under_the_fp8_all_gather_a_tied_lm_head_stays_as_it_is():
+    for sharded, expected in ((False, ["lm_head"]), (True, [])):
+        model = GPT(wide_mlp_config())
+        names = fp8.convert_to_fp8(model, "tensorwise", sharded=sharded)
+        assert names == ["transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_fc", *expected]
+        assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+
+
+def test_setup_under_fsdp_says_the_weights_are_gathered_in_fp8(caplog, monkeypatch):
+    monkeypatch.setattr(fp8, "why_fp8_cannot_run", lambda *args, **kwargs: "")  # as on a GPU that runs FP8
+    for recipe, sharded, gathers in (
+        ("tensorwise", True, True),
+        ("tensorwise", False, False),
+        ("rowwise", True, False),
+    ):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="train"):
+            choice = fp8.setup_fp8(
+                GPT(wide_mlp_config()), recipe, CPU, torch.bfloat16, compiled=True, lora=False, sharded=sharded
+            )
+        assert choice == fp8.Fp8Choice(recipe, "", gathers)
+        assert ("FSDP all-gathers their weights in FP8" in caplog.text) is gathers, caplog.text
+
+
+@pytest.fixture
+def gloo_world_of_one(monkeypatch):
+    """A gloo process group of this one process, destroyed after the test."""
+    world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
+    for name, value in world.items():
+        monkeypatch.setenv(name, value)
+    join_process_group("gloo")
+    yield
+    leave_process_group()
+
+
+def test_fsdp_with_the_fp8_all_gather_trains_as_fp8_unsharded_and_saves_plain_weights(gloo_world_of_one, monkeypatch):
+    """Sharded (one process, placed as a rank of two), with the FP8 all-gather and the scales precomputed after
+    each optimizer step: the losses and weights of the same FP8 model unsharded, and a checkpoint of plain tensors,
+    which loads into a model without FP8. lm_head untied: it converts in both."""
+    import torchao.float8
+
+    precomputed = []
+    precompute = torchao.float8.precompute_float8_dynamic_scale_for_fsdp
+    monkeypatch.setattr(
+        torchao.float8, "precompute_float8_dynamic_scale_for_fsdp", lambda m: precomputed.append(1) or precompute(m)
+    )
+    idx = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for world_size in (1, 2):
+        torch.manual_seed(0)
+        model = GPT(wide_mlp_config(tie_embeddings=False))
+        assert len(fp8.convert_to_fp8(model, "tensorwise", sharded=world_size == 2)) == 3
+        model = parallel.place_model(model, Runtime(CPU, torch.float32, world_size=world_size), "fsdp")
+        optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.99), "cpu")
+        if world_size == 2:
+            fp8.precompute_scales_after_each_step(optimizer, model)
+        losses = []
+        for _ in range(3):
+            _, loss = model(idx, idx)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        results[world_size] = losses, parallel.full_model_state(model)
+    assert len(precomputed) == 3
+    torch.testing.assert_close(results[2][0], results[1][0])
+    weights = results[2][1]
+    assert all(type(tensor) is torch.Tensor for tensor in weights.values())
+    torch.testing.assert_close(weights, dict(results[1][1]))
+    GPT(wide_mlp_config(tie_embeddings=False)).load_state_dict(weights)
 
 
 def test_train_py_with_fp8_on_a_cpu_trains_in_bf16_and_warns_once(char_data, tmp_path, capsys):

@@ -1,5 +1,6 @@
 """The training step's speed switches change the speed, never the math: each against the plain path (full
-logits, nothing recomputed) on a tiny model, losses and gradients, in float64 and float32."""
+logits, nothing recomputed) on a tiny model, losses and gradients, in float64 and float32; and which way
+torch.compile takes the model (per block or whole)."""
 
 from __future__ import annotations
 
@@ -91,3 +92,44 @@ def test_auto_chunks_the_loss_only_past_its_logits_limit(monkeypatch):
     logits, chunked = gpt(idx, idx)
     assert logits is None
     torch.testing.assert_close(chunked, plain)
+
+
+@pytest.mark.parametrize(
+    "settings, per_block",
+    [
+        ({}, True),  # the default: regional compilation, a deep model's first step in seconds
+        ({"compile_blocks": False}, False),
+        ({"compile_blocks": True}, True),
+        ({"compile_mode": "max-autotune-no-cudagraphs"}, True),
+        ({"compile_mode": "reduce-overhead"}, False),  # CUDA graphs of the whole model
+        ({"compile_mode": "max-autotune"}, False),
+        ({"ddp_graph_split": True}, False),  # cuts the whole model's graph at DDP's buckets
+    ],
+)
+def test_compile_is_per_block_unless_the_whole_graph_is_asked_for(settings, per_block):
+    from train import TrainConfig
+    from training.preflight import compiles_per_block
+
+    assert compiles_per_block(TrainConfig(**settings)) is per_block
+
+
+@pytest.mark.parametrize("other", ["--ddp_graph_split=true", "--compile_mode=reduce-overhead"])
+def test_compile_blocks_true_with_a_whole_graph_setting_is_one_line(other, capsys):
+    import train
+
+    assert train.main(["--compile_blocks=true", other]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and "compile_blocks=true" in err, err
+
+
+def test_a_sharded_model_compiles_per_block_and_says_so_where_asked_otherwise(caplog):
+    import logging
+
+    from train import TrainConfig
+    from training.preflight import compiles_per_block
+
+    for compile_blocks, warned in ((None, False), (True, False), (False, True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="train"):
+            assert compiles_per_block(TrainConfig(compile_blocks=compile_blocks), sharded=True)
+        assert ("compile_blocks=false: parallelism fsdp compiles each block apart" in caplog.text) is warned

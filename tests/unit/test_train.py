@@ -86,8 +86,9 @@ def test_smoke_run_log_lines_and_checkpoint(char_data, tmp_path, warm_interprete
 
 
 def test_compiled_run_saves_unwrapped_state_dict(monkeypatch, char_data, tmp_path, capsys):
-    """torch.compile wraps the model; the checkpoint must still hold the plain model's keys. The wrapper is
-    what matters, not inductor's code: dynamo's eager backend makes the same wrapper in a fraction of the time."""
+    """compile_blocks=false: torch.compile wraps the whole model; the checkpoint must still hold the plain model's
+    keys, and the log names the first step's time, compile included. The wrapper is what matters, not inductor's
+    code: dynamo's eager backend makes the same wrapper in a fraction of the time."""
     compiled = []
 
     def compile_eagerly(model, **kwargs):
@@ -97,12 +98,15 @@ def test_compiled_run_saves_unwrapped_state_dict(monkeypatch, char_data, tmp_pat
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", compile_eagerly)
     out = tmp_path / "out"
-    args = tiny_args(char_data, out, "--compile=true", "--max_iters=1", "--eval_interval=1", "--eval_iters=1")
+    args = tiny_args(char_data, out, "--compile=true", "--compile_blocks=false", "--max_iters=1", "--eval_interval=1")
     try:
-        assert train.main([*args, "--eval_on_start=false"]) == 0, capsys.readouterr().err
+        assert train.main([*args, "--eval_iters=1", "--eval_on_start=false"]) == 0, capsys.readouterr().err
     finally:
         torch._dynamo.reset()  # no compiled frames left for later tests
     assert [type(model) for model in compiled] == [GPT]
+    assert re.search(
+        r"^INFO: first step \d+\.\d s, compile included \(torch.compile whole model\)$", capsys.readouterr().err, re.M
+    )
     state = load_checkpoint(out / "ckpt.pt")
     assert not [k for k in state["model"] if "_orig_mod." in k]
     GPT(GPTConfig(**state["model_config"])).load_state_dict(state["model"])
@@ -111,8 +115,9 @@ def test_compiled_run_saves_unwrapped_state_dict(monkeypatch, char_data, tmp_pat
 def test_compile_blocks_compiles_each_block_and_the_head_and_trains_as_uncompiled(
     monkeypatch, char_data, tmp_path, capsys
 ):
-    """compile_blocks=true hands torch.compile each block's forward and the head, never the GPT, and trains with
-    the losses of an uncompiled run. Dynamo's eager backend: what is compiled is under test, not inductor's code."""
+    """By default (compile_blocks unset) compile=true hands torch.compile each block's forward and the head, never
+    the GPT, trains with the losses of an uncompiled run, and names the first step's time, compile included (an
+    uncompiled run does not). Dynamo's eager backend: what is compiled is under test, not inductor's code."""
     compiled = []
     real_compile = torch.compile
 
@@ -121,17 +126,20 @@ def test_compile_blocks_compiles_each_block_and_the_head_and_trains_as_uncompile
         return real_compile(target, backend="eager")
 
     monkeypatch.setattr(torch, "compile", compile_eagerly)
-    losses = {}
-    for name, compile_settings in (("blocks", ("--compile=true", "--compile_blocks=true")), ("plain", ())):
+    losses, first_step_lines = {}, {}
+    for name, compile_settings in (("blocks", ("--compile=true",)), ("plain", ())):
         steps = ("--max_iters=3", "--log_interval=1", "--eval_interval=3", "--eval_iters=1", "--eval_on_start=false")
         try:
             assert train.main(tiny_args(char_data, tmp_path / name, *compile_settings, *steps)) == 0
         finally:
             torch._dynamo.reset()  # no compiled frames left for later tests
-        losses[name] = re.findall(r"^iter \d+ \| loss (\S+)", capsys.readouterr().out, re.M)
+        out, err = capsys.readouterr()
+        losses[name] = re.findall(r"^iter \d+ \| loss (\S+)", out, re.M)
+        first_step_lines[name] = re.findall(r"^INFO: first step \d+\.\d s, compile included \((.*)\)$", err, re.M)
     n_layer = int(next(a for a in TINY_MODEL if a.startswith("--n_layer=")).partition("=")[2])
     assert compiled == ["Block.forward"] * n_layer + ["GPT.head"]
     assert len(losses["plain"]) == 3 and losses["blocks"] == losses["plain"]
+    assert first_step_lines == {"blocks": ["torch.compile per block"], "plain": []}
 
 
 @pytest.mark.gpu
