@@ -173,11 +173,18 @@ def check_parallelism(cfg) -> None:
         raise ValueError("ddp_reduce_dtype=bfloat16 needs dist_backend=nccl (no bf16 all-reduce hook for gloo)")
 
 
+# compile_blocks unset: per block from this depth. On an H200 (bench/results/h200-compile-*-76cd1bb.md) per block
+# gave the same speed at 48 layers (0.996) with a first step of 4 s against 66 s, but cost 2% at GPT-2 124M's
+# 12 layers, whose whole-model compile takes 18.5 s.
+PER_BLOCK_FROM_LAYERS = 24
+
+
 def compiles_per_block(cfg, *, sharded: bool = False) -> bool:
     """Whether torch.compile takes the model block by block (regional compilation: one block's graph, compiled
     once and reused by every block, and the head; a deep model's first step in seconds, not minutes) or whole.
-    compile_blocks=None chooses per block, but the whole model where the whole graph is the point: a CUDA-graph
-    compile_mode (it replays the whole model's graph) and ddp_graph_split (it cuts that graph at DDP's buckets).
+    compile_blocks=None chooses per block from PER_BLOCK_FROM_LAYERS blocks, but the whole model for a shallower
+    model and where the whole graph is the point: a CUDA-graph compile_mode (it replays the whole model's graph)
+    and ddp_graph_split (it cuts that graph at DDP's buckets).
     A sharded (FSDP) model always compiles per block (parallel.compile_blocks says why); a WARNING where
     compile_blocks=false asked otherwise."""
     if sharded:
@@ -186,7 +193,8 @@ def compiles_per_block(cfg, *, sharded: bool = False) -> bool:
         return True
     if cfg.compile_blocks is not None:
         return cfg.compile_blocks
-    return cfg.compile_mode not in CUDA_GRAPH_MODES and not cfg.ddp_graph_split
+    deep = cfg.n_layer >= PER_BLOCK_FROM_LAYERS
+    return deep and cfg.compile_mode not in CUDA_GRAPH_MODES and not cfg.ddp_graph_split
 
 
 def check_packing_and_lora(cfg) -> None:

@@ -97,13 +97,14 @@ def test_auto_chunks_the_loss_only_past_its_logits_limit(monkeypatch):
 @pytest.mark.parametrize(
     "settings, per_block",
     [
-        ({}, True),  # the default: regional compilation, a deep model's first step in seconds
-        ({"compile_blocks": False}, False),
-        ({"compile_blocks": True}, True),
-        ({"compile_mode": "max-autotune-no-cudagraphs"}, True),
-        ({"compile_mode": "reduce-overhead"}, False),  # CUDA graphs of the whole model
-        ({"compile_mode": "max-autotune"}, False),
-        ({"ddp_graph_split": True}, False),  # cuts the whole model's graph at DDP's buckets
+        ({"n_layer": 48}, True),  # the default for a deep model: regional compilation, its first step in seconds
+        ({"n_layer": 12}, False),  # a shallow one compiles whole: as fast to compile, and faster to run
+        ({"n_layer": 12, "compile_blocks": True}, True),
+        ({"n_layer": 48, "compile_blocks": False}, False),
+        ({"n_layer": 48, "compile_mode": "max-autotune-no-cudagraphs"}, True),
+        ({"n_layer": 48, "compile_mode": "reduce-overhead"}, False),  # CUDA graphs of the whole model
+        ({"n_layer": 48, "compile_mode": "max-autotune"}, False),
+        ({"n_layer": 48, "ddp_graph_split": True}, False),  # cuts the whole model's graph at DDP's buckets
     ],
 )
 def test_compile_is_per_block_unless_the_whole_graph_is_asked_for(settings, per_block):

@@ -86,9 +86,9 @@ def test_smoke_run_log_lines_and_checkpoint(char_data, tmp_path, warm_interprete
 
 
 def test_compiled_run_saves_unwrapped_state_dict(monkeypatch, char_data, tmp_path, capsys):
-    """compile_blocks=false: torch.compile wraps the whole model; the checkpoint must still hold the plain model's
-    keys, and the log names the first step's time, compile included. The wrapper is what matters, not inductor's
-    code: dynamo's eager backend makes the same wrapper in a fraction of the time."""
+    """compile_blocks unset, a shallow model: torch.compile wraps the whole model; the checkpoint must still hold
+    the plain model's keys, and the log names the first step's time, compile included. The wrapper is what
+    matters, not inductor's code: dynamo's eager backend makes the same wrapper in a fraction of the time."""
     compiled = []
 
     def compile_eagerly(model, **kwargs):
@@ -98,7 +98,7 @@ def test_compiled_run_saves_unwrapped_state_dict(monkeypatch, char_data, tmp_pat
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", compile_eagerly)
     out = tmp_path / "out"
-    args = tiny_args(char_data, out, "--compile=true", "--compile_blocks=false", "--max_iters=1", "--eval_interval=1")
+    args = tiny_args(char_data, out, "--compile=true", "--max_iters=1", "--eval_interval=1")
     try:
         assert train.main([*args, "--eval_iters=1", "--eval_on_start=false"]) == 0, capsys.readouterr().err
     finally:
@@ -115,9 +115,10 @@ def test_compiled_run_saves_unwrapped_state_dict(monkeypatch, char_data, tmp_pat
 def test_compile_blocks_compiles_each_block_and_the_head_and_trains_as_uncompiled(
     monkeypatch, char_data, tmp_path, capsys
 ):
-    """By default (compile_blocks unset) compile=true hands torch.compile each block's forward and the head, never
-    the GPT, trains with the losses of an uncompiled run, and names the first step's time, compile included (an
-    uncompiled run does not). Dynamo's eager backend: what is compiled is under test, not inductor's code."""
+    """compile_blocks=true (the default from PER_BLOCK_FROM_LAYERS blocks) hands torch.compile each block's
+    forward and the head, never the GPT, trains with the losses of an uncompiled run, and names the first step's
+    time, compile included (an uncompiled run does not). Dynamo's eager backend: what is compiled is under test,
+    not inductor's code."""
     compiled = []
     real_compile = torch.compile
 
@@ -127,7 +128,7 @@ def test_compile_blocks_compiles_each_block_and_the_head_and_trains_as_uncompile
 
     monkeypatch.setattr(torch, "compile", compile_eagerly)
     losses, first_step_lines = {}, {}
-    for name, compile_settings in (("blocks", ("--compile=true",)), ("plain", ())):
+    for name, compile_settings in (("blocks", ("--compile=true", "--compile_blocks=true")), ("plain", ())):
         steps = ("--max_iters=3", "--log_interval=1", "--eval_interval=3", "--eval_iters=1", "--eval_on_start=false")
         try:
             assert train.main(tiny_args(char_data, tmp_path / name, *compile_settings, *steps)) == 0
