@@ -1,9 +1,9 @@
 """
 Pretrained weights as plain data: a hub name (gpt2 ... gpt2-xl), a Hugging Face GPT-2 folder, or a checkpoint of
 this repo or nanoGPT's, read as (model settings, a function that reads the weights). The settings are the names
-of model.py's GPTConfig fields, but nothing here knows the model: the caller builds its config from them and
-checks its size before it reads the weights (GPT.from_pretrained, weights/hf.py). Bad input is one ValueError
-line, so that model.py alone can say it; this module imports nothing else of this repo.
+of model.py's GPTConfig fields, but nothing here imports the model: the caller builds its config from them and
+checks its size (check_fits_in_memory) before it reads the weights (GPT.from_pretrained, weights/hf.py). Bad
+input is one ValueError line, so that model.py alone can say it; this module imports nothing else of this repo.
 
 HF's GPT-2 keeps GPT-2's parameter names, as ours do, but stores its four projections as Conv1D with weights
 (in, out) where nn.Linear has (out, in): they are transposed on the way in (and out, in weights/hf.py).
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -158,3 +159,20 @@ def hf_state_dict(saved: dict, tied: bool = True) -> dict:
 
 def is_mask_buffer(name: str) -> bool:
     return ".".join(name.split(".")[-2:]) in MASK_BUFFERS  # h.0.attn.bias is; h.0.attn.c_attn.bias is not
+
+
+def check_fits_in_memory(config, bytes_per_param: int = 4) -> None:
+    """ValueError, one line, for a model whose float32 weights alone exceed this machine's RAM: checked from the
+    config (model.py's GPTConfig) before anything is allocated, since a config.json or checkpoint may ask for any
+    size."""
+    params = config.parameter_count()
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not on every platform
+        return
+    if params * bytes_per_param > ram:
+        raise ValueError(
+            f"the model asks for {params:,} parameters ({params * bytes_per_param / 2**30:,.1f} GiB in float32) but "
+            f"this machine has {ram / 2**30:,.1f} GiB of RAM (n_layer={config.n_layer}, n_embd={config.n_embd}, "
+            f"vocab_size={config.vocab_size})"
+        )

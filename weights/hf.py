@@ -25,7 +25,7 @@ import torch
 from data.common import make_out_dir
 from data.tokenizer import gpt2_meta
 from errors import CheckpointError, DataError
-from model import GPT, GPTConfig, check_fits_in_memory
+from model import GPT, GPTConfig
 from storage.atomic import atomic_path
 from storage.checkpoint import (
     LATEST,
@@ -34,7 +34,7 @@ from storage.checkpoint import (
     newest_save,
     write_safetensors,
 )
-from storage.pretrained import CONV1D, HUB_NAMES, hub_folder, read_hf_folder
+from storage.pretrained import CONV1D, HUB_NAMES, check_fits_in_memory, hub_folder, read_hf_folder
 from weights.load import load_checkpoint, refuse_adapters
 from weights.lora import load_model_weights
 
