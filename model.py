@@ -292,19 +292,16 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             self.transformer.wte.weight = self.lm_head.weight  # tied, as in GPT-2
         self.rotary = Rotary(config.head_dim, config.block_size, config.rope_theta) if config.rope else None
-        self.apply(self._init_weights)
+        for module in self.modules():  # GPT-2's init: N(0, 0.02) weights, zero biases
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2 scales residual projections by depth
                 nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         self.attention: Attention | None = None  # the resolved backend; set by setup_attention
         self.logged_lines: set[str] = set()  # say each fallback and backend line once per model
-
-    @staticmethod
-    def _init_weights(module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
 
     # -- forward and generation --
 
@@ -417,9 +414,8 @@ class GPT(nn.Module):
         return 6 * self.get_num_params() + 12 * c.n_layer * c.n_head * c.head_dim * (seq_len or c.block_size)
 
     def estimate_mfu(self, fwdbwd_per_iter: int, dt: float) -> float | None:
-        """nanoGPT's model FLOPs utilization: fwdbwd_per_iter sequences of block_size tokens each dt seconds,
-        over the dense bf16 peak of the GPU the model's weights are on (PEAK_FLOPS). None where that peak is
-        not known (a CPU, MPS, or a card not in the table): no A100 figure stands in for another device."""
+        """nanoGPT's MFU: fwdbwd_per_iter sequences of block_size tokens each dt seconds over the weights' GPU's dense
+        bf16 peak (PEAK_FLOPS); None where it is not known (CPU, MPS, another card): no A100 figure stands in."""
         peak = peak_flops(self.lm_head.weight.device)
         return None if peak is None else self.flops_per_token() * self.config.block_size * fwdbwd_per_iter / dt / peak
 
@@ -525,9 +521,8 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
 
 
 class AttentionMask:
-    """The causal (and same-document) mask of one forward pass, built once and shared by all layers: each kernel
-    asks for the form it needs (a dense boolean mask, cu_seqlens for varlen kernels, or a kernel's own `form`),
-    made on first use. `doc_ids` (B, T): documents are the runs of equal ids, so ids need not be sorted."""
+    """The causal (and same-document) mask of one forward pass, shared by all layers, in the forms kernels ask for
+    (dense, varlen, a kernel's own `form`), each made on first use. Documents are the runs of equal doc_ids."""
 
     def __init__(self, seq_len: int, device: torch.device, doc_ids: torch.Tensor | None = None):
         self.seq_len, self.device, self.segments = seq_len, device, None
@@ -554,8 +549,7 @@ class AttentionMask:
         return self._forms["dense"]
 
     def varlen(self) -> tuple[torch.Tensor, int]:
-        """cu_seqlens (int32, one entry per document start plus the end) over the flattened (B*T) tokens, and the
-        longest a document can be (T)."""
+        """(cu_seqlens, T): int32 document starts plus the end over the flattened (B*T) tokens; T bounds each."""
         if "varlen" not in self._forms:
             first = run_starts(self.segments).flatten().nonzero().flatten()  # one host sync per forward, not per layer
             cu_seqlens = torch.cat([first, first.new_tensor([self.segments.numel()])]).to(torch.int32)
@@ -570,8 +564,7 @@ class AttentionMask:
 
 
 def repeat_kv(q, k, v):
-    """k and v (B, n_kv, S, D) with each head repeated for the n_head/n_kv query heads that share it (GQA/MQA):
-    for kernels that take no fewer key/value heads than query heads."""
+    """k and v (B, n_kv, S, D) repeated to q's heads (GQA/MQA), for kernels that take no fewer k/v than q heads."""
     group = q.size(1) // k.size(1)
     if group == 1:
         return k, v
@@ -751,10 +744,8 @@ def canonical_backend(name: str) -> str:
     """Map a backend name or alias to its canonical name; ValueError lists what is allowed."""
     key = aliases().get(str(name).strip().lower(), str(name).strip().lower())
     if key != "auto" and key not in BACKENDS:
-        listed = ", ".join(f"{a} (= {b})" for a, b in aliases().items())
-        raise ValueError(
-            f"unknown attention_backend {name!r}; choose one of auto, {', '.join(BACKENDS)}; aliases: {listed}"
-        )
+        allowed = f"auto, {', '.join(BACKENDS)}; aliases: " + ", ".join(f"{a} (= {b})" for a, b in aliases().items())
+        raise ValueError(f"unknown attention_backend {name!r}; choose one of {allowed}")
     return key
 
 
