@@ -102,7 +102,8 @@ class GPTConfig:
     @classmethod
     def from_dict(cls, saved: dict) -> GPTConfig:
         """The config a checkpoint saved; ValueError (one line) for settings this version does not know."""
-        unknown = sorted(str(k) for k in saved if k not in {f.name for f in fields(cls)})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in saved if k not in known)
         if unknown:
             raise ValueError(
                 f"model_config has settings this version does not know ({', '.join(unknown)}); "
