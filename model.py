@@ -328,6 +328,11 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, attention.kernel, mask, rope, use_reentrant=False)
             else:
                 x = block(x, attention.kernel, mask, rope)
+        return self.head(x, targets)
+
+    def head(self, x, targets=None):
+        """forward's (logits, loss) from the last block's output x (B, T, C); its own method, so that a sharded
+        model compiles it apart from the loop over blocks (training/parallel.py's compile_blocks)."""
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None  # only the last position is needed to sample
