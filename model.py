@@ -2,13 +2,11 @@
 A GPT-2 language model in one file, with a choice of attention kernels and switches for a modern block (RoPE,
 RMSNorm, SwiGLU, grouped key/value heads, q/k norm; all off is GPT-2 exactly).
 
-Read top-down: the config; the block's parts; CausalSelfAttention, Block and GPT (with nanoGPT's API); reading
-pretrained weights; attention's kernels (manual, sdpa, flash_attn_2) and the registry, whose `resolve` turns a
-requested backend into the one that runs (falling back with a WARNING that says why); the loss last. Attention is
-resolved when the model is set up for a device, dtype and use, or at its first forward; never in forward's hot path.
-
-This file imports nothing else of this repo. More kernels register themselves from kernels/ (`import kernels`);
-`python -m kernels` prints what this machine can run; generation with a KV cache lives in generation/.
+Read top-down: the config; the block's parts; CausalSelfAttention, Block and GPT (with nanoGPT's API); attention's
+kernels (manual, sdpa, flash_attn_2) and the registry, whose `resolve` turns a requested backend into the one that
+runs (falling back with a WARNING that says why), once per device, dtype and use, never in forward's hot path; the
+loss last. `from model import GPT` loads nothing else of this repo (from_pretrained reads storage/pretrained.py);
+kernels/ registers more kernels (`python -m kernels` says what runs here); generation/ decodes with a KV cache.
 """
 
 from __future__ import annotations
@@ -17,14 +15,11 @@ import contextlib
 import functools
 import importlib
 import inspect
-import json
 import logging
 import math
-import os
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import torch
@@ -38,7 +33,6 @@ log = logging.getLogger("model")
 # ----------------------------------------------------------------------------------------------
 # Config
 
-POSITIVE = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")
 # fmt: off
 SDPA_KERNELS = {"auto": None, "flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
                 "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
@@ -80,11 +74,10 @@ class GPTConfig:
     def __post_init__(self):
         if self.use_flash_attention is not None:
             new = "flash_attn_2" if self.use_flash_attention else "manual"
-            warnings.warn(
-                f"use_flash_attention is deprecated; use attention_backend={new!r}", DeprecationWarning, stacklevel=3
-            )
+            message = f"use_flash_attention is deprecated; use attention_backend={new!r}"
+            warnings.warn(message, DeprecationWarning, stacklevel=3)
             self.attention_backend, self.use_flash_attention = new, None
-        for name in POSITIVE:
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             if not positive_int(getattr(self, name)):
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.n_embd % self.n_head:
@@ -99,10 +92,8 @@ class GPTConfig:
         if self.mlp_hidden is not None and not positive_int(self.mlp_hidden):
             raise ValueError(f"mlp_hidden must be a positive integer or None (its default); got {self.mlp_hidden}")
         if self.n_kv_head is not None and not (positive_int(self.n_kv_head) and self.n_head % self.n_kv_head == 0):
-            raise ValueError(
-                f"n_kv_head must be a positive integer that divides n_head ({self.n_head}), or None (= n_head); "
-                f"got {self.n_kv_head}"
-            )
+            divides = f"a positive integer that divides n_head ({self.n_head}), or None (= n_head)"
+            raise ValueError(f"n_kv_head must be {divides}; got {self.n_kv_head}")
         theta = self.rope_theta
         if not (isinstance(theta, (int, float)) and math.isfinite(theta) and theta > 0):
             raise ValueError(f"rope_theta must be a finite number > 0, got {theta!r}")
@@ -125,9 +116,8 @@ class GPTConfig:
 
     def chunks_loss(self, tokens: int) -> bool:
         """Whether the loss over `tokens` targets runs chunked (cross_entropy; auto: past AUTO_CHUNKED_LOGITS)."""
-        return self.cross_entropy == "chunked" or (
-            self.cross_entropy == "auto" and tokens * self.vocab_size > AUTO_CHUNKED_LOGITS
-        )
+        chunked = self.cross_entropy == "chunked"
+        return chunked or (self.cross_entropy == "auto" and tokens * self.vocab_size > AUTO_CHUNKED_LOGITS)
 
     def parameter_count(self) -> int:
         """The model's parameter count from the config alone, so that a size is checked before it is allocated."""
@@ -169,17 +159,12 @@ NORM_EPS = 1e-5  # GPT-2's LayerNorm eps, and Llama's RMSNorm eps
 
 def make_norm(kind: str, ndim: int, bias: bool) -> nn.Module:
     """GPT-2's LayerNorm, or RMSNorm (no mean subtraction and no bias, whatever `bias` says, as in Llama)."""
-    if kind == "rmsnorm":
-        return nn.RMSNorm(ndim, eps=NORM_EPS)
-    return nn.LayerNorm(ndim, eps=NORM_EPS, bias=bias)
+    return nn.RMSNorm(ndim, eps=NORM_EPS) if kind == "rmsnorm" else nn.LayerNorm(ndim, eps=NORM_EPS, bias=bias)
 
 
 def mlp_hidden_size(kind: str, n_embd: int) -> int:
-    """GPT-2's 4·n_embd; for SwiGLU 8/3·n_embd (as many weights as 4·n_embd in two matrices), rounded up to a
-    multiple of 64 for the matmuls."""
-    if kind == "swiglu":
-        return -(-8 * n_embd // (3 * 64)) * 64
-    return 4 * n_embd
+    """GPT-2's 4·n_embd; SwiGLU's 8/3·n_embd (4·n_embd's weights in two matrices), rounded up to 64s for matmuls."""
+    return -(-8 * n_embd // (3 * 64)) * 64 if kind == "swiglu" else 4 * n_embd
 
 
 class MLP(nn.Module):
@@ -216,22 +201,18 @@ class Rotary(nn.Module):
     def forward(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin at `pos`, shaped to broadcast over (B, nh, T, hs/2): (T, hs/2) or (B, 1, T, hs/2)."""
         cos, sin = self.cos[pos], self.sin[pos]
-        if pos.dim() == 2:
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return cos, sin
+        return (cos.unsqueeze(1), sin.unsqueeze(1)) if pos.dim() == 2 else (cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """x (B, nh, T, hs) turned by the angles of rope = Rotary(pos); computed in the tables' precision, returned
-    in x's dtype."""
+    """x (B, nh, T, hs) turned by the angles of rope = Rotary(pos), in the tables' precision; returned in x's dtype."""
     cos, sin = rope
     x1, x2 = x.chunk(2, dim=-1)  # (B, nh, T, hs/2) each
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) position of each token within its document (runs of equal ids): packed documents each start at 0,
-    as they would alone."""
+    """(B, T) position of each token in its document (a run of equal ids): each starts at 0, as it would alone."""
     index = torch.arange(doc_ids.size(1), device=doc_ids.device).expand_as(doc_ids)  # (B, T)
     return index - torch.where(run_starts(doc_ids), index, 0).cummax(dim=1).values  # minus where its document starts
 
@@ -243,18 +224,8 @@ def run_starts(ids: torch.Tensor) -> torch.Tensor:
     return starts
 
 
-def run_ids(doc_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) int32: the runs of equal ids in each row numbered 0, 1, 2, ... Built as int32 from the start and
-    summed once: the same numbers written as run_starts(...).cumsum(dtype=int32) - 1 made inductor fail to lower
-    flex_attention's packed BlockMask inside a compiled graph (torch 2.11, an H200)."""
-    change = torch.zeros_like(doc_ids, dtype=torch.int32)
-    change[:, 1:] = (doc_ids[:, 1:] != doc_ids[:, :-1]).to(torch.int32)
-    return change.cumsum(dim=1)
-
-
 # ----------------------------------------------------------------------------------------------
-# The model (GPT-2: learned positions, pre-LayerNorm, tanh GELU, tied embeddings; GPTConfig's switches
-# change the block: RoPE, RMSNorm, SwiGLU, grouped key/value heads, q/k norm)
+# The model: GPT-2 (learned positions, pre-LayerNorm, tanh GELU, tied embeddings) unless GPTConfig's switches say
 
 
 class CausalSelfAttention(nn.Module):
@@ -322,23 +293,18 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             self.transformer.wte.weight = self.lm_head.weight  # tied, as in GPT-2
         self.rotary = Rotary(config.head_dim, config.block_size, config.rope_theta) if config.rope else None
-        self.apply(self._init_weights)
+        for module in self.modules():  # GPT-2's init: N(0, 0.02) weights, zero biases
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):  # GPT-2 scales residual projections by depth
                 nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         self.attention: Attention | None = None  # the resolved backend; set by setup_attention
         self.logged_lines: set[str] = set()  # say each fallback and backend line once per model
 
-    @staticmethod
-    def _init_weights(module):
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-
-    # -- forward, loss and generation --
+    # -- forward and generation --
 
     def forward(self, idx, targets=None, doc_ids=None, positions=None):
         """(logits, loss). Without targets: the last position's logits (B, 1, V) and None. With targets: the mean
@@ -365,7 +331,8 @@ class GPT(nn.Module):
         return self.head(x, targets)
 
     def head(self, x, targets=None):
-        """forward's (logits, loss) from the last block's output x (B, T, C)."""
+        """forward's (logits, loss) from the last block's output x (B, T, C); its own method, so that a sharded
+        model compiles it apart from the loop over blocks (training/parallel.py's compile_blocks)."""
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None  # only the last position is needed to sample
@@ -374,16 +341,12 @@ class GPT(nn.Module):
             return None, chunked_cross_entropy(x, self.lm_head.weight, targets)
         logits = self.lm_head(x)
         wide = torch.promote_types(logits.dtype, torch.float32)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).to(wide), targets.reshape(-1), ignore_index=-1)
-        return logits, loss
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)).to(wide), targets.reshape(-1), ignore_index=-1)
 
     def embed(self, idx, pos) -> tuple[torch.Tensor, tuple | None]:
-        """Token embeddings (B, T, C), plus the position embeddings at `pos` ((T,) or (B, T)); with RoPE
-        instead, the rotary angles at `pos` that every layer's attention applies to q and k."""
+        """Token embeddings (B, T, C) plus position embeddings at `pos` ((T,) or (B, T)), or RoPE's angles there."""
         x = self.transformer.wte(idx)
-        if self.rotary is not None:
-            return x, self.rotary(pos)
-        return x + self.transformer.wpe(pos), None
+        return (x, self.rotary(pos)) if self.rotary is not None else (x + self.transformer.wpe(pos), None)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None):
@@ -407,10 +370,9 @@ class GPT(nn.Module):
     # -- attention: resolved for the device, dtype and use the model runs with --
 
     def setup_attention(self, device, dtype, *, training=True, seq_len=None, documents=False, measure=False):
-        """Resolve the attention backend for this device, compute dtype (autocast's) and use (training or not, packed
-        documents or not), hold it, log it (a WARNING when an explicit request falls back, one INFO line naming
-        what runs) and return its Resolution. Call it before torch.compile; forward then reads the result.
-        `measure`: auto on a card its table does not know may time the candidates here, never in forward."""
+        """Resolve and hold the attention backend for this device, compute dtype (autocast's) and use, log it (a
+        WARNING when an explicit request falls back, one INFO line naming what runs) and return its Resolution.
+        Call it before torch.compile. `measure`: auto may time the candidates here (never in forward)."""
         use = self.attention_use(device, dtype, training=training, seq_len=seq_len, documents=documents)
         measure = measure and self.config.auto_measure
         self.attention = attention_for(self.config, use, self.logged_lines, measure=measure)
@@ -418,9 +380,8 @@ class GPT(nn.Module):
         return self.attention.resolution
 
     def attention_for_forward(self, device: torch.device, documents: bool) -> Attention:
-        """What forward calls: the held resolution, or a new one for the mode the model is in when none is held
-        for this device, or when the held one was for inference and this forward may train. Inference is eval
-        mode under no_grad; train mode (dropout) or gradients resolve for training."""
+        """The held resolution, or a new one for the mode the model is in when none is held for this device, or
+        the held one was for inference and this forward may train (train mode, or gradients enabled)."""
         attention, training = self.attention, self.training or torch.is_grad_enabled()
         if attention is None or attention.use.device != device or (training and not attention.use.training):
             self.setup_attention(device, self.compute_dtype(device), training=training, documents=documents)
@@ -442,7 +403,7 @@ class GPT(nn.Module):
         autocast = torch.is_autocast_enabled(device.type)
         return torch.get_autocast_dtype(device.type) if autocast else self.lm_head.weight.dtype
 
-    # -- nanoGPT's helpers: parameters, FLOPs, the optimizer, the context --
+    # -- nanoGPT's API: parameters, FLOPs, the optimizer, the context, pretrained weights --
 
     def get_num_params(self, non_embedding: bool = True) -> int:
         """Parameter count. Position embeddings (wpe) are left out by default; token embeddings stay in,
@@ -459,9 +420,8 @@ class GPT(nn.Module):
         return 6 * self.get_num_params() + 12 * c.n_layer * c.n_head * c.head_dim * (seq_len or c.block_size)
 
     def estimate_mfu(self, fwdbwd_per_iter: int, dt: float) -> float | None:
-        """nanoGPT's model FLOPs utilization: fwdbwd_per_iter sequences of block_size tokens each dt seconds,
-        over the dense bf16 peak of the GPU the model's weights are on (PEAK_FLOPS). None where that peak is
-        not known (a CPU, MPS, or a card not in the table): no A100 figure stands in for another device."""
+        """nanoGPT's MFU: fwdbwd_per_iter sequences of block_size tokens each dt seconds over the weights' GPU's dense
+        bf16 peak (PEAK_FLOPS); None where it is not known (CPU, MPS, another card): no A100 figure stands in."""
         peak = peak_flops(self.lm_head.weight.device)
         return None if peak is None else self.flops_per_token() * self.config.block_size * fwdbwd_per_iter / dt / peak
 
@@ -483,193 +443,32 @@ class GPT(nn.Module):
         if "wpe" in self.transformer:  # RoPE's tables only ever get read below block_size
             self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
 
-    # -- pretrained weights --
-
     @classmethod
     def from_pretrained(cls, model_type: str, override_args: dict | None = None) -> GPT:
-        """nanoGPT's loader: a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl; fetched by huggingface_hub
-        unless cached), a Hugging Face GPT-2 folder, or a checkpoint of this repo or nanoGPT's (a .pt, or an
-        out_dir holding ckpt.pt). override_args: GPTConfig fields that keep the weights' shapes (dropout,
-        attention_backend, ...; a smaller block_size crops the position embeddings). ValueError, one line, for a
-        source that does not load, or a model larger than this machine's memory."""
-        model_config, weights = read_pretrained(model_type)
+        """nanoGPT's loader: a hub name (gpt2 ... gpt2-xl, through huggingface_hub's cache), a Hugging Face GPT-2
+        folder, or a checkpoint of this repo or nanoGPT's (a .pt, or an out_dir with ckpt.pt). override_args:
+        GPTConfig fields that keep the weights' shapes (dropout, attention_backend, ...; a smaller block_size crops
+        wpe). ValueError, one line, for a source that does not load or a model larger than this machine's RAM."""
+        from storage.pretrained import check_fits_in_memory, read_pretrained  # here: `import model` loads no more
+
+        model_config, read_weights = read_pretrained(model_type)
         overrides = {"dropout": 0.0, **(override_args or {})}
         block_size = overrides.pop("block_size", None)
         config = GPTConfig.from_dict({**model_config, **overrides})
-        check_fits_in_memory(config)
+        check_fits_in_memory(config)  # before the weights are read: a config.json may ask for any size
+        weights = read_weights()
         model = cls(config)
         try:
             model.load_state_dict(weights)
         except RuntimeError as error:  # names or shapes that are not the config's
-            raise ValueError(
-                f"{model_type}: its weights do not fit its config ({str(error).splitlines()[-1]})"
-            ) from None
+            why = str(error).splitlines()[-1]
+            raise ValueError(f"{model_type}: its weights do not fit its config ({why})") from None
         if block_size is not None and block_size != config.block_size:
             model.crop_block_size(block_size)
         return model
 
 
-# ----------------------------------------------------------------------------------------------
-# Pretrained weights: a hub name, a Hugging Face GPT-2 folder, or a checkpoint, read without the rest of this repo.
-# HF's GPT-2 keeps GPT-2's parameter names, as ours do, but stores its four projections as Conv1D with weights
-# (in, out) where nn.Linear has (out, in): they are transposed on the way in (and out, in weights/hf.py).
-
-HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # in order of preference
-CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")  # stored (in, out)
-MASK_BUFFERS = ("attn.bias", "attn.masked_bias")  # the causal mask, saved by older GPT-2 code: not weights
-# config.json settings that GPT-2's math would need and ours does not do: {setting: (HF's default, what is allowed)}
-# fmt: off
-HF_EXACT = {"layer_norm_epsilon": (1e-5, "1e-05"), "activation_function": ("gelu_new", "gelu_new (tanh GELU)"),
-            "scale_attn_weights": (True, "true"), "scale_attn_by_inverse_layer_idx": (False, "false"),
-            "add_cross_attention": (False, "false")}
-# fmt: on
-
-
-def read_pretrained(source) -> tuple[dict, dict]:
-    """(GPTConfig fields, state dict) of from_pretrained's `source`."""
-    path = Path(source)
-    if path.is_dir() and (path / "ckpt.pt").is_file():
-        path = path / "ckpt.pt"
-    if path.is_file():
-        return read_checkpoint(path)
-    if (path / "config.json").is_file() or str(source) in HUB_NAMES:
-        return read_hf_folder(path if (path / "config.json").is_file() else hub_folder(str(source)))
-    raise ValueError(
-        f"{source!r} is not a checkpoint file, an out_dir with ckpt.pt, a Hugging Face GPT-2 folder "
-        f"(config.json + weights) or a hub name ({', '.join(HUB_NAMES)})"
-    )
-
-
-def read_checkpoint(path: Path) -> tuple[dict, dict]:
-    """A .pt of this repo (model_config) or nanoGPT's (model_args), read without running code."""
-    state = load_torch_file(path)
-    config = state.get("model_config", state.get("model_args")) if isinstance(state, dict) else None
-    if not isinstance(config, dict) or not isinstance(state.get("model"), dict):
-        raise ValueError(f"{path} holds no model_config (or nanoGPT's model_args) and model")
-    if "lora" in state:
-        raise ValueError(f"{path} holds LoRA adapters; merge them first: python -m weights merge {path} OUT.pt")
-    known = {f.name for f in fields(GPTConfig)}
-    weights = {str(k).removeprefix("_orig_mod."): v for k, v in state["model"].items() if not is_mask_buffer(str(k))}
-    return {k: v for k, v in config.items() if k in known or "model_config" in state}, weights
-
-
-def load_torch_file(path: Path):
-    """A torch.save file (tensors and containers only: no code runs) or a safetensors file, on the CPU."""
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            return load_file(path)
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # torch.load and safetensors raise many kinds for a file that is not one
-        raise ValueError(f"{path} cannot be read as a checkpoint ({str(error).splitlines()[0]})") from None
-
-
-def hub_folder(name: str) -> Path:
-    """The cached snapshot of a hub model (downloaded first unless HF_HUB_OFFLINE=1); one line if it is not there."""
-    try:
-        from huggingface_hub import constants, snapshot_download
-    except ImportError:
-        raise ValueError(f"loading {name} by name needs huggingface_hub: pip install huggingface_hub") from None
-    patterns = ["config.json", "model.safetensors"]
-    with contextlib.suppress(OSError, ValueError):  # not cached (LocalEntryNotFoundError is an OSError)
-        return Path(snapshot_download(name, allow_patterns=patterns, local_files_only=True))
-    with contextlib.suppress(OSError, ValueError):  # no network, a failed download: HfHubHTTPError is an OSError
-        if not constants.HF_HUB_OFFLINE:
-            return Path(snapshot_download(name, allow_patterns=patterns))
-    raise ValueError(
-        f"{name} is not in the local Hugging Face cache and the hub cannot be reached; download it with "
-        f"`hf download {name} config.json model.safetensors` or pass a local directory"
-    )
-
-
-def read_hf_folder(folder: Path) -> tuple[dict, dict]:
-    """(GPTConfig fields, state dict) of a Hugging Face GPT-2 folder; its size is checked before its weights
-    are read."""
-    model_config = hf_model_config(folder / "config.json")
-    check_fits_in_memory(GPTConfig(**model_config))
-    path = next((folder / name for name in HF_WEIGHT_FILES if (folder / name).is_file()), None)
-    if path is None:
-        raise ValueError(
-            f"{folder} is a Hugging Face GPT-2 folder with config.json but no weights "
-            f"({' or '.join(HF_WEIGHT_FILES)}); copy or download its weights file into it"
-        )
-    saved = load_torch_file(path)
-    if not isinstance(saved, dict):
-        raise ValueError(f"{path} is not a state dict")
-    return model_config, hf_state_dict(saved, model_config["tie_embeddings"])
-
-
-def hf_model_config(path: Path) -> dict:
-    """config.json -> GPTConfig fields (every field, as our checkpoints hold them); a setting our GPT cannot
-    reproduce exactly is one ValueError line."""
-    try:
-        hf = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path} cannot be read as JSON ({error})") from None
-    if not isinstance(hf, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    if hf.get("model_type", "gpt2") != "gpt2":
-        raise ValueError(f"{path}: model_type {hf['model_type']!r} is not gpt2; only GPT-2 models load")
-    n_embd = hf.get("n_embd", 768)
-    exact = {**HF_EXACT, "n_inner": (None, f"null or 4*n_embd = {4 * n_embd}")}
-    for key, (default, allowed) in exact.items():
-        value = hf.get(key, default)
-        if value != default and not (key == "n_inner" and value == 4 * n_embd):
-            raise ValueError(f"{path}: {key}={value!r} is not supported; allowed: {allowed}")
-    try:  # HF's defaults where config.json is silent; vocab_size as is, never padded: the logits must be HF's
-        return asdict(
-            GPTConfig(
-                block_size=hf.get("n_positions", 1024),
-                vocab_size=hf.get("vocab_size", 50257),
-                **{key: hf.get(key, 12) for key in ("n_layer", "n_head")},
-                n_embd=n_embd,
-                tie_embeddings=hf.get("tie_word_embeddings", True) is not False,
-            )
-        )
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"{path}: {error}") from None
-
-
-def hf_state_dict(saved: dict, tied: bool = True) -> dict:
-    """HF GPT-2's tensors under our names: Conv1D weights transposed, mask buffers dropped; lm_head is wte's
-    where the model ties them, else its own (tie_word_embeddings=false)."""
-    model = {}
-    for key, tensor in saved.items():
-        name = key.removeprefix("transformer.")  # older files (the hub's gpt2) have no prefix
-        if is_mask_buffer(name) or name == "lm_head.weight":
-            continue
-        model["transformer." + name] = tensor.t() if name.endswith(CONV1D) and tensor.dim() == 2 else tensor
-    if tied and "transformer.wte.weight" in model:
-        model["lm_head.weight"] = model["transformer.wte.weight"]
-    elif "lm_head.weight" in saved:
-        model["lm_head.weight"] = saved["lm_head.weight"]
-    return model
-
-
-def is_mask_buffer(name: str) -> bool:
-    return ".".join(name.split(".")[-2:]) in MASK_BUFFERS  # h.0.attn.bias is; h.0.attn.c_attn.bias is not
-
-
-def check_fits_in_memory(config: GPTConfig, bytes_per_param: int = 4) -> None:
-    """ValueError, one line, for a model whose float32 weights alone exceed this machine's RAM: checked from the
-    config, before anything is allocated (a config.json or checkpoint may ask for any size)."""
-    params = config.parameter_count()
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # not on every platform
-        return
-    if params * bytes_per_param > ram:
-        raise ValueError(
-            f"the model asks for {params:,} parameters ({params * bytes_per_param / 2**30:,.1f} GiB in float32) but "
-            f"this machine has {ram / 2**30:,.1f} GiB of RAM (n_layer={config.n_layer}, n_embd={config.n_embd}, "
-            f"vocab_size={config.vocab_size})"
-        )
-
-
-# Dense bf16/fp16 tensor-core FLOP/s from the vendors' datasheets, for MFU: {name fragment: FLOP/s}; the first
-# fragment found in the GPU's name wins
+# Dense bf16/fp16 tensor-core FLOP/s (vendors' datasheets) for MFU; the first fragment in the GPU's name wins
 # fmt: off
 PEAK_FLOPS = {
     "H100 PCIe": 756e12, "H100 NVL": 835e12, "GH200": 989.5e12, "H200": 989.5e12, "H100": 989.5e12,
@@ -728,16 +527,18 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
 
 
 class AttentionMask:
-    """The causal (and same-document) mask of one forward pass, built once and shared by all layers: each kernel
-    asks for the form it needs (a dense boolean mask, cu_seqlens for varlen kernels, or a kernel's own `form`),
-    made on first use. `doc_ids` (B, T): documents are the runs of equal ids, so ids need not be sorted."""
+    """The causal (and same-document) mask of one forward pass, shared by all layers, in the forms kernels ask for
+    (dense, varlen, a kernel's own `form`), each made on first use. Documents are the runs of equal doc_ids."""
 
     def __init__(self, seq_len: int, device: torch.device, doc_ids: torch.Tensor | None = None):
-        self.seq_len, self.device = seq_len, device
-        # each token's document: the runs of equal ids numbered 0, 1, 2, ... per row
-        self.segments = None if doc_ids is None else run_ids(doc_ids)
-        self._dense = self._varlen = None
+        self.seq_len, self.device, self.segments = seq_len, device, None
         self._forms: dict[str, object] = {}
+        if doc_ids is not None:  # each token's document: the runs of equal ids numbered 0, 1, 2, ... per row.
+            # Built as int32 and summed once: the same numbers as run_starts(...).cumsum(dtype=int32) - 1 made
+            # inductor fail to lower flex_attention's packed BlockMask inside a compiled graph (torch 2.11, an H200).
+            change = torch.zeros_like(doc_ids, dtype=torch.int32)
+            change[:, 1:] = (doc_ids[:, 1:] != doc_ids[:, :-1]).to(torch.int32)
+            self.segments = change.cumsum(dim=1)
 
     @property
     def has_documents(self) -> bool:
@@ -745,21 +546,21 @@ class AttentionMask:
 
     def dense(self) -> torch.Tensor:
         """(B or 1, 1, T, T) bool, True where attention is allowed."""
-        if self._dense is None:
+        if "dense" not in self._forms:
             T = self.seq_len
             mask = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
             if self.segments is not None:
                 mask = mask & (self.segments[:, :, None] == self.segments[:, None, :])  # (B, T, T)
-            self._dense = mask.view(-1, 1, T, T)
-        return self._dense
+            self._forms["dense"] = mask.view(-1, 1, T, T)
+        return self._forms["dense"]
 
     def varlen(self) -> tuple[torch.Tensor, int]:
-        """cu_seqlens (int32, one entry per document start plus the end) over the flattened (B*T) tokens."""
-        if self._varlen is None:
+        """(cu_seqlens, T): int32 document starts plus the end over the flattened (B*T) tokens; T bounds each."""
+        if "varlen" not in self._forms:
             first = run_starts(self.segments).flatten().nonzero().flatten()  # one host sync per forward, not per layer
             cu_seqlens = torch.cat([first, first.new_tensor([self.segments.numel()])]).to(torch.int32)
-            self._varlen = (cu_seqlens, self.seq_len)  # T bounds every document's length
-        return self._varlen
+            self._forms["varlen"] = (cu_seqlens, self.seq_len)
+        return self._forms["varlen"]
 
     def form(self, name: str, make: Callable[[AttentionMask], object]):
         """A kernel's own form of this mask (e.g. flex_attention's BlockMask), made by make(self) on first use."""
@@ -769,8 +570,7 @@ class AttentionMask:
 
 
 def repeat_kv(q, k, v):
-    """k and v (B, n_kv, S, D) with each head repeated for the n_head/n_kv query heads that share it (GQA/MQA):
-    for kernels that take no fewer key/value heads than query heads."""
+    """k and v (B, n_kv, S, D) repeated to q's heads (GQA/MQA), for kernels that take no fewer k/v than q heads."""
     group = q.size(1) // k.size(1)
     if group == 1:
         return k, v
@@ -799,11 +599,10 @@ def sdpa_attention(q, k, v, mask: AttentionMask, dropout_p: float = 0.0, kernel:
 
 
 def sdpa_kv(q, k, v, attn_mask, kernel: str = "auto"):
-    """(k, v, keywords) for SDPA when k and v may have fewer heads than q. enable_gqa where the kernel that
-    will run reads grouped heads itself: PyTorch's flash kernel on CUDA (half precision, no mask; a GPU older
-    than sm80 has none and runs the math kernel instead) and the math kernel. Elsewhere k and v are repeated to
-    q's heads: the efficient kernel and the CPU kernels take no grouped heads, so enable_gqa with a mask
-    (documents, decode steps) could leave only the math kernel."""
+    """(k, v, keywords) for SDPA when k and v may have fewer heads than q. enable_gqa where the kernel that will
+    run reads grouped heads itself: the math kernel, and PyTorch's flash kernel on CUDA (half precision, no mask;
+    before sm80 the math kernel runs instead). Elsewhere k and v are repeated to q's heads: the efficient and CPU
+    kernels take no grouped heads, so enable_gqa with a mask (documents, decode steps) could leave only math."""
     if k.size(1) == q.size(1):
         return k, v, {}
     if kernel == "math" or (q.is_cuda and q.dtype in HALF and attn_mask is None and kernel in ("auto", "flash")):
@@ -838,14 +637,12 @@ def why_not_sdpa_kernel(kernel: str, use: AttentionUse) -> str:
 
 
 class FlashAttn2:
-    """flash-attn 2 (the flash_attn package) as a kernel. The package is imported once, by the first why_not
-    check (resolving the backend runs it); a call then reads it from an attribute, so torch.compile never traces
-    an import. kernels/flash.py builds flash-attn 3 and 4 on this class."""
+    """flash-attn 2 (the flash_attn package) as a kernel, imported once by the first why_not check (resolving runs
+    it) and then read from an attribute, so torch.compile never traces an import. kernels/flash.py builds flash-attn
+    3 and 4 on this class (their own import_package, why_not_capability, label, no dropout)."""
 
     label, min_capability, rule, has_dropout = "flash-attn 2", (8, 0), "compute capability >= 8.0", True
-
-    def __init__(self):
-        self.module, self.version, self.why_missing = None, "", None  # why_missing: None until imported
+    module, version, why_missing = None, "", None  # set by load(); why_missing is None until it ran
 
     def load(self) -> str:
         """Import the package (once); why it cannot be used ('' when it can)."""
@@ -889,9 +686,8 @@ class FlashAttn2:
         return ""
 
     def __call__(self, q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
-        if self.module is None:  # called before any check (a test, a bench)
+        if self.module is None:  # called before any check (a bench, a record registered without this why_not)
             self.load()
-        package = self.module
         kwargs = {"dropout_p": dropout_p} if self.has_dropout else {}
         B, H, T, D = q.shape
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, T, H, D); k, v may have fewer heads (GQA)
@@ -899,15 +695,15 @@ class FlashAttn2:
             cu_seqlens, max_len = mask.varlen()
             q, k, v = (x.reshape(B * T, x.size(2), D) for x in (q, k, v))
             lengths = dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_len, max_seqlen_k=max_len)
-            y = package.flash_attn_varlen_func(q, k, v, causal=True, **lengths, **kwargs)
+            y = self.module.flash_attn_varlen_func(q, k, v, causal=True, **lengths, **kwargs)
         else:
-            y = package.flash_attn_func(q, k, v, causal=True, **kwargs)
+            y = self.module.flash_attn_func(q, k, v, causal=True, **kwargs)
         y = y[0] if isinstance(y, tuple) else y  # FA3 builds and FA4 also return the log-sum-exp
         return y.reshape(B, T, H, D).transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------------------------
-# The registry: one record per backend; `resolve` turns a request into the backend that runs. Adding a backend =
+# The registry {name: AttentionBackend}; `resolve` turns a request into the backend that runs. Adding a backend =
 # its kernel + one register() call (kernels/ and generation/ register the ones beyond this file's three).
 
 
@@ -927,13 +723,8 @@ def register(backend: AttentionBackend) -> AttentionBackend:
     return backend
 
 
-def flash_attn_2_backend() -> AttentionBackend:
-    """flash_attn_2's record over a kernel of its own (a fresh one imports the package anew)."""
-    kernel = FlashAttn2()
-    return AttentionBackend("flash_attn_2", kernel, kernel.why_not, "sdpa", ("flash_attention_2",))
-
-
-FLASH_ATTN_2 = register(flash_attn_2_backend()).kernel
+FLASH_ATTN_2 = FlashAttn2()
+register(AttentionBackend("flash_attn_2", FLASH_ATTN_2, FLASH_ATTN_2.why_not, "sdpa", ("flash_attention_2",)))
 register(AttentionBackend("sdpa", sdpa_attention, why_not_sdpa, "manual"))
 register(AttentionBackend("manual", manual_attention, lambda use: "", None, ("eager",)))
 
@@ -945,14 +736,10 @@ def default_auto_order(use: AttentionUse, measure: bool = False) -> tuple[tuple[
     return (*first, "manual"), "default order"
 
 
-# auto's order for a use: (use, measure) -> (names to try, how they were chosen). kernels/auto.py registers a
-# per-card table, which with measure=True (setup_attention's, never forward's) times the candidates on a card the
-# table does not know. The last registered wins.
+# auto's order: (use, measure) -> (names to try, how they were chosen); the last registered wins: kernels/auto.py's
+# per-card table, which with measure=True (setup_attention's, never forward's) times candidates on an unknown card
 AUTO_ORDER: list[Callable[[AttentionUse, bool], tuple[tuple[str, ...], str]]] = [default_auto_order]
-
-
-def register_auto_order(order: Callable[[AttentionUse, bool], tuple[tuple[str, ...], str]]) -> None:
-    AUTO_ORDER.append(order)
+register_auto_order = AUTO_ORDER.append
 
 
 def aliases() -> dict[str, str]:
@@ -963,9 +750,8 @@ def canonical_backend(name: str) -> str:
     """Map a backend name or alias to its canonical name; ValueError lists what is allowed."""
     key = aliases().get(str(name).strip().lower(), str(name).strip().lower())
     if key != "auto" and key not in BACKENDS:
-        listed = ", ".join(f"{a} (= {b})" for a, b in aliases().items())
-        names = ", ".join(BACKENDS)
-        raise ValueError(f"unknown attention_backend {name!r}; choose one of auto, {names}; aliases: {listed}")
+        allowed = f"auto, {', '.join(BACKENDS)}; aliases: " + ", ".join(f"{a} (= {b})" for a, b in aliases().items())
+        raise ValueError(f"unknown attention_backend {name!r}; choose one of {allowed}")
     return key
 
 
@@ -997,9 +783,7 @@ def resolve(requested: str, use: AttentionUse, order=None, measure: bool = False
     return Resolution(name, "; then ".join([p for _, p in skipped[:1]] + [f"{n}: {p}" for n, p in skipped[1:]]))
 
 
-class Attention(NamedTuple):
-    """A resolved backend: what the model's forward calls, and what it was resolved for."""
-
+class Attention(NamedTuple):  # a resolved backend: what the model's forward calls, and what it was resolved for
     kernel: Callable
     resolution: Resolution
     use: AttentionUse
@@ -1009,9 +793,8 @@ def attention_for(config: GPTConfig, use: AttentionUse, logged: set[str], order=
     """Resolve config.attention_backend for `use` (auto: in `order` if given); the sdpa backend pinned to
     config.sdpa_kernel where that runs. `logged`: the lines already said (log_once)."""
     resolution = resolve(config.attention_backend, use, order, measure)
-    kernel = BACKENDS[resolution.used].kernel
-    if resolution.used == "sdpa" and config.sdpa_kernel != "auto":
-        pinned = config.sdpa_kernel
+    kernel, pinned = BACKENDS[resolution.used].kernel, config.sdpa_kernel
+    if resolution.used == "sdpa" and pinned != "auto":
         why = why_not_sdpa_kernel(pinned, use)
         if why:
             log_once(logged, logging.WARNING, f"sdpa_kernel={pinned} requested but {why}; letting PyTorch choose")
@@ -1040,12 +823,10 @@ def log_once(logged: set[str], level: int, message: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# The loss without the full logits: lm_head and cross-entropy fused, a chunk of rows at a time.
-# GPT-2's vocabulary makes the logits the largest tensor of a training step (3.3 GB in float32 for 16 x 1024
-# tokens). For a chunk of rows at a time, forward computes the logits, the loss and both gradients, then drops
-# the chunk; backward only scales the stored gradients: the same three matmuls as the plain path, nothing
-# recomputed (Liger-Kernel's approach, in plain PyTorch so torch.compile fuses the per-chunk softmax).
-
+# The loss without the full logits, the largest tensor of a GPT-2 training step (3.3 GB in float32 for 16 x 1024
+# tokens): lm_head and cross-entropy fused. For a chunk of rows at a time, forward computes the logits, the loss
+# and both gradients, then drops the chunk; backward only scales the stored gradients: the plain path's three
+# matmuls, nothing recomputed (Liger-Kernel's approach, in plain PyTorch so torch.compile fuses the softmax).
 
 IGNORE_INDEX = -1  # targets equal to this add nothing to the loss (as F.cross_entropy's ignore_index)
 CHUNK_ELEMENTS = 2**28  # most logits per chunk: 5,336 rows of GPT-2's 50,304 (0.5 GiB in bf16, 1 GiB in fp32)
@@ -1093,15 +874,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of softmax(x @ weight.T) against targets (IGNORE_INDEX skipped), as
-    F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=-1) gives it, without holding the
-    (N, V) logits. x (..., C); weight (V, C); targets (...). Under autocast both are cast to its dtype,
-    as F.linear would cast them."""
+    """F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=-1) without holding the (N, V) logits.
+    x (..., C); weight (V, C); targets (...). Under autocast both are cast to its dtype, as F.linear casts them."""
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else weight.dtype
     with torch.autocast(x.device.type, enabled=False):
-        return _ChunkedLinearCrossEntropy.apply(
-            x.reshape(-1, x.size(-1)).to(dtype), weight.to(dtype), targets.reshape(-1)
-        )
+        x, weight = x.reshape(-1, x.size(-1)).to(dtype), weight.to(dtype)
+        return _ChunkedLinearCrossEntropy.apply(x, weight, targets.reshape(-1))
 
 
 if __name__ == "__main__":  # the report of what this machine can run is `python -m kernels`'s

@@ -5,10 +5,11 @@ checkpoints export as Hugging Face GPT-2 folders.
     python -m weights hf out/ckpt.pt hf-model/       # config.json + model.safetensors, for GPT2LMHeadModel
     model = from_pretrained("gpt2")                  # or a folder with config.json + model.safetensors
 
-Reading a Hugging Face folder or a hub name is model.py's (GPT.from_pretrained); this adds the checks and
-one-line errors of this repo, LoRA checkpoints, and the export. Hugging Face's GPT-2 stores its four projections
-as Conv1D with weights (in, out) where nn.Linear has (out, in): they are transposed on the way in and out. Hub
-names (gpt2 ... gpt2-xl) resolve through the Hugging Face cache; with HF_HUB_OFFLINE=1 only what is cached loads.
+Reading a Hugging Face folder or a hub name is storage/pretrained.py's (GPT.from_pretrained reads through it
+too); this adds the checks and one-line errors of this repo, LoRA checkpoints, and the export. Hugging Face's
+GPT-2 stores its four projections as Conv1D with weights (in, out) where nn.Linear has (out, in): they are
+transposed on the way in and out. Hub names (gpt2 ... gpt2-xl) resolve through the Hugging Face cache; with
+HF_HUB_OFFLINE=1 only what is cached loads.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from data.common import make_out_dir
 from data.tokenizer import gpt2_meta
 from errors import CheckpointError, DataError
-from model import CONV1D, GPT, HUB_NAMES, GPTConfig, check_fits_in_memory, hub_folder, read_hf_folder
+from model import GPT, GPTConfig
 from storage.atomic import atomic_path
 from storage.checkpoint import (
     LATEST,
@@ -33,6 +34,7 @@ from storage.checkpoint import (
     newest_save,
     write_safetensors,
 )
+from storage.pretrained import CONV1D, HUB_NAMES, check_fits_in_memory, hub_folder, read_hf_folder
 from weights.load import load_checkpoint, refuse_adapters
 from weights.lora import load_model_weights
 
@@ -75,14 +77,22 @@ def load_weights(source, also: tuple[str, ...] = ()) -> tuple[dict, Path]:
 
 def load_hf(name_or_dir) -> dict:
     """A Hugging Face GPT-2 checkpoint (a folder, or a hub name from the local cache) as our checkpoint dict; the
-    reading is model.py's (GPT.from_pretrained's), its one-line errors CheckpointErrors."""
+    reading is storage/pretrained.py's (as GPT.from_pretrained's), its one-line errors CheckpointErrors. The
+    model's size is checked from config.json before its weights are read."""
     try:
         folder = Path(name_or_dir) if Path(name_or_dir).is_dir() else hub_folder(str(name_or_dir))
-        config, weights = read_hf_folder(folder)
+        fields, read_weights = read_hf_folder(folder)
+        try:
+            config = GPTConfig(**fields)
+        except ValueError as error:  # a value config.json holds: the line names the file
+            raise ValueError(f"{folder / 'config.json'}: {error}") from None
+        check_fits_in_memory(config)
+        weights = read_weights()
     except ValueError as error:
         raise CheckpointError(str(error)) from None
     meta = exported_meta(folder) or gpt2_meta()  # HF's own GPT-2 folders carry no tokenizer we read
-    return {"model": weights, "model_config": config, "meta": meta, "source": "huggingface"}
+    model_config = dataclasses.asdict(config)  # every field, as our checkpoints hold them
+    return {"model": weights, "model_config": model_config, "meta": meta, "source": "huggingface"}
 
 
 def exported_meta(folder: Path) -> dict | None:

@@ -14,10 +14,11 @@ import torch
 from data.common import read_meta_pkl
 from data.tokenizer import gpt2_meta
 from errors import CheckpointError, DataError
-from model import GPTConfig, is_mask_buffer
+from model import GPTConfig
 from storage import checkpoint as storage
 from storage.checkpoint import is_checkpoint_name, write_safetensors
 from storage.memory import available_memory, format_bytes
+from storage.pretrained import is_mask_buffer
 
 
 def load_checkpoint(path, map_location="cpu", *, resume: bool = False) -> dict:

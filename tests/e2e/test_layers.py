@@ -1,5 +1,6 @@
-"""The shape of the repo: model.py alone is the GPT, the ground floor imports nothing above it, and imports go one
-way (the import-linter contract in .importlinter, which CI runs as lint-imports)."""
+"""The shape of the repo: model.py alone is the GPT (reading pretrained weights through storage/pretrained.py, the
+ground floor), the ground floor imports nothing above it, and imports go one way (the import-linter contract in
+.importlinter, which CI runs as lint-imports)."""
 
 import json
 import subprocess
@@ -59,6 +60,13 @@ def test_the_model_alone_loads_no_other_module_falls_back_down_the_chain_and_say
     assert warnings and "falling back to sdpa" in warnings[0], done.stderr
     assert any(line.startswith("INFO attention backend: sdpa (requested flash_attn_2:") for line in lines)
     assert any(line == "INFO attention backend: manual" for line in lines)
+
+
+def test_from_pretrained_reads_through_the_ground_floor_alone():
+    """GPT.from_pretrained imports storage/pretrained.py when it is called (model.py's one import of this repo),
+    and nothing else of this repo; a bad source is one ValueError."""
+    call = "from model import GPT\ntry:\n    GPT.from_pretrained('no-such-source')\nexcept ValueError:\n    pass"
+    assert loaded_by(call) == ["model", "storage", "storage.pretrained"]
 
 
 def test_the_single_file_ground_floor_imports_nothing_above_it():

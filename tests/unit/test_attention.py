@@ -140,8 +140,9 @@ def installed(monkeypatch, **modules):
 
 def fresh_flash_backends(monkeypatch):
     """Registry records of flash-attn 2, 3 and 4 over fresh kernels: they import (the simulated) packages anew."""
+    flash_attn_2 = model.FlashAttn2()
     for record in (
-        model.flash_attn_2_backend(),
+        model.BACKENDS["flash_attn_2"]._replace(kernel=flash_attn_2, why_not=flash_attn_2.why_not),
         kernels.flash.flash_attn_3_backend(),
         kernels.flash.flash_attn_4_backend(),
     ):
@@ -426,7 +427,7 @@ def test_flash_kernel_imports_its_package_once(monkeypatch):
         "import_module",
         lambda name: lookups.append(name) or fake if name == "flash_attn" else real_import(name),
     )
-    kernel = model.flash_attn_2_backend().kernel
+    kernel = model.FlashAttn2()  # a fresh kernel: it imports the package anew
     assert kernel.why_not(AttentionUse(CPU, torch.bfloat16)) == "flash-attn runs on CUDA GPUs only (device is cpu)"
     kernel.why_not(AttentionUse(CPU, torch.bfloat16))
     q, k, v, _ = random_qkv((2, 2, 8, 16), torch.float64, generator_for("bound"))
@@ -437,7 +438,7 @@ def test_flash_kernel_imports_its_package_once(monkeypatch):
 def test_flash_attn_4_alone_is_not_taken_for_flash_attn_2(monkeypatch):
     """flash-attn-4 installs flash_attn.cute; without flash-attn 2, `flash_attn` is a bare namespace."""
     installed(monkeypatch, flash_attn=SimpleNamespace(__name__="flash_attn"))
-    kernel = model.flash_attn_2_backend().kernel
+    kernel = model.FlashAttn2()  # a fresh kernel: it imports the package anew
     assert "flash-attn is not installed" in kernel.why_not(AttentionUse(CUDA, torch.bfloat16))
     assert kernel.module is None
 

@@ -362,6 +362,11 @@ def test_a_config_larger_than_memory_is_refused_before_anything_is_allocated(hf_
         GPT.from_pretrained(str(tmp_path / "hf"))
     with pytest.raises(CheckpointError, match=r"asks for [\d,]+ parameters"):
         interop.load_hf(tmp_path / "hf")
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"not read")  # refused before its weights are read
+    with pytest.raises(ValueError, match=r"^the model asks for [\d,]+ parameters"):
+        GPT.from_pretrained(str(tmp_path / "hf"))
+    with pytest.raises(CheckpointError, match=r"asks for [\d,]+ parameters"):
+        interop.load_hf(tmp_path / "hf")
     # a checkpoint of ours whose model_config asks for it: sample.py's loader and the export refuse it in one line
     char_checkpoint(tmp_path)
     state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
