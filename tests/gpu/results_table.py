@@ -104,7 +104,7 @@ class ResultsTable:
         add_report(self.rows, report)
 
     def pytest_sessionfinish(self, session):
-        rows = list(self.rows.values())
+        rows = sorted(self.rows.values(), key=lambda row: row["cell"])  # tests run in random order
         if all(row["status"] == "skipped" for row in rows):  # none ran (also: no tests/gpu test was selected)
             return
         import torch
