@@ -1,5 +1,6 @@
 """The GPU end-to-end suite's results table: one row per test of tests/gpu (its cell id, status, seconds and
-figure), written to <results dir>/<card>-e2e.json and .md once at least one of them ran (not all skipped).
+figure), written to <--e2e-results>/<card>-<--e2e-name>.json and .md (default bench/results/<card>-e2e.*) once
+at least one of them ran (not all skipped).
 
 A plugin that tests/conftest.py loads, not tests/gpu/conftest.py: under pytest-xdist only the controller sees
 every worker's reports, and it loads the conftest files of the test folders only when named on its command line.
@@ -23,13 +24,15 @@ def pytest_addoption(parser):
         "--e2e-results",
         default=str(DEFAULT_RESULTS),
         metavar="DIR",
-        help="folder of the GPU end-to-end table, <card>-e2e.json and .md (default bench/results)",
+        help="folder of the GPU end-to-end table, <card>-<name>.json and .md (default bench/results)",
     )
+    parser.addoption("--e2e-name", default="e2e", help="the table's name after the card's (default e2e)")
 
 
 def pytest_configure(config):
     if not hasattr(config, "workerinput"):  # an xdist worker sends its reports to the controller, which writes
-        config.pluginmanager.register(ResultsTable(Path(config.getoption("e2e_results"))), "e2e-results-table")
+        table = ResultsTable(Path(config.getoption("e2e_results")), config.getoption("e2e_name"))
+        config.pluginmanager.register(table, "e2e-results-table")
 
 
 def skip_reason(report) -> str:
@@ -87,18 +90,18 @@ def markdown(table: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_table(table: dict, out_dir: Path) -> Path:
-    """<card>-e2e.json and .md under out_dir; the JSON's path."""
+def write_table(table: dict, out_dir: Path, name: str = "e2e") -> Path:
+    """<card>-<name>.json and .md under out_dir; the JSON's path."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{table['card']}-e2e.json"
+    path = out_dir / f"{table['card']}-{name}.json"
     path.write_text(json.dumps(table, indent=1) + "\n")
     path.with_suffix(".md").write_text(markdown(table))
     return path
 
 
 class ResultsTable:
-    def __init__(self, out_dir: Path):
-        self.out_dir, self.rows, self.started = out_dir, {}, time.perf_counter()
+    def __init__(self, out_dir: Path, name: str = "e2e"):
+        self.out_dir, self.name, self.rows, self.started = out_dir, name, {}, time.perf_counter()
 
     def pytest_runtest_logreport(self, report):
         add_report(self.rows, report)
@@ -115,5 +118,5 @@ class ResultsTable:
         device_name = torch.cuda.get_device_name() if gpus else "cpu"
         seconds = round(time.perf_counter() - self.started, 1)
         table = summary(rows, card_slug(), device_name, gpus, torch.__version__, seconds)
-        path = write_table(table, self.out_dir)
+        path = write_table(table, self.out_dir, self.name)
         session.config.get_terminal_writer().line(f"GPU end-to-end table: {path} and {path.with_suffix('.md').name}")
