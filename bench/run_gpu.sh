@@ -69,7 +69,8 @@ for stage in "$@"; do
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
         python3 -m kernels
         # the whole log (tracebacks included) to $OUT, its end here
-        python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests/ 2>&1 | tee "$OUT/gpu-tests.log" | tail -12
+        python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} --ignore=tests/gpu tests/ 2>&1 \
+            | tee "$OUT/gpu-tests.log" | tail -12  # tests/gpu: the e2e and twonodes stages
         ;;
     e2e)  # the end-to-end tests (tests/gpu) with the flash packages set up above, E2E_JOBS cells at a time; E2E_ONLY:
         # the cells a pytest -k expression picks (e.g. "train and flex"), named E2E_NAME; $OUT/<card>-e2e.{json,md}

@@ -83,6 +83,8 @@ def stopped_run(shared_folder, corpus) -> dict:
 
 @pytest.fixture(scope="session")
 def fp8_run(shared_folder, corpus) -> dict:
+    """Trains with FP8 matmuls, or skips every cell that needs it saying why it cannot (a card below sm89)."""
+    skip_without_fp8()
     out = shared_folder / "fp8"
     settings = [*FP8_MODEL, *TRAIN, "--eval_interval=20", "--dtype=bfloat16", "--compile=true", "--fp8=tensorwise"]
     return shared_cell(shared_folder, "train fp8 tensorwise", train_command(corpus, out, *settings), out_dir=str(out))
@@ -201,7 +203,6 @@ def skip_without_fp8() -> None:
 
 @needs(packages=("torchao",))
 def test_train_fp8_tensorwise(fp8_run, record_property):
-    skip_without_fp8()
     report(fp8_run, record_property)
     fp8_ran(fp8_run)
 
@@ -210,7 +211,6 @@ def test_train_fp8_tensorwise(fp8_run, record_property):
 @pytest.mark.parametrize("fp8", ["tensorwise", "off"])
 def test_resume_an_fp8_run(fp8, fp8_run, corpus, tmp_path, record_property):
     """A run trained with FP8 resumes with it and without it: the checkpoint holds plain weights."""
-    skip_without_fp8()
     out = copy_of(passed(fp8_run)["out_dir"], tmp_path)
     settings = [*FP8_MODEL, *TRAIN, "--max_iters=60", "--eval_interval=20", "--dtype=bfloat16", "--compile=true"]
     outcome = run_cell(train_command(corpus, out, *settings, f"--fp8={fp8}", "--init_from=resume"))
