@@ -11,6 +11,7 @@ seconds with ("seconds", s) where the test's time holds more than the cell's.
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -72,7 +73,7 @@ def add_report(rows: dict[str, dict], report) -> None:
 
 def summary(rows: list[dict], card: str, device_name: str, gpus: int, torch_version: str, seconds: float) -> dict:
     counts = {status: sum(row["status"] == status for row in rows) for status in ("ok", "failed", "skipped")}
-    command = " ".join(["python -m pytest", *sys.argv[1:]])
+    command = "python -m pytest " + shlex.join(sys.argv[1:])
     header = {"card": card, "device_name": device_name, "gpus": gpus, "torch": torch_version, "seconds": seconds}
     return {**header, **counts, "command": command, "rows": rows}
 
@@ -102,11 +103,12 @@ def write_table(table: dict, out_dir: Path, name: str = "e2e") -> Path:
 class ResultsTable:
     def __init__(self, out_dir: Path, name: str = "e2e"):
         self.out_dir, self.name, self.rows, self.started = out_dir, name, {}, time.perf_counter()
+        self.written: Path | None = None
 
     def pytest_runtest_logreport(self, report):
         add_report(self.rows, report)
 
-    def pytest_sessionfinish(self, session):
+    def pytest_sessionfinish(self):
         rows = sorted(self.rows.values(), key=lambda row: row["cell"])  # tests run in random order
         if all(row["status"] == "skipped" for row in rows):  # none ran (also: no tests/gpu test was selected)
             return
@@ -118,5 +120,10 @@ class ResultsTable:
         device_name = torch.cuda.get_device_name() if gpus else "cpu"
         seconds = round(time.perf_counter() - self.started, 1)
         table = summary(rows, card_slug(), device_name, gpus, torch.__version__, seconds)
-        path = write_table(table, self.out_dir, self.name)
-        session.config.get_terminal_writer().line(f"GPU end-to-end table: {path} and {path.with_suffix('.md').name}")
+        self.written = write_table(table, self.out_dir, self.name)
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if self.written is not None:
+            terminalreporter.write_line(
+                f"GPU end-to-end table: {self.written} and {self.written.with_suffix('.md').name}"
+            )

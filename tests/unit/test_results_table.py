@@ -60,11 +60,12 @@ def test_each_gpu_test_is_one_row_with_its_status_reason_seconds_and_figure():
 
 
 def finish(table: ResultsTable, reports) -> list[str]:
+    """Feed the reports to the plugin as pytest does, end the session; the lines it adds to the terminal summary."""
     lines = []
     for report in reports:
         table.pytest_runtest_logreport(report)
-    table.pytest_sessionfinish(types.SimpleNamespace(config=types.SimpleNamespace(
-        get_terminal_writer=lambda: types.SimpleNamespace(line=lines.append))))  # fmt: skip
+    table.pytest_sessionfinish()
+    table.pytest_terminal_summary(types.SimpleNamespace(write_line=lines.append))
     return lines
 
 
