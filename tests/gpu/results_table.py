@@ -87,7 +87,8 @@ def markdown(table: dict) -> str:
         shown = "" if figure is None else f"{figure:,.3f}" if abs(figure) < 100 else f"{figure:,.0f}"
         shown = f"{shown} {row.get('unit', '')}".strip()
         status = row["status"] + (f": {row['reason']}" if row["reason"] else "")
-        lines.append(f"| {row['cell']} | {status.replace('|', '/')} | {shown} | {row['seconds']:.0f} |")
+        cells = [row["cell"], status, shown, f"{row['seconds']:.0f}"]
+        lines.append("| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |")
     return "\n".join(lines) + "\n"
 
 

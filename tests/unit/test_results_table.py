@@ -14,6 +14,7 @@ TRAIN = "tests/gpu/test_e2e.py::test_train[sdpa-plain-compiled]"
 DDP = "tests/gpu/test_e2e.py::test_torchrun_2_gpus[ddp]"
 SAMPLE = "tests/gpu/test_e2e.py::test_sample[none-eager-inside-batch1]"
 LORA = "tests/gpu/test_e2e.py::test_lora_sample"
+TWO_NODES = "tests/gpu/test_two_nodes.py::test_two_agents_train_as_one_launch"
 
 
 def made_up(nodeid: str, when: str, outcome: str, longrepr=None, properties=(), duration=1.0) -> pytest.TestReport:
@@ -27,6 +28,7 @@ def a_run() -> list[pytest.TestReport]:
     """One cell passed with its figure, one skipped for want of GPUs, one failed, one errored in its setup, and a
     test outside tests/gpu. A test's properties are in the reports of its call and teardown, as pytest makes them."""
     recorded = [("seconds", 12.3), ("figure", 2.01), ("unit", "val loss")]
+    two_nodes = [("figure", 0.003), ("unit", "max |loss - one launch's|")]
     return [
         made_up(TRAIN, "setup", "passed", duration=0.5),
         made_up(TRAIN, "call", "passed", properties=recorded),
@@ -39,6 +41,7 @@ def a_run() -> list[pytest.TestReport]:
         made_up(SAMPLE, "call", "failed", "E   AssertionError: no decode line\nassert 'no decode line' == 'ok'"),
         made_up(SAMPLE, "teardown", "passed"),
         made_up(LORA, "setup", "failed", "Failed: needs lora train, which did not pass: exit 1: error: boom"),
+        made_up(TWO_NODES, "call", "passed", properties=two_nodes, duration=40.0),
         made_up("tests/unit/test_model.py::test_forward", "call", "passed"),
     ]
 
@@ -56,6 +59,8 @@ def test_each_gpu_test_is_one_row_with_its_status_reason_seconds_and_figure():
          "assert 'no decode line' == 'ok'", "seconds": 3.0},
         {"cell": "test_e2e.py::test_lora_sample", "status": "failed", "reason":
          "setup: Failed: needs lora train, which did not pass: exit 1: error: boom", "seconds": 1.0},
+        {"cell": "test_two_nodes.py::test_two_agents_train_as_one_launch", "status": "ok", "reason": "",
+         "seconds": 40.0, "figure": 0.003, "unit": "max |loss - one launch's|"},
     ]  # fmt: skip
 
 
@@ -72,7 +77,7 @@ def finish(table: ResultsTable, reports) -> list[str]:
 def test_a_run_writes_the_json_and_markdown_table_named_after_the_card(tmp_path):
     lines = finish(ResultsTable(tmp_path), a_run())
     written = json.loads((tmp_path / "cpu-e2e.json").read_text())  # no GPU here: the card is `cpu`
-    assert (written["card"], written["ok"], written["failed"], written["skipped"]) == ("cpu", 1, 2, 1)
+    assert (written["card"], written["ok"], written["failed"], written["skipped"]) == ("cpu", 2, 2, 1)
     assert [row["cell"] for row in written["rows"]] == sorted(row["cell"] for row in written["rows"])
     assert written["command"].startswith("python -m pytest") and written["torch"] and written["seconds"] >= 0
     table = (tmp_path / "cpu-e2e.md").read_text()
@@ -80,7 +85,8 @@ def test_a_run_writes_the_json_and_markdown_table_named_after_the_card(tmp_path)
     assert (
         "| test_e2e.py::test_torchrun_2_gpus[ddp] | skipped: needs 2 CUDA GPUs (this machine has 1) |  | 2 |" in table
     )
-    assert "1 ok, 2 failed, 1 skipped" in table and lines == [
+    assert "| 0.003 max /loss - one launch's/ | 40 |" in table  # a | would end the cell
+    assert "2 ok, 2 failed, 1 skipped" in table and lines == [
         f"GPU end-to-end table: {tmp_path / 'cpu-e2e.json'} and cpu-e2e.md"
     ]
 
