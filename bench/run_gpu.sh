@@ -3,13 +3,13 @@
 # runs as a module from the repo root (python3 -m bench.X).
 #   bash bench/run_gpu.sh tests attention     # what this machine runs + GPU tests; attention benches (bf16)
 #   bash bench/run_gpu.sh float16 train       # attention bench in fp16; train-step bench
-#   bash bench/run_gpu.sh e2e                 # the end-to-end matrix, flash cells included where the packages came
+#   bash bench/run_gpu.sh e2e                 # the end-to-end tests (tests/gpu), flash cells included where the packages came
 #   bash bench/run_gpu.sh smoke compare       # a short train.py run per backend; bench/compare_backends.sh
 #   bash bench/run_gpu.sh scan attention      # fit auto's flash-attn-4 lengths (sm90) first, then measure them
 #   bash bench/run_gpu.sh generate            # generation: prefill and decode tok/s per backend and KV cache
 #   bash bench/run_gpu.sh speed profile long curves   # train-step speed: plain vs default, profile, long T, loss
 #   bash bench/run_gpu.sh ddp                 # 1, 2, 4 GPUs: DDP scaling, GPT-2 XL under FSDP, the largest model
-#   bash bench/run_gpu.sh twonodes            # 4 GPUs: two torchrun agents (--nnodes=2) against one launch
+#   bash bench/run_gpu.sh twonodes            # 2+ GPUs: two torchrun agents (--nnodes=2) against one launch (a test)
 #   bash bench/run_gpu.sh phases              # 4 GPUs: one step phase by phase, DDP and FSDP (PHASE_GPUS=2: 2)
 #   bash bench/run_gpu.sh context zero fsdpxl # 2+ GPUs: context parallelism; DDP at one micro-step a GPU; GPT-2 XL, FSDP
 #   bash bench/run_gpu.sh zerochannels        # 4 GPUs: DDP at one micro-step a GPU, NCCL on 4, 8, 16 channels
@@ -51,6 +51,12 @@ fi
 # flash-attn-4 compiles its kernels on first use; keep them for the next process of this machine
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-kernels
 
+gpu_tests() {  # python3 -m pytest -m gpu ARGS with $1 workers where pytest-xdist is installed, else one at a time
+    local workers=$1 && shift
+    if python3 -c "import xdist" 2>/dev/null; then set -- -n "$workers" "$@"; else set -- -o "addopts=-ra --strict-markers" "$@"; fi
+    python3 -m pytest -m gpu -q -p no:cacheprovider "$@"
+}
+
 corpus() {  # a text corpus for train.py runs that needs no network: this repo's own sources
     cat ./*.py ./*/*.py ./*.md > /tmp/corpus.txt
     python3 -m data.shakespeare_char.prepare --input /tmp/corpus.txt --out_dir "$1" >/dev/null
@@ -63,10 +69,13 @@ for stage in "$@"; do
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
         python3 -m kernels
         # the whole log (tracebacks included) to $OUT, its end here
-        python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests/ 2>&1 | tee "$OUT/gpu-tests.log" | tail -12
+        python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} --ignore=tests/gpu tests/ 2>&1 \
+            | tee "$OUT/gpu-tests.log" | tail -12  # tests/gpu: the e2e and twonodes stages
         ;;
-    e2e)  # the end-to-end matrix (bench/e2e.py) with the flash packages set up above; E2E_ONLY: some cells only
-        python3 -m bench.e2e --jobs "${E2E_JOBS:-8}" --out "$OUT" ${E2E_ONLY:+--only "$E2E_ONLY"} | tail -80
+    e2e)  # the end-to-end tests (tests/gpu) with the flash packages set up above, E2E_JOBS cells at a time; E2E_ONLY:
+        # the cells a pytest -k expression picks (e.g. "train and flex"), named E2E_NAME; $OUT/<card>-e2e.{json,md}
+        gpu_tests "${E2E_JOBS:-8}" tests/gpu --e2e-results "$OUT" --e2e-name "${E2E_NAME:-e2e}" ${E2E_ONLY:+-k "$E2E_ONLY"} \
+            2>&1 | tee /tmp/gpu-e2e.log | tail -80
         ;;
     smoke)  # every backend name trains a few steps on this GPU (SMOKE_ARGS: extra settings, e.g. the modern block)
         corpus /tmp/smoke_data
@@ -86,12 +95,12 @@ for stage in "$@"; do
         python3 -m bench.bench_attention --out "$OUT" --budget "${ATTN_BUDGET:-300}" --rep-ms "${REP_MS:-100}" | tail -3
         python3 -m bench.bench_attention --docs-only --out "$OUT" --budget "${DOCS_BUDGET:-150}" --rep-ms "${REP_MS:-100}" \
             --seq-lens ${DOCS_SEQ_LENS:-1024 4096 16384 8192} | tail -3
-        python3 -m bench.readme_table "$OUT"/*-attention.json "$OUT"/*-attention-docs.json --check --readme /dev/null
+        python3 -m pytest -q -o "addopts=-ra" tests/unit/test_readme_table.py | tail -3  # the targets, on bench/results
         ;;
     float16)
         python3 -m bench.bench_attention --dtype float16 --out "$OUT" --budget "${FP16_BUDGET:-200}" --rep-ms "${REP_MS:-100}" \
             --seq-lens ${FP16_SEQ_LENS:-1024 4096 16384 512 2048 8192 32768} | tail -3
-        python3 -m bench.readme_table "$OUT"/*-attention-float16.json --check --readme /dev/null
+        python3 -m pytest -q -o "addopts=-ra" tests/unit/test_readme_table.py | tail -3  # the targets, on bench/results
         ;;
     train)  # GPT-2 124M: every backend at T=1024 batch 16 and T=32768 batch 1, then batch 32 and 8
         python3 -m bench.bench_train --out "$OUT" --name "${TRAIN_NAME:-train}" \
@@ -235,8 +244,8 @@ for stage in "$@"; do
             --variant unit4-noreshard:--fsdp_blocks_per_unit=4,--fsdp_reshard_after_forward=false \
             -- --activation_checkpointing=none | tail -6
         ;;
-    twonodes)  # the README's two-node launch on one host: 2 torchrun agents x 2 GPUs against one 4-GPU launch
-        NCCL_NVLS_ENABLE=0 python3 -m bench.bench_two_nodes --out "$OUT" | tail -6
+    twonodes)  # the two-node launch on one host: 2 torchrun agents x half the GPUs (2 or 1) against one launch
+        gpu_tests 0 tests/gpu/test_two_nodes.py --e2e-results "$OUT" --e2e-name two-nodes | tail -6
         ;;
     phases)  # one optimizer step phase by phase (host and GPU time), DDP and FSDP, GPT-2 124M
         NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc_per_node="${PHASE_GPUS:-4}" \

@@ -10,6 +10,8 @@ import pytest
 
 from helpers import one_torch_thread, process_state_restored, tiny_args, tiny_text, warm_context
 
+pytest_plugins = ("gpu.results_table",)  # tests/gpu's results table, written by xdist's controller too
+
 
 def pytest_collection_modifyitems(config, items):
     import torch

@@ -1,4 +1,4 @@
-"""The benches (bench/): both --quick runs end to end, the README table, and the checks of the targets.
+"""The benches (bench/): both --quick runs end to end, and the README table.
 
 The three end-to-end runs (both --quick benches and compare_backends.sh) start together in one fixture;
 the rest is pure Python on small synthetic results.
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import bench_two_nodes, compare_backends, e2e, grid, launch, readme_table, report, step_phases
+from bench import compare_backends, grid, launch, readme_table, report, step_phases
 from bench.launch import parse_log_line
 from bench.report import card_slug
 from helpers import REPO as ROOT
@@ -363,34 +363,6 @@ def test_readme_update_replaces_only_between_markers(tmp_path):
     assert quoted.read_text() == f"see `{start}` below\n{start}\n| new |\n{end}\n"
 
 
-def check_lines(results: dict) -> tuple[bool, list[str]]:
-    lines = []
-    return readme_table.run_checks(results, out=lines.append), lines
-
-
-def test_checks_pass_on_good_results_and_exempt_quadratic_manual():
-    ok, lines = check_lines(synthetic_results(auto_slowdown=1.03))
-    assert ok, "\n".join(lines)
-    assert any(line.startswith("SKIP") and "manual" in line and "T^2" in line for line in lines)
-    assert any(line.startswith("PASS") and "flex_attention D=64" in line and "T^1.00" in line for line in lines)
-
-
-def test_checks_catch_a_slow_auto_and_a_quadratic_backend(tmp_path):
-    slow_auto = synthetic_results(auto_slowdown=1.10)
-    ok, lines = check_lines(slow_auto)
-    assert not ok and sum(line.startswith("FAIL [auto") for line in lines) == 2 * len(SEQ_LENS)
-    quadratic = synthetic_results(flex_memory_power=2.0)
-    ok, lines = check_lines(quadratic)
-    assert not ok and [line for line in lines if line.startswith("FAIL")] == [
-        line for line in lines if line.startswith("FAIL [memory") and "flex_attention" in line
-    ]
-    path = tmp_path / "h100-attention.json"
-    path.write_text(json.dumps(quadratic))
-    assert readme_table.main([str(path), "--check"]) == 1
-    path.write_text(json.dumps(synthetic_results()))
-    assert readme_table.main([str(path), "--check"]) == 0
-
-
 def test_compare_backends_tabulates_each_backends_last_log_line(runs, tmp_path):
     """One real run of the script for two backends; KEEP_ROWS is checked on a re-tabulation of one of its
     logs, which is what a re-run of that backend hands to the same function."""
@@ -421,30 +393,6 @@ def test_compare_backends_tabulates_each_backends_last_log_line(runs, tmp_path):
 def test_compare_row_records_a_failed_run_with_its_last_line():
     row = compare_backends.compare_row("flash_attn_2", "INFO: attention backend: sdpa\nerror: no such thing\n", 2)
     assert row == {"backend": "flash_attn_2", "runs": "sdpa", "status": "exit 2: error: no such thing"}
-
-
-def test_checks_catch_a_wrong_forward():
-    results = synthetic_results()
-    for row in results["rows"]:
-        row["fwd_status"], row["rel_err"] = "ok", 2e-3
-    ok, lines = check_lines(results)
-    assert ok and any(line.startswith("PASS [forward error") and "flex_attention" in line for line in lines)
-    next(r for r in results["rows"] if r["backend"] == "flex_attention")["rel_err"] = 0.05  # one cell
-    ok, lines = check_lines(results)
-    failures = [line for line in lines if line.startswith("FAIL")]
-    assert not ok and len(failures) == 1 and "flex_attention" in failures[0] and "5.0e-02" in failures[0]
-
-
-def test_memory_of_auto_is_checked_per_kernel_it_ran():
-    """auto that runs a lean kernel at short T and another at long T is two linear series, not one steep one."""
-    results = synthetic_results()
-    for row in results["rows"]:
-        if row["backend"] == "auto" and row["seq_len"] <= 2048:
-            row["resolved"], row["peak_mem_mib"] = "flex_attention", row["peak_mem_mib"] / 8
-    ok, lines = check_lines(results)
-    assert ok, "\n".join(lines)
-    assert any("auto→flex_attention D=64" in line for line in lines)
-    assert any("auto→sdpa D=64" in line and "T^1.00" in line for line in lines)
 
 
 def test_graphs_go_to_the_smallest_backends_and_a_failed_capture_times_eagerly(monkeypatch):
@@ -482,27 +430,6 @@ def test_graphs_go_to_the_smallest_backends_and_a_failed_capture_times_eagerly(m
     assert flex.row["fwd_timing"] == "cuda graph"
     assert manual.runs["fwd"] == ("manual fwd", ()) and "would hold ~40,000 MiB" in manual.row["fwd_timing"]
     assert broken.runs["fwd"] == ("breaks", ()) and "capture failed" in broken.row["fwd_bwd_timing"]
-
-
-def test_two_node_launches_are_compared_loss_by_loss_and_need_an_even_number_of_ranks(capsys):
-    rows = [
-        {"status": "ok", "losses": {1: 4.0, 2: 3.5}},
-        {"status": "ok", "losses": {1: 4.0, 2: 3.4997}},
-        {"status": "ok", "losses": {1: 4.0}},  # a launch that logged less is not compared
-        {"status": "exit [1, 0]: error: rank 2 failed: boom"},
-    ]
-    bench_two_nodes.compare(rows)
-    assert rows[0]["max_abs_diff"] == 0 and math.isclose(rows[1]["max_abs_diff"], 3e-4, rel_tol=1e-6)
-    assert "max_abs_diff" not in rows[2] and "max_abs_diff" not in rows[3]
-    with pytest.raises(SystemExit) as exit_info:
-        bench_two_nodes.parse_args(["--ranks=3"])
-    assert exit_info.value.code == 2 and "--ranks must be even" in capsys.readouterr().err
-
-
-def test_each_node_of_the_one_host_launch_gets_its_own_gpus():
-    assert bench_two_nodes.node_gpus(0, 2, quick=False) == {"CUDA_VISIBLE_DEVICES": "0,1"}
-    assert bench_two_nodes.node_gpus(1, 2, quick=False) == {"CUDA_VISIBLE_DEVICES": "2,3"}
-    assert bench_two_nodes.node_gpus(1, 2, quick=True) == {}
 
 
 @pytest.mark.parametrize(
@@ -560,58 +487,6 @@ def test_a_probe_stops_at_its_last_step_and_a_timeout_leaves_nothing_running(tmp
     run = launch.run(command, dict(os.environ), timeout=1.5)
     assert run.code == 124 and "timed out after 1.5 s" in run.output and run.seconds < 20
     assert gone(int(pid_file.read_text()))
-
-
-def test_e2e_keeps_the_end_of_a_failed_cells_output_in_the_json(tmp_path):
-    """A failed cell's row is its one-line status in the table, and the JSON keeps the output's last lines (a
-    traceback's cause sits above its last line); a cell that passes keeps none."""
-    crash = "import sys; print('step 1'); print('cause: the capture failed', file=sys.stderr); raise SystemExit(3)"
-    failed = e2e.measure(e2e.Cell("crashes", [sys.executable, "-c", crash], {}, parse="done"), dict(os.environ))
-    passed = e2e.measure(e2e.Cell("passes", [sys.executable, "-c", "print('ok')"], {}, parse="done"), dict(os.environ))
-    assert failed.status != "ok" and "cause: the capture failed" in failed.log_tail and "step 1" in failed.log_tail
-    assert passed.status == "ok" and passed.log_tail == ""
-    path = e2e.write([failed, passed], tmp_path, "cpu", time.perf_counter())
-    rows = json.loads(path.read_text())["rows"]
-    assert rows[0]["log_tail"] == failed.log_tail and rows[1]["log_tail"] == ""
-    assert "step 1" not in path.with_suffix(".md").read_text()
-
-
-def test_e2e_torchrun_cells_give_each_rank_whole_micro_steps(tmp_path):
-    """The torchrun cells (DDP, also with blocks compiled apart, FSDP, DDP with the optimizer sharded and a profile,
-    context parallelism, also with block recomputation): their settings load as train.py loads them and pass its
-    checks, their gradient_accumulation_steps (the micro-steps of all ranks together) divides among the cell's
-    ranks, and each writes to its own out_dir."""
-    import train
-    from configurator import load_config
-
-    cells = e2e.parallel_cells(tmp_path / "data", tmp_path)
-    configs = {cell.path: load_config(train.TrainConfig(), cell.command[cell.command.index("train.py") + 1 :])
-               for cell in cells}  # fmt: skip
-    shapes = [
-        (
-            c.parallelism,
-            c.compile_blocks,
-            c.shard_optimizer,
-            c.profile_steps,
-            c.context_parallel,
-            c.activation_checkpointing,
-        )
-        for c in configs.values()
-    ]
-    assert shapes == [
-        ("ddp", None, False, 0, 1, "none"),  # compile_blocks None: per block (preflight.compiles_per_block)
-        ("ddp", True, False, 0, 1, "none"),
-        ("fsdp", None, False, 0, 1, "none"),
-        ("ddp", None, True, 2, 1, "none"),
-        ("ddp", None, False, 0, 2, "none"),
-        ("ddp", None, False, 0, 2, "block"),
-    ]
-    assert len({cfg.out_dir for cfg in configs.values()}) == len(cells)
-    for cell in cells:
-        nproc = int(next(a for a in cell.command if a.startswith("--nproc_per_node=")).split("=")[1])
-        cfg = configs[cell.path]
-        assert nproc == cell.gpus == 2 and cfg.gradient_accumulation_steps % nproc == 0, cell.path
-        assert cfg.block_size % (2 * cfg.context_parallel) == 0, cell.path
 
 
 def test_bench_ddp_context_rows_split_n_times_one_gpus_t_and_compare_mfu_and_loss(monkeypatch):

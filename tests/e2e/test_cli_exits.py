@@ -61,10 +61,10 @@ def run_command(command: str, args: list[str], timeout: float = 120) -> tuple[in
 
 BENCHES = {  # each bench, and what its error line names for an unknown option
     **dict.fromkeys(
-        ("bench_attention", "bench_context", "bench_ddp", "bench_generate", "bench_train", "bench_two_nodes"),
+        ("bench_attention", "bench_context", "bench_ddp", "bench_generate", "bench_train"),
         "--bogus",
     ),
-    **dict.fromkeys(("compare_backends", "e2e", "loss_curves", "profile", "readme_table", "sampling_probe"), "--bogus"),
+    **dict.fromkeys(("compare_backends", "loss_curves", "profile", "readme_table", "sampling_probe"), "--bogus"),
     "fit_auto": "the following arguments are required: results",
     "step_phases": "the following arguments are required: parallelism",
 }

@@ -67,6 +67,12 @@ def results_prefixes() -> set[str]:
     return {name.split("-")[0] for name in (p.name for p in RESULTS.iterdir()) if re.fullmatch(r"[a-z]+\d*-.+", name)}
 
 
+def retired_modules(doc: Path) -> set[str]:
+    """The `bench.X` tools that the results index's **retired** entry names: its rows keep the commands they ran."""
+    found = re.search(r"^- \*\*retired\*\*(.*?)(?=^- |^$)", doc.read_text(), re.S | re.M) if doc == INDEX else None
+    return set(re.findall(r"`(bench\.\w+)`", found.group(1))) if found else set()
+
+
 def line_of(text: str, index: int) -> int:
     return text.count("\n", 0, index) + 1
 
@@ -103,8 +109,11 @@ def citations(doc: Path) -> list[tuple[int, str, Path | None]]:
             found.append((line_of(text, match.start()), path, doc.parent / path))
         else:
             found.append((line_of(text, match.start()), path, REPO / path))
+    retired = retired_modules(doc)
     for match in MODULE.finditer(text):
         module = match.group(1).rstrip(".")
+        if module in retired:
+            continue
         base = REPO / module.replace(".", "/")
         top = REPO / module.split(".")[0]
         if not (top.is_dir() or top.with_suffix(".py").exists()):
