@@ -40,11 +40,11 @@ from bench.grid import (
     cuda_graph,
     failure_reason,
     free_device_memory,
-    median_ms,
     number,
     run_grid,
 )
 from bench.report import Column, plot_lines
+from kernels.timing import median_ms
 from model import BACKENDS, AttentionMask, AttentionUse, resolve, sdpa_attention, why_not_sdpa_kernel
 from training.runtime import synchronize
 

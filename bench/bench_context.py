@@ -7,8 +7,9 @@
 
 No process group: the keys are made as if gathered. Every kernel's output and q, k, v gradients are compared with
 the reference kernel (SDPA with a lower-right causal mask) run in float32 (float64 with --quick), and timed:
-median of --repeats after 3 untimed runs (CUDA events on a GPU). TFLOP/s count the (query, key) pairs the rank
-computes, 4·D flops each forward and 2.5 times that backward. Results: bench/results/<card>-context.{json,md,png}.
+median of about --repeats runs after warm-up runs (kernels.timing.median_ms: CUDA events on a GPU). TFLOP/s
+count the (query, key) pairs the rank computes, 4·D flops each forward and 2.5 times that backward. Results:
+bench/results/<card>-context.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ if __name__ == "__main__":  # before torch's seconds of importing: see as_comman
     as_command()
 
 import argparse
-import statistics
-import time
+import functools
 
 import torch
 
 from bench.report import DEFAULT_OUT, Column, pyplot, save_results
 from data.common import OneLineParser
+from kernels.timing import median_ms, timed
 from training.context import CHUNK_KERNELS, REFERENCE, attend_chunk, resolve_chunk_kernel
 
 COLUMNS = [
@@ -61,23 +62,6 @@ def step(kernel: str, q, k, v, grad, chunks) -> tuple[torch.Tensor, ...]:
     return (out, *torch.autograd.grad(out, (q, k, v), grad.to(out.dtype)))
 
 
-def milliseconds(run, device: torch.device, repeats: int) -> float:
-    times = []
-    for _ in range(3 + repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            start = time.perf_counter()
-            run()
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[3:])
-
-
 def measure(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     q, k, v, grad, chunks = rank_inputs(args, dtype, device)
     wide = torch.float64 if dtype == torch.float64 else torch.float32
@@ -88,9 +72,10 @@ def measure(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     rows = []
     for kernel in args.kernels:
         used = resolve_chunk_kernel(kernel, device.type, dtype, q.size(-1), 0.0)
-        results = step(kernel, q, k, v, grad, chunks)
+        run = functools.partial(step, kernel, q, k, v, grad, chunks)
+        results, _, first_ms = timed(run, device)
         error = max(((got.to(wide) - want).norm() / want.norm()).item() for got, want in zip(results, reference))
-        ms = milliseconds(lambda kernel=kernel: step(kernel, q, k, v, grad, chunks), device, args.repeats)
+        ms = median_ms(run, device, warmup_ms=2 * first_ms, rep_ms=args.repeats * first_ms)  # ~--repeats runs
         status = "ok" if error < TOLERANCE[dtype] else f"wrong: above {TOLERANCE[dtype]:.0e}"
         rows.append(dict(kernel=kernel, used=used, max_rel_err=error, status=status, ms=ms, tflops=flops / ms / 1e9))
         print(f"{kernel:16} runs as {used:16} rel. error {error:.1e} {status:8} {ms:9.2f} ms {rows[-1]['tflops']:7.1f}")
@@ -116,7 +101,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--kernels", nargs="+", default=list(CHUNK_KERNELS), choices=CHUNK_KERNELS)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=10, help="about this many timed runs (10)")
     parser.add_argument("--quick", action="store_true", help="CPU, float64, T=256, 2 heads of 16")
     parser.add_argument("--out", default=DEFAULT_OUT, help="results folder (default bench/results)")
     parser.add_argument("--name", default="context")

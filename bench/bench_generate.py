@@ -24,7 +24,6 @@ if __name__ == "__main__":  # before torch's seconds of importing: see as_comman
     as_command()
 
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +33,8 @@ import generation
 from bench.grid import BenchParser, Grid, fresh_row, number, run_grid
 from bench.report import GPT2_VOCAB, Column, model_shape, plot_lines
 from generation.loop import decode_step_for, generation_attention
+from kernels.timing import timed
 from model import GPT, GPTConfig
-from training.runtime import synchronize
 
 BACKENDS = ("auto", "sdpa", "flash_attn_2", "flash_attn_3", "flex_attention", "manual")
 CACHES = ("contiguous", "paged", "none")
@@ -118,19 +117,12 @@ def prompts_for(case: Case, vocab_size: int, device) -> list[torch.Tensor]:
 
 def timed_stream(gpt: GPT, prompts, case: Case, device, tokens: int) -> tuple[float, float]:
     """(seconds to the first token, seconds for the rest) of greedy generation, stopped after `tokens`."""
-    synchronize(device)
-    start = time.perf_counter()
     options = dict(kv_cache=case.cache, compile=case.compile, slide=case.slide or "exact")
     stream = generation.stream(gpt, prompts, case.new_tokens, temperature=0, **options)
-    next(stream)
-    synchronize(device)
-    first = time.perf_counter()
-    for _ in range(tokens - 1):
-        next(stream)
-    synchronize(device)
-    end = time.perf_counter()
+    first_ms = timed(lambda: next(stream), device).wall_ms
+    rest_ms = timed(lambda: [next(stream) for _ in range(tokens - 1)], device).wall_ms
     stream.close()
-    return first - start, end - first
+    return first_ms / 1e3, rest_ms / 1e3
 
 
 def empty_row(case: Case, dtype: torch.dtype) -> dict:
@@ -186,9 +178,8 @@ def time_row(row: dict, case: Case, args, device: torch.device, dtype: torch.dty
         row["status"] = f"falls back to {resolution.used}: {resolution.reason}"
         return
     prompts = prompts_for(case, gpt.config.vocab_size, device)
-    started = time.perf_counter()
-    timed_stream(gpt, prompts, case, device, min(WARMUP_TOKENS, case.new_tokens))
-    row["warmup_s"] = time.perf_counter() - started
+    warmup = timed(lambda: timed_stream(gpt, prompts, case, device, min(WARMUP_TOKENS, case.new_tokens)), device)
+    row["warmup_s"] = warmup.wall_ms / 1e3
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     prefill_s, decode_s = timed_stream(gpt, prompts, case, device, case.new_tokens)
@@ -261,10 +252,11 @@ def hf_peer(case: Case, args, device, dtype) -> dict:
     def prefill():
         hf(ids, attention_mask=mask)
 
-    warmup_s = timed(generate, device) + timed(prefill, device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    first, whole = timed(prefill, device), timed(generate, device)
+    with torch.no_grad():
+        warmup_s = (timed(generate, device).wall_ms + timed(prefill, device).wall_ms) / 1e3
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        first, whole = timed(prefill, device).wall_ms / 1e3, timed(generate, device).wall_ms / 1e3
     import transformers
 
     return {
@@ -274,16 +266,6 @@ def hf_peer(case: Case, args, device, dtype) -> dict:
         "warmup_s": warmup_s,
         "status": "ok",
     }
-
-
-def timed(fn, device) -> float:
-    """Seconds of fn() without gradients, the device synchronised before and after."""
-    synchronize(device)
-    start = time.perf_counter()
-    with torch.no_grad():
-        fn()
-    synchronize(device)
-    return time.perf_counter() - start
 
 
 def hf_available() -> bool:

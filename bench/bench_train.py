@@ -25,7 +25,6 @@ import itertools
 import math
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,9 +32,10 @@ import torch
 
 from bench.grid import BenchParser, Grid, fresh_row, number, run_grid
 from bench.report import GPT2_VOCAB, Column, model_shape, plot_lines
+from kernels.timing import timed
 from train import TrainConfig, build_model, build_train_state, train_step
 from training.progress import TrainState
-from training.runtime import model_flops_utilization, peak_flops_for, setup_runtime, synchronize
+from training.runtime import model_flops_utilization, peak_flops_for, setup_runtime
 
 BACKENDS = ("auto", "sdpa", "flash_attn_2", "flash_attn_4", "flex_attention", "manual")
 MANUAL_MAX_SEQ_LEN = 1024
@@ -228,22 +228,13 @@ def time_steps(state: TrainState, args) -> dict:
     cfg, device = state.cfg, state.runtime.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    synchronize(device)
-    start = time.perf_counter()
-    train_step(state)  # compiles
-    synchronize(device)
-    first_step_s = time.perf_counter() - start
+    first_step_s = timed(lambda: train_step(state), device).wall_ms / 1e3  # compiles
     for _ in range(args.warmup_steps):
         train_step(state)
-    chunk_ms = []
-    for _ in range(args.chunks):  # median over chunks of mean step time (train.py's log line is a mean too)
-        synchronize(device)
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            step = train_step(state)
-        synchronize(device)
-        chunk_ms.append((time.perf_counter() - start) * 1000 / args.steps)
-    ms = statistics.median(chunk_ms)
+    # median over chunks of mean step time (train.py's log line is a mean too)
+    chunks = [timed(lambda: [train_step(state) for _ in range(args.steps)], device) for _ in range(args.chunks)]
+    ms = statistics.median(chunk.wall_ms / args.steps for chunk in chunks)
+    step = chunks[-1].result[-1]
     tokens = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
     peak, _ = peak_flops_for(device, state.runtime.dtype, cfg.peak_flops)
     flops = state.model.flops_per_token(cfg.block_size) * tokens

@@ -1,7 +1,7 @@
 """The grid runner of the attention, train and generate benches: the command line they share, their cases run
 in order under a wall-clock budget with one progress line a row, and the results written (bench.report).
-Each bench keeps its own cases and measurement; what they share to measure is here too: timing, a failure
-recorded as the row's status, the GPU freed between rows.
+Each bench keeps its own cases and measurement (timed through kernels.timing); what they share to measure is
+here too: a failure recorded as the row's status, the GPU freed between rows, a call captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -155,34 +155,7 @@ def fresh_row(row: dict):
 
 
 # ----------------------------------------------------------------------------------------------
-# Timing
-
-
-def median_ms(
-    fn: Callable[[], object],
-    device: torch.device,
-    grad_to_none: Sequence[torch.Tensor] = (),
-    warmup_ms: float = 25,
-    rep_ms: float = 100,
-) -> float:
-    """Median time of fn() in ms. On CUDA: triton.testing.do_bench (CUDA events per run, and the L2 cache
-    flushed before each run, so a small input cannot be served from cache). Elsewhere: host clock."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=list(grad_to_none), return_mode="median"))
-    times = []
-    deadline = time.perf_counter() + (warmup_ms + rep_ms) / 1000
-    for i in range(1000):
-        for t in grad_to_none:
-            t.grad = None
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-        if i >= 2 and time.perf_counter() > deadline:
-            break
-    times = times[1:] if len(times) > 2 else times  # the first run is the warm-up
-    return 1000 * sorted(times)[len(times) // 2]
+# CUDA graphs (timed through kernels.timing like every call)
 
 
 def cuda_graph(fn: Callable[[], object], grads: Sequence[torch.Tensor], device: torch.device) -> torch.cuda.CUDAGraph:

@@ -22,7 +22,6 @@ if __name__ == "__main__":  # before torch's seconds of importing: see as_comman
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,6 +29,7 @@ import torch.distributed as dist
 
 from bench.report import DEFAULT_OUT, GPT2_VOCAB, Column, model_shape, pyplot, save_results
 from data.common import OneLineParser
+from kernels.timing import timed
 
 COLUMNS = [
     Column("parallelism", "parallelism"),
@@ -102,18 +102,13 @@ def phase_works(state, runtime, batch) -> tuple:
 
 def time_phases(works, runtime, steps: int) -> dict[str, list[tuple[float, float]]]:
     """{phase: [(host ms, wall ms) per step]}: each phase between a barrier and a sync, on every rank."""
-    sync = torch.cuda.synchronize if runtime.device.type == "cuda" else lambda: None
-    barrier = dist.barrier if runtime.ddp else lambda: None  # one rank: the reference without DDP
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in PHASES}
     for _ in range(steps):
         for name, work in zip(PHASES, works):
-            sync()
-            barrier()
-            start = time.perf_counter()
-            work()
-            launched = time.perf_counter()
-            sync()
-            times[name].append(((launched - start) * 1e3, (time.perf_counter() - start) * 1e3))
+            if runtime.ddp:  # one rank: the reference without DDP
+                dist.barrier()
+            _, launch_ms, wall_ms = timed(work, runtime.device)
+            times[name].append((launch_ms, wall_ms))
     return times
 
 
