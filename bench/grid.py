@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import torch
 
 from bench.report import DEFAULT_OUT, Column, save_results
 from data.common import OneLineParser
+from kernels.timing import timed
 
 # ----------------------------------------------------------------------------------------------
 # The command line
@@ -51,6 +53,14 @@ class BenchParser(OneLineParser):
             if getattr(parsed, key) is None:
                 setattr(parsed, key, value)
         return parsed
+
+
+def dispatch(argv, default: Callable[[list[str]], int], **modes: Callable[[list[str]], int]) -> int:
+    """A tool's modes: `python -m bench.X MODE ...` runs modes[MODE] on the rest, anything else the default."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in modes:
+        return modes[argv[0]](argv[1:])
+    return default(argv)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -152,6 +162,16 @@ def fresh_row(row: dict):
     finally:
         torch._dynamo.reset()
         free_device_memory()
+
+
+def profiled(device: torch.device, steps: int, step: Callable[[], object]) -> tuple[object, float]:
+    """torch.profiler over `steps` calls of step() (CPU ops, and CUDA kernels on a GPU), and their wall ms each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        wall_ms = timed(lambda: [step() for _ in range(steps)], device).wall_ms / steps
+    return prof, wall_ms
 
 
 # ----------------------------------------------------------------------------------------------

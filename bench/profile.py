@@ -34,15 +34,12 @@ import torch
 import torch._dynamo
 from torch.profiler import ProfilerActivity, profile
 
-import generation
-from bench.bench_generate import model_settings
 from bench.bench_train import VARIANTS, Case, build_state, case_config
 from bench.grid import free_device_memory
 from bench.report import DEFAULT_OUT, card_slug
 from data.common import OneLineParser
-from model import GPT, GPTConfig
 from train import train_step
-from training.profiling import summarize, top_table
+from training.profiling import summarize
 from training.runtime import synchronize
 
 
@@ -87,55 +84,11 @@ def profile_train(args) -> tuple[str, str]:
 
 
 # ----------------------------------------------------------------------------------------------
-# --what generate: steady decoding, eager and compiled
-
-
-def profile_decoding(gpt: GPT, args, device: torch.device, compile: bool) -> list[str]:
-    generator = torch.Generator().manual_seed(0)
-    prompts = list(torch.randint(gpt.config.vocab_size, (args.batch_size, args.prompt_len), generator=generator))
-    prompts = [p.to(device) for p in prompts]
-
-    def stream():
-        new_tokens = args.skip + args.tokens
-        return generation.stream(gpt, prompts, new_tokens, temperature=0, kv_cache=args.cache, compile=compile)
-
-    for _ in stream():  # compile, record graphs
-        pass
-    tokens = stream()
-    for _ in range(args.skip):  # prefill and the first decode steps stay out of the profile
-        next(tokens)
-    prof, wall_ms = profiled(device, args.tokens, lambda: next(tokens))
-    tokens.close()
-    lines = [f"## {'compiled' if compile else 'eager'}, {args.cache} cache", ""]
-    lines += summarize(prof, args.tokens, wall_ms, device.type == "cuda", args.top, "token")
-    host = [e for e in prof.key_averages() if e.device_type.name == "CPU"]
-    top = top_table("host ops (self CPU)", host, lambda e: e.self_cpu_time_total, args.tokens, args.top, "token")
-    return lines + [""] + top
-
-
-def profile_generate(args) -> tuple[str, str]:
-    """(card, the markdown file's text)."""
-    device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.manual_seed(0)
-    config = GPTConfig(block_size=1024, attention_backend=args.backend, **model_settings(args.quick))
-    gpt = GPT(config).to(device, dtype).eval()
-    compiles = (False, True) if device.type == "cuda" else (False,)
-    sections = ["\n".join(profile_decoding(gpt, args, device, compile)) + "\n" for compile in compiles]
-    card = card_slug() if device.type == "cuda" else "cpu"
-    title = (
-        f"# {args.name} on {card} (torch {torch.__version__}): batch {args.batch_size}, prompt {args.prompt_len}, "
-        f"greedy, {args.tokens} tokens profiled after {args.skip}\n\n"
-    )
-    return card, title + "\n".join(sections)
-
-
-# ----------------------------------------------------------------------------------------------
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--what", choices=("train", "generate"), default="train", help="what to profile (train)")
+    parser.add_argument("--what", choices=("train",), default="train", help="what to profile (train)")
     parser.add_argument("--quick", action="store_true", help="tiny model on CPU (train: no compile)")
     parser.add_argument("--batch-size", type=int, help="train: 16 (--quick 4); generate: 1")
     parser.add_argument("--top", type=int, help="rows of each top table (train 25; generate 15)")
@@ -144,12 +97,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     train.add_argument("--variants", nargs="+", default=["plain", "default"], choices=VARIANTS)
     train.add_argument("--seq-len", type=int, help="default 1024 (--quick 64)")
     train.add_argument("--steps", type=int, default=5, help="steps profiled (5)")
-    decode = parser.add_argument_group("--what generate")
-    decode.add_argument("--prompt-len", type=int, default=128)
-    decode.add_argument("--cache", default="contiguous", choices=("contiguous", "paged"))
-    decode.add_argument("--backend", default="auto")
-    decode.add_argument("--skip", type=int, default=16, help="decode steps before the profile starts")
-    decode.add_argument("--tokens", type=int, default=64, help="decode steps profiled")
     args = parser.parse_args(argv)
     train_run = args.what == "train"
     args.batch_size = args.batch_size or ((4 if args.quick else 16) if train_run else 1)
@@ -161,7 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    card, text = (profile_train if args.what == "train" else profile_generate)(args)
+    card, text = profile_train(args)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{card}-{args.name}.md"
     path.write_text(text)

@@ -105,7 +105,7 @@ for stage in "$@"; do
             --gradient_accumulation_steps=1 --batch_size=16 --vocab_size=50304
         ;;
     generate)  # GPT-2 124M shapes: batch 1 and 32, prompt 128 and 2048, 256 new tokens, per backend and KV cache
-        python3 -m bench.bench_generate --out "$OUT" --name "${GEN_NAME:-generate}" --budget "${GEN_BUDGET:-480}" \
+        python3 -m bench.generation --out "$OUT" --name "${GEN_NAME:-generate}" --budget "${GEN_BUDGET:-480}" \
             ${GEN_BACKENDS:+--backends $GEN_BACKENDS} | tail -40
         ;;
     speed)  # the plain path (nanoGPT's step) against the default and single switches, one call, ratios in vs_plain

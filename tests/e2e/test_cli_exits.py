@@ -61,10 +61,10 @@ def run_command(command: str, args: list[str], timeout: float = 120) -> tuple[in
 
 BENCHES = {  # each bench, and what its error line names for an unknown option
     **dict.fromkeys(
-        ("bench_attention", "bench_context", "bench_ddp", "bench_generate", "bench_train", "bench_two_nodes"),
+        ("bench_attention", "bench_context", "bench_ddp", "generation", "bench_train", "bench_two_nodes"),
         "--bogus",
     ),
-    **dict.fromkeys(("compare_backends", "e2e", "loss_curves", "profile", "readme_table", "sampling_probe"), "--bogus"),
+    **dict.fromkeys(("compare_backends", "e2e", "loss_curves", "profile", "readme_table"), "--bogus"),
     "fit_auto": "the following arguments are required: results",
     "step_phases": "the following arguments are required: parallelism",
 }
@@ -145,7 +145,7 @@ def read_line(fd: int, deadline: float) -> str:
         ("train.py", signal.SIGINT, "interrupted"),
         ("sample.py", signal.SIGINT, "interrupted"),
         ("train.py", signal.SIGTERM, "stopped by SIGTERM"),
-        ("-m bench.bench_generate", signal.SIGHUP, "stopped by SIGHUP"),
+        ("-m bench.generation", signal.SIGHUP, "stopped by SIGHUP"),
     ],
 )
 def test_a_stop_signal_while_torch_imports_is_one_line(script, stop, said, tmp_path):

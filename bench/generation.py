@@ -1,19 +1,24 @@
-"""Time generation for GPT-2 124M shapes (random weights) per attention backend and KV cache.
+"""Generation for GPT-2 124M shapes (random weights): speed per attention backend and KV cache, where a decode
+step's time goes (profile), and what a default sampling step costs per decode variant (probe).
 
-    python -m bench.bench_generate                  # CUDA, bf16: batch 1 and 32, prompt 128 and 2048, 256 new tokens
-    python -m bench.bench_generate --budget 0       # the whole grid, however long it takes
-    python -m bench.bench_generate --quick          # tiny CPU model, a few tokens: seconds
+    python -m bench.generation                      # CUDA, bf16: batch 1 and 32, prompt 128 and 2048, 256 new tokens
+    python -m bench.generation --budget 0           # the whole grid, however long it takes
+    python -m bench.generation --caches paged --mixed   # prompts of mixed lengths in each batch, per cache
+    python -m bench.generation --quick              # tiny CPU model, a few tokens: seconds
+    python -m bench.generation profile [--quick]    # torch.profiler over steady decoding, kernels by kind
+    python -m bench.generation probe                # a default sampling step per decode variant (CUDA)
 
 Each row runs generation.stream greedily on random prompts, the same way sample.py generates: prefill time
 is the time to the first token (the whole prompt read), decode time the rest; tok/s counts tokens of the whole
 batch. A short untimed run of the same shapes comes first (flex_attention and torch.compile compile there, CUDA
 graphs are captured). `compile` rows run the static decode step under torch.compile(mode="reduce-overhead").
 A backend that falls back is not timed under its name. With `transformers` importable (and not --quick), a peer
-row runs Hugging Face's GPT2LMHeadModel.generate with a static cache on the same weights.
+row runs Hugging Face's GPT2LMHeadModel.generate with a static cache on the same weights. --slide rows decode 3
+windows past block_size at batch 1, as sample.py runs a long sample.
 
 Rows, most wanted first, so a --budget cut drops the least wanted: every backend with the contiguous and the
 paged cache at each shape; then compiled decoding (--compile-backends, default auto); then the Hugging Face
-peer; then no cache (the whole context every step, as nanoGPT generates).
+peer; then no cache (the whole context every step, as nanoGPT generates); then the slide rows.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from pathlib import Path
 import torch
 
 import generation
-from bench.grid import BenchParser, Grid, fresh_row, number, run_grid
+from bench.grid import BenchParser, Grid, dispatch, fresh_row, number, run_grid
 from bench.report import GPT2_VOCAB, Column, model_shape, plot_lines
 from generation.loop import decode_step_for, generation_attention
 from kernels.timing import timed
@@ -125,24 +130,16 @@ def timed_stream(gpt: GPT, prompts, case: Case, device, tokens: int) -> tuple[fl
     return first_ms / 1e3, rest_ms / 1e3
 
 
+ROW_FIELDS = ("prefill_ms", "prefill_tok_s", "decode_ms_per_token", "decode_tok_s", "peak_mem_mib", "warmup_s")
+
+
 def empty_row(case: Case, dtype: torch.dtype) -> dict:
+    prompts = f"{min(case.prompt_lens())}-{case.prompt_len}" if case.mixed else str(case.prompt_len)
     return {
-        "backend": case.backend,
-        "resolved": None,
-        "cache": case.cache,
-        "compile": case.compile,
-        "batch_size": case.batch_size,
-        "prompt_len": case.prompt_len,
-        "prompts": f"{min(case.prompt_lens())}-{case.prompt_len}" if case.mixed else str(case.prompt_len),
-        "new_tokens": case.new_tokens,
-        "slide": case.slide or None,
-        "dtype": str(dtype).removeprefix("torch."),
-        "prefill_ms": None,
-        "prefill_tok_s": None,
-        "decode_ms_per_token": None,
-        "decode_tok_s": None,
-        "peak_mem_mib": None,
-        "warmup_s": None,
+        **dict(backend=case.backend, resolved=None, cache=case.cache, compile=case.compile),
+        **dict(batch_size=case.batch_size, prompt_len=case.prompt_len, prompts=prompts, new_tokens=case.new_tokens),
+        **dict(slide=case.slide or None, dtype=str(dtype).removeprefix("torch.")),
+        **dict.fromkeys(ROW_FIELDS),
     }
 
 
@@ -408,7 +405,7 @@ def header_fields(args, cases: list[Case]) -> dict:
     }
 
 
-def main(argv=None) -> int:
+def speed(argv=None) -> int:
     args = parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     cases = default_cases(args)
@@ -421,6 +418,12 @@ def main(argv=None) -> int:
     )
     run_grid(grid, cases, args, device, header_fields(args, cases))
     return 0
+
+
+def main(argv=None) -> int:
+    from bench import generation_probes
+
+    return dispatch(argv, speed, profile=generation_probes.profile, probe=generation_probes.probe)
 
 
 if __name__ == "__main__":
