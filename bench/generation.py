@@ -96,7 +96,7 @@ def default_cases(args) -> list[Case]:
 
 
 def model_settings(quick: bool) -> dict:
-    """GPT-2 124M's shapes (or the tiny --quick model) as bench_generate runs them: with bias, no dropout."""
+    """GPT-2 124M's shapes (or the tiny --quick model) as the generation bench runs them: with bias, no dropout."""
     return {**model_shape(quick), "vocab_size": 512 if quick else GPT2_VOCAB, "bias": True, "dropout": 0.0}
 
 

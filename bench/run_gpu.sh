@@ -4,7 +4,7 @@
 #   bash bench/run_gpu.sh tests attention     # what this machine runs + GPU tests; attention benches (bf16)
 #   bash bench/run_gpu.sh float16 train       # attention bench in fp16; train-step bench
 #   bash bench/run_gpu.sh e2e                 # the end-to-end matrix, flash cells included where the packages came
-#   bash bench/run_gpu.sh smoke compare       # a short train.py run per backend; bench/compare_backends.sh
+#   bash bench/run_gpu.sh smoke compare       # a short train.py run per backend; train.py per backend, 100 steps
 #   bash bench/run_gpu.sh scan attention      # fit auto's flash-attn-4 lengths (sm90) first, then measure them
 #   bash bench/run_gpu.sh generate            # generation: prefill and decode tok/s per backend and KV cache
 #   bash bench/run_gpu.sh speed profile long curves   # train-step speed: plain vs default, profile, long T, loss
@@ -94,34 +94,35 @@ for stage in "$@"; do
         python3 -m bench.readme_table "$OUT"/*-attention-float16.json --check --readme /dev/null
         ;;
     train)  # GPT-2 124M: every backend at T=1024 batch 16 and T=32768 batch 1, then batch 32 and 8
-        python3 -m bench.bench_train --out "$OUT" --name "${TRAIN_NAME:-train}" \
+        python3 -m bench.train_step --out "$OUT" --name "${TRAIN_NAME:-train}" \
             --backends ${TRAIN_BACKENDS:-auto sdpa flash_attn_2 flash_attn_4 flex_attention manual} \
             --batch-sizes ${TRAIN_BATCH_SIZES:-16 32 8} --long-seq-lens 32768 --budget "${TRAIN_BUDGET:-300}" | tail -22
         ;;
     compare)  # train.py's own loop: --max_iters=100 per backend, GPT-2 124M shapes on a char corpus
         corpus /tmp/compare_data
-        OUT_DIR="$OUT" BACKENDS="${COMPARE_BACKENDS:-auto sdpa flash_attn_2 flash_attn_4 flex_attention manual}" \
-            bash bench/compare_backends.sh config/train_gpt2.py --data_dir=/tmp/compare_data \
-            --gradient_accumulation_steps=1 --batch_size=16 --vocab_size=50304
+        python3 -m bench.train_step compare --out "$OUT" \
+            --backends ${COMPARE_BACKENDS:-auto sdpa flash_attn_2 flash_attn_4 flex_attention manual} \
+            -- config/train_gpt2.py --data_dir=/tmp/compare_data --gradient_accumulation_steps=1 --batch_size=16 \
+            --vocab_size=50304
         ;;
     generate)  # GPT-2 124M shapes: batch 1 and 32, prompt 128 and 2048, 256 new tokens, per backend and KV cache
         python3 -m bench.generation --out "$OUT" --name "${GEN_NAME:-generate}" --budget "${GEN_BUDGET:-480}" \
             ${GEN_BACKENDS:+--backends $GEN_BACKENDS} | tail -40
         ;;
     speed)  # the plain path (nanoGPT's step) against the default and single switches, one call, ratios in vs_plain
-        python3 -m bench.bench_train --out "$OUT" --name "${SPEED_NAME:-train-speed}" --budget 0 --long-seq-lens \
+        python3 -m bench.train_step --out "$OUT" --name "${SPEED_NAME:-train-speed}" --budget 0 --long-seq-lens \
             --variants ${SPEED_VARIANTS:-plain default plain-ce} --batch-sizes ${SPEED_BATCH_SIZES:-16 32} | tail -14
         ;;
     profile)  # where the step's time goes, plain and default
-        python3 -m bench.profile --what train --out "$OUT" --variants ${PROFILE_VARIANTS:-plain default} | grep -E "^(##|wall|\| [a-z])"
+        python3 -m bench.train_step profile --out "$OUT" --variants ${PROFILE_VARIANTS:-plain default} | grep -E "^(##|wall|\| [a-z])"
         ;;
     long)  # the longest context GPT-2 124M trains at batch 1
-        python3 -m bench.bench_train --out "$OUT" --name "${LONG_NAME:-train-long}" --budget 0 --batch-sizes \
+        python3 -m bench.train_step --out "$OUT" --name "${LONG_NAME:-train-long}" --budget 0 --batch-sizes \
             --variants ${LONG_VARIANTS:-default ckpt-mlp} --long-seq-lens ${LONG_SEQ_LENS:-32768 65536 131072} \
             --steps 3 --chunks 2 --warmup-steps 1 | tail -10
         ;;
     curves)  # 300 iterations of plain and default on Shakespeare (GPT-2 BPE; data/shakespeare prepared beforehand)
-        python3 -m bench.loss_curves --out "$OUT" ${CURVE_ITERS:+--iters $CURVE_ITERS} | tail -12
+        python3 -m bench.train_step curves --out "$OUT" ${CURVE_ITERS:+--iters $CURVE_ITERS} | tail -12
         ;;
     ddp)  # the same global batch on 1 2 4 GPUs (GPT-2 124M, DDP), GPT-2 XL under FSDP, the largest GPT that trains
         NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --gpus ${DDP_GPUS:-1 2 4} ${DDP_FLAGS:---fsdp --largest} | tail -24
@@ -129,8 +130,8 @@ for stage in "$@"; do
     chunks)  # one GPU: rank 0's chunk attention at the context stage's T=524288, each LSE kernel in its own
         # process under a timeout, so a kernel that hangs at these lengths names itself
         for kernel in cudnn flash; do
-            timeout "${KERNEL_TIMEOUT:-240}" python3 -m bench.bench_context --T 524288 --kernels "$kernel" --repeats 3 \
-                --name "context-kernels-$kernel" --out "$OUT" | tail -3 || echo "bench_context --kernels $kernel: exit $?"
+            timeout "${KERNEL_TIMEOUT:-240}" python3 -m bench.train_step context --T 524288 --kernels "$kernel" --repeats 3 \
+                --name "context-kernels-$kernel" --out "$OUT" | tail -3 || echo "train_step context --kernels $kernel: exit $?"
         done
         ;;
     context)  # context parallelism: T=262144 on 1 GPU against 524288 over 2, then the losses of both at 8192. The
@@ -240,7 +241,7 @@ for stage in "$@"; do
         ;;
     phases)  # one optimizer step phase by phase (host and GPU time), DDP and FSDP, GPT-2 124M
         NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc_per_node="${PHASE_GPUS:-4}" \
-            -m bench.step_phases --out "$OUT" ddp fsdp | grep -E "^(ddp|fsdp|wrote)"
+            -m bench.train_step phases --out "$OUT" ddp fsdp | grep -E "^(ddp|fsdp|wrote)"
         ;;
     *) echo "unknown stage $stage; stages: tests e2e smoke scan attention float16 train compare generate speed profile long curves ddp twonodes phases chunks context contextcheck zero zerochannels zeroprofile fsdpxl big bigresume"; exit 2 ;;
     esac

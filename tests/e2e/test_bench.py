@@ -1,7 +1,7 @@
-"""The benches (bench/): both --quick runs end to end, the README table, and the checks of the targets.
+"""The benches (bench/): each tool's --quick run end to end, the README table, and the checks of the targets.
 
-The three end-to-end runs (both --quick benches and compare_backends.sh) start together in one fixture;
-the rest is pure Python on small synthetic results.
+The end-to-end runs (the attention and train-step --quick runs, the phases and train.py per backend) start
+together in one fixture; the rest is pure Python on small synthetic results or cheap in-process runs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import bench_two_nodes, compare_backends, e2e, grid, launch, readme_table, report, step_phases
+from bench import bench_two_nodes, e2e, grid, launch, readme_table, report, train_parts, train_runs, train_step
 from bench.launch import parse_log_line
 from bench.report import card_slug
 from helpers import REPO as ROOT
@@ -83,22 +83,23 @@ COMPARE_ARGUMENTS = (
 @pytest.fixture(scope="module")
 def runs(char_data, tmp_path_factory, warm_interpreter):
     """{name: (exit code, stdout, stderr, out folder)} of `python -m bench.bench_attention --quick`,
-    `bench.bench_train --quick`, `bench.step_phases --quick` (one process) and compare_backends.sh (sdpa,
-    manual), as the benches run: modules from the repo root. Started together, each on one CPU thread; the
-    python -m ones forked from the warm interpreter (helpers.WarmProcess), which has torch imported already."""
+    `bench.train_step --quick`, `bench.train_step phases --quick` (one process) and `bench.train_step compare`
+    (sdpa, manual), as the benches run: modules from the repo root. Started together, each on one CPU thread; all
+    but compare forked from the warm interpreter (helpers.WarmProcess), which has torch imported already."""
     commands = {  # the shortest timings that still time: these tests check rows and statuses, not speed
-        "compare": ["bash", "bench/compare_backends.sh", f"--data_dir={char_data}", *COMPARE_ARGUMENTS],
+        "compare": ["bench.train_step", "compare", "--backends", "sdpa", "manual"],
         "attention-quick": ["bench.bench_attention", "--quick", "--warmup-ms", "1", "--rep-ms", "5"],
-        "train-quick": ["bench.bench_train", "--quick"],
-        "step-phases-quick": ["bench.step_phases", "--quick", "--steps", "4", "ddp"],
+        "train-quick": ["bench.train_step", "--quick"],
+        "step-phases-quick": ["bench.train_step", "phases", "--quick", "--steps", "4", "ddp"],
     }
     started = {}
     for name, command in commands.items():
         out = tmp_path_factory.mktemp(name)
         with open(out / "stdout.txt", "w") as stdout, open(out / "stderr.txt", "w") as stderr:
-            if name == "compare":  # TMPDIR: the script's log folder lands in out, not in /tmp
-                env = subprocess_env()
-                env.update(BACKENDS="sdpa manual", OUT_DIR=str(out), PYTHON=sys.executable, TMPDIR=str(out))
+            if name == "compare":  # TMPDIR: the run's log folder lands in out, not in /tmp
+                env = {**subprocess_env(), "TMPDIR": str(out)}
+                train_args = ["--", f"--data_dir={char_data}", *COMPARE_ARGUMENTS]
+                command = [sys.executable, "-m", *command, "--out", str(out), *train_args]
                 process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=stdout, stderr=stderr)
             else:
                 process = WarmProcess("-m", [*command, "--out", str(out)], stdout.fileno(), stderr.fileno())
@@ -182,7 +183,7 @@ def test_step_phases_time_train_pys_own_step_phase_by_phase(runs):
     code, stdout, stderr, out = runs["step-phases-quick"]
     assert code == 0, (stdout + stderr)[-3000:]
     rows = json.loads((out / "cpu-step-phases-quick.json").read_text())["rows"]
-    assert [row["phase"] for row in rows] == list(step_phases.PHASES)
+    assert [row["phase"] for row in rows] == list(train_parts.PHASES)
     for row in rows:  # one process: it is its own slowest rank
         assert 0 < row["host_ms"] <= row["wall_ms"] * 1.01 and row["slowest_ms"] == row["wall_ms"], row
         assert row["rank_wall_ms"] == f"{row['wall_ms']:.2f}" and row["ranks"] == 1
@@ -255,12 +256,12 @@ def test_train_py_is_launched_one_way():
     assert torchrun == [*launcher, "train.py", "--a=1"]
 
 
-def test_one_profile_script_for_the_train_step_and_for_decoding():
-    from bench import profile
-
-    train = profile.parse_args(["--quick"])
-    assert (train.what, train.batch_size, train.seq_len, train.top) == ("train", 4, 64, 25)
-    assert train.name == "profile-train-quick"
+def test_the_train_step_profile_writes_each_variants_kernels_by_kind(tmp_path, capsys):
+    argv = ["profile", "--quick", "--steps", "1", "--variants", "plain", "docs", "--out", str(tmp_path)]
+    assert train_step.main(argv) == 0
+    text = (tmp_path / "cpu-profile-train-quick.md").read_text()
+    assert text.startswith("# profile-train-quick on cpu") and "wrote " in capsys.readouterr().out
+    assert "## plain: sdpa, T=64, batch 4" in text and "## docs: " in text
 
 
 @pytest.mark.parametrize(
@@ -401,23 +402,23 @@ def test_compare_backends_tabulates_each_backends_last_log_line(runs, tmp_path):
         assert cells[1] == backend and cells[2] == "4" and cells[-1] == "ok", rows[backend]
     saved = json.loads((out / "cpu-compare_backends.json").read_text())
     assert [r["backend"] for r in saved["rows"]] == ["sdpa", "manual"]
-    assert saved["header"]["command"].startswith('BACKENDS="sdpa manual" bench/compare_backends.sh --data_dir=')
+    assert "compare --backends sdpa manual" in saved["header"]["command"]
     (logs,) = out.glob("compare_backends.*")
     assert f"logs in {logs}" in stderr
 
     # KEEP_ROWS=1: re-running one backend keeps the other's row from the earlier file
     (tmp_path / "cpu-compare_backends.json").write_text(json.dumps(saved))
-    compare_backends.tabulate_compare_logs(logs, tmp_path, ["manual"], "re-run of manual", keep_rows=True)
+    train_runs.tabulate_compare_logs(logs, tmp_path, ["manual"], keep_rows=True)
     merged = json.loads((tmp_path / "cpu-compare_backends.json").read_text())
     assert [r["backend"] for r in merged["rows"]] == ["sdpa", "manual"]
     assert merged["rows"][0] == saved["rows"][0] and "kept_rows_from" in merged["header"]
-    compare_backends.tabulate_compare_logs(logs, tmp_path, ["manual"], "re-run of manual", keep_rows=False)
+    train_runs.tabulate_compare_logs(logs, tmp_path, ["manual"], keep_rows=False)
     alone = json.loads((tmp_path / "cpu-compare_backends.json").read_text())
     assert [r["backend"] for r in alone["rows"]] == ["manual"]
 
 
 def test_compare_row_records_a_failed_run_with_its_last_line():
-    row = compare_backends.compare_row("flash_attn_2", "INFO: attention backend: sdpa\nerror: no such thing\n", 2)
+    row = train_runs.compare_row("flash_attn_2", "INFO: attention backend: sdpa\nerror: no such thing\n", 2)
     assert row == {"backend": "flash_attn_2", "runs": "sdpa", "status": "exit 2: error: no such thing"}
 
 
@@ -716,11 +717,10 @@ def test_a_stopped_bench_leaves_no_run_behind(monkeypatch, capsys):
 
 
 def test_bench_context_checks_each_chunk_kernel_against_the_reference(tmp_path):
-    """bench_context --quick (CPU, float64): one row per chunk kernel, each with the kernel it runs as; CPU's flash
-    kernel, merged over prefix and diagonal, within 1e-10 of the lower-right-masked reference; results written."""
-    from bench import bench_context
-
-    assert bench_context.main(["--quick", "--out", str(tmp_path), "--ranks", "4", "--rank", "1"]) == 0
+    """train_step context --quick (CPU, float64): one row per chunk kernel, each with the kernel it runs as; CPU's
+    flash kernel, merged over prefix and diagonal, within 1e-10 of the lower-right-masked reference; results
+    written."""
+    assert train_step.main(["context", "--quick", "--out", str(tmp_path), "--ranks", "4", "--rank", "1"]) == 0
     rows = json.loads((tmp_path / "cpu-context.json").read_text())["rows"]
     used = {row["kernel"]: row["used"] for row in rows}
     assert used["auto"] == used["cpu_flash"] == "cpu_flash" and used["cudnn"] == "sdpa_lower_right"
