@@ -77,19 +77,19 @@ for stage in "$@"; do
                 --block_size=64 --overwrite_out_dir=true ${SMOKE_ARGS:-} 2>&1 | grep -E "^(iter|eval|WARNING|INFO|error)" | tail -3
         done
         ;;
-    scan)  # sdpa against flash-attn-4, causal: fit_auto.py writes the lengths auto uses to config/attention_auto.json
-        python3 -m bench.bench_attention --backends sdpa:auto flash_attn_4 --seq-lens 512 1024 2048 4096 8192 --rounds 1 \
+    scan)  # sdpa against flash-attn-4, causal: bench/attention_fit.py writes the lengths auto uses to config/attention_auto.json
+        python3 -m bench.attention --backends sdpa:auto flash_attn_4 --seq-lens 512 1024 2048 4096 8192 --rounds 1 \
             --rep-ms 30 --name attention-scan --out "$OUT" --budget 60 | tail -3
-        python3 -m bench.fit_auto "$OUT"/*-attention-scan.json --write
+        python3 -m bench.attention fit "$OUT"/*-attention-scan.json --write
         ;;
     attention)
-        python3 -m bench.bench_attention --out "$OUT" --budget "${ATTN_BUDGET:-300}" --rep-ms "${REP_MS:-100}" | tail -3
-        python3 -m bench.bench_attention --docs-only --out "$OUT" --budget "${DOCS_BUDGET:-150}" --rep-ms "${REP_MS:-100}" \
+        python3 -m bench.attention --out "$OUT" --budget "${ATTN_BUDGET:-300}" --rep-ms "${REP_MS:-100}" | tail -3
+        python3 -m bench.attention --docs-only --out "$OUT" --budget "${DOCS_BUDGET:-150}" --rep-ms "${REP_MS:-100}" \
             --seq-lens ${DOCS_SEQ_LENS:-1024 4096 16384 8192} | tail -3
         python3 -m bench.readme_table "$OUT"/*-attention.json "$OUT"/*-attention-docs.json --check --readme /dev/null
         ;;
     float16)
-        python3 -m bench.bench_attention --dtype float16 --out "$OUT" --budget "${FP16_BUDGET:-200}" --rep-ms "${REP_MS:-100}" \
+        python3 -m bench.attention --dtype float16 --out "$OUT" --budget "${FP16_BUDGET:-200}" --rep-ms "${REP_MS:-100}" \
             --seq-lens ${FP16_SEQ_LENS:-1024 4096 16384 512 2048 8192 32768} | tail -3
         python3 -m bench.readme_table "$OUT"/*-attention-float16.json --check --readme /dev/null
         ;;
@@ -125,7 +125,7 @@ for stage in "$@"; do
         python3 -m bench.train_step curves --out "$OUT" ${CURVE_ITERS:+--iters $CURVE_ITERS} | tail -12
         ;;
     ddp)  # the same global batch on 1 2 4 GPUs (GPT-2 124M, DDP), GPT-2 XL under FSDP, the largest GPT that trains
-        NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --gpus ${DDP_GPUS:-1 2 4} ${DDP_FLAGS:---fsdp --largest} | tail -24
+        NCCL_NVLS_ENABLE=0 python3 -m bench.multi_gpu --out "$OUT" --gpus ${DDP_GPUS:-1 2 4} ${DDP_FLAGS:---fsdp --largest} | tail -24
         ;;
     chunks)  # one GPU: rank 0's chunk attention at the context stage's T=524288, each LSE kernel in its own
         # process under a timeout, so a kernel that hangs at these lengths names itself
@@ -138,15 +138,15 @@ for stage in "$@"; do
         # 2-GPU run's first step compiles for minutes; on 3+ GPUs the one-GPU side runs at the same time on GPU 2
         # (its own files, context-1gpu). CONTEXT_EXTRA: train.py settings for both (e.g. --compile_blocks=true)
         if [ "$(nvidia-smi -L | wc -l)" -ge 3 ]; then
-            CUDA_VISIBLE_DEVICES=2 NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --work /tmp/context-1gpu \
+            CUDA_VISIBLE_DEVICES=2 NCCL_NVLS_ENABLE=0 python3 -m bench.multi_gpu --out "$OUT" --work /tmp/context-1gpu \
                 --name context-1gpu --skip-ddp --gpus 1 --context 262144 --context-iters 4 --context-check 8192 \
                 --timeout "${RUN_TIMEOUT:-540}" -- ${CONTEXT_EXTRA:-} > /tmp/context-1gpu.log 2>&1 &
-            CUDA_VISIBLE_DEVICES=0,1 NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name context --skip-ddp \
+            CUDA_VISIBLE_DEVICES=0,1 NCCL_NVLS_ENABLE=0 python3 -m bench.multi_gpu --out "$OUT" --name context --skip-ddp \
                 --gpus 2 --context 262144 --context-iters 4 --context-check 8192 --timeout "${RUN_TIMEOUT:-540}" \
                 -- ${CONTEXT_EXTRA:-} | tail -8
             wait && tail -4 /tmp/context-1gpu.log
         else
-            NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name context --skip-ddp --gpus 2 1 \
+            NCCL_NVLS_ENABLE=0 python3 -m bench.multi_gpu --out "$OUT" --name context --skip-ddp --gpus 2 1 \
                 --context 262144 --context-iters 4 --context-check 8192 --timeout "${RUN_TIMEOUT:-540}" \
                 -- ${CONTEXT_EXTRA:-} | tail -8
         fi
@@ -160,7 +160,7 @@ for stage in "$@"; do
         pairs=$([ "$(nvidia-smi -L | wc -l)" -ge 4 ] && echo 2 || echo 1)
         run_check() {  # $1: the GPUs, $2: a train.py setting, which names the results (context-check-sdpa_kernel-flash)
             local name=${2#--}
-            CUDA_VISIBLE_DEVICES=$1 NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --work "/tmp/check-$1" \
+            CUDA_VISIBLE_DEVICES=$1 NCCL_NVLS_ENABLE=0 python3 -m bench.multi_gpu --out "$OUT" --work "/tmp/check-$1" \
                 --name "context-check-${name//=/-}" --skip-ddp --gpus 1 2 --context-check 8192 --context-iters 4 \
                 --timeout "${RUN_TIMEOUT:-240}" -- "$2" | grep -E "^context-check"
         }
@@ -175,7 +175,7 @@ for stage in "$@"; do
         # the largest count, so each count is its own run against one GPU), plain against the all-reduces
         # overlapping backward: the compiled graph cut per 25 MB bucket, or each block compiled apart
         for gpus in ${DDP_GPUS:-2 4}; do
-            NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name "ddp-one-micro-step-${gpus}gpu" --gpus 1 "$gpus" \
+            NCCL_NVLS_ENABLE=0 python3 -m bench.multi_gpu --out "$OUT" --name "ddp-one-micro-step-${gpus}gpu" --gpus 1 "$gpus" \
                 --accum 1 --variant split25:--ddp_graph_split=true,--ddp_bucket_cap_mb=25 \
                 --variant blocks:--compile_blocks=true | tail -5
         done
@@ -183,7 +183,7 @@ for stage in "$@"; do
     zerochannels)  # DDP on 4 GPUs at one micro-step a GPU with NCCL held to fewer channels (NCCL_MAX_NCHANNELS), so
         # its all-reduce, overlapping backward with each block compiled apart, takes fewer of the SMs backward runs on
         for channels in ${NCCL_CHANNELS:-4 8 16}; do
-            NCCL_MAX_NCHANNELS=$channels NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" \
+            NCCL_MAX_NCHANNELS=$channels NCCL_NVLS_ENABLE=0 python3 -m bench.multi_gpu --out "$OUT" \
                 --name "ddp-one-micro-step-4gpu-nccl$channels" --gpus 1 4 --accum 1 --variant blocks:--compile_blocks=true \
                 | grep -E " on [0-9]"
         done
@@ -203,7 +203,7 @@ for stage in "$@"; do
         ;;
     fsdpxl)  # GPT-2 XL: 1 GPU at 8 x 4 micro-steps against FSDP: one unit per block, 8 blocks a unit, and
         # config/train_gpt2_xl_fsdp.py's settings; then that config profiled (each rank's report under $OUT/fsdp-xl-profile)
-        NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name fsdp-xl --skip-ddp --fsdp --gpus ${DDP_GPUS:-1 2} \
+        NCCL_NVLS_ENABLE=0 python3 -m bench.multi_gpu --out "$OUT" --name fsdp-xl --skip-ddp --fsdp --gpus ${DDP_GPUS:-1 2} \
             --iters 16 --warmup 6 --log-interval 2 --accum 2 --timeout 300 --variant unit8:--fsdp_blocks_per_unit=8 \
             --variant shipped:--batch_size=16,--fsdp_reshard_after_forward=false,--fsdp_blocks_per_unit=8 \
             -- --activation_checkpointing=none | tail -10
@@ -230,7 +230,7 @@ for stage in "$@"; do
     big)  # 4 GPUs: a GPT-2 of width 4096 and 32 layers (6.7B), which one GPU cannot train, under FSDP at micro-batch 4
         # (--micro-batch 8 is the 124M's; the large model gets half): one unit per block, then 4 blocks a unit without
         # resharding; two runs within one 600 s call (OMP threads for rank 0's initialization of the model on its CPU)
-        OMP_NUM_THREADS=16 NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name fsdp-6.7b --skip-ddp --fsdp \
+        OMP_NUM_THREADS=16 NCCL_NVLS_ENABLE=0 python3 -m bench.multi_gpu --out "$OUT" --name fsdp-6.7b --skip-ddp --fsdp \
             --fsdp-model gpt2-6.7B --gpus ${BIG_GPUS:-4} --micro-batch 8 --accum 2 --iters 12 --warmup 4 --log-interval 2 \
             --timeout "${RUN_TIMEOUT:-280}" \
             --variant unit4-noreshard:--fsdp_blocks_per_unit=4,--fsdp_reshard_after_forward=false \

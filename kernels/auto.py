@@ -1,7 +1,8 @@
 """
 auto's order on a GPU: a per-card table of measured lengths (config/attention_auto.json, fitted by
-bench/fit_auto.py) from which a card's fastest backend goes first, and, for a card the table does not know, a
-one-time timing of the candidates at setup (cached on disk). Registered into model.py's registry.
+python -m bench.attention fit) from which a card's fastest backend goes first, and, for a card the table does not
+know, a one-time timing of the candidates at setup (kernels.timing, cached on disk). Registered into model.py's
+registry.
 """
 
 from __future__ import annotations

@@ -82,15 +82,16 @@ COMPARE_ARGUMENTS = (
 
 @pytest.fixture(scope="module")
 def runs(char_data, tmp_path_factory, warm_interpreter):
-    """{name: (exit code, stdout, stderr, out folder)} of `python -m bench.bench_attention --quick`,
+    """{name: (exit code, stdout, stderr, out folder)} of `python -m bench.attention --quick`,
     `bench.train_step --quick`, `bench.train_step phases --quick` (one process) and `bench.train_step compare`
     (sdpa, manual), as the benches run: modules from the repo root. Started together, each on one CPU thread; all
     but compare forked from the warm interpreter (helpers.WarmProcess), which has torch imported already."""
     commands = {  # the shortest timings that still time: these tests check rows and statuses, not speed
         "compare": ["bench.train_step", "compare", "--backends", "sdpa", "manual"],
-        "attention-quick": ["bench.bench_attention", "--quick", "--warmup-ms", "1", "--rep-ms", "5"],
+        "attention-quick": ["bench.attention", "--quick", "--warmup-ms", "1", "--rep-ms", "5"],
         "train-quick": ["bench.train_step", "--quick"],
         "step-phases-quick": ["bench.train_step", "phases", "--quick", "--steps", "4", "ddp"],
+        "multi-gpu-quick": ["bench.multi_gpu", "--quick", "--gpus", "1", "--iters", "3", "--warmup", "1", "--work"],
     }
     started = {}
     for name, command in commands.items():
@@ -102,7 +103,8 @@ def runs(char_data, tmp_path_factory, warm_interpreter):
                 command = [sys.executable, "-m", *command, "--out", str(out), *train_args]
                 process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=stdout, stderr=stderr)
             else:
-                process = WarmProcess("-m", [*command, "--out", str(out)], stdout.fileno(), stderr.fileno())
+                argv = [*command, str(out)] if command[-1] == "--work" else command  # its runs' folders: in out
+                process = WarmProcess("-m", [*argv, "--out", str(out)], stdout.fileno(), stderr.fileno())
             started[name] = (process, out)
     finished = {}
     try:
@@ -187,6 +189,14 @@ def test_step_phases_time_train_pys_own_step_phase_by_phase(runs):
     for row in rows:  # one process: it is its own slowest rank
         assert 0 < row["host_ms"] <= row["wall_ms"] * 1.01 and row["slowest_ms"] == row["wall_ms"], row
         assert row["rank_wall_ms"] == f"{row['wall_ms']:.2f}" and row["ranks"] == 1
+
+
+def test_multi_gpu_quick_runs_train_py_under_torchrun_and_reads_its_log(runs):
+    code, stdout, stderr, out = runs["multi-gpu-quick"]
+    assert code == 0, (stdout + stderr)[-3000:]
+    (row,) = json.loads((out / "cpu-ddp-quick.json").read_text())["rows"]
+    assert (row["run"], row["gpus"], row["status"]) == ("ddp", 1, "ok"), row
+    assert row["tokens_per_sec"] > 0 and sorted(row["losses"]) == ["1", "2", "3"]
 
 
 def test_every_bench_takes_its_models_from_one_place():
@@ -451,7 +461,7 @@ def test_graphs_go_to_the_smallest_backends_and_a_failed_capture_times_eagerly(m
     a backend past that, or whose capture fails, keeps its eager runs and says why in its row."""
     from types import SimpleNamespace
 
-    from bench import bench_attention
+    from bench import attention_measure
 
     captured = []
 
@@ -461,12 +471,12 @@ def test_graphs_go_to_the_smallest_backends_and_a_failed_capture_times_eagerly(m
         captured.append(fn)
         return SimpleNamespace(replay=f"replay {fn}")
 
-    monkeypatch.setattr(bench_attention, "cuda_graph", fake_graph)
+    monkeypatch.setattr(attention_measure, "cuda_graph", fake_graph)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=100 * 2**30))
 
     def measurement(name, mib, fn=None):
         runs = {"fwd": (fn or f"{name} fwd", ()), "fwd_bwd": (fn or f"{name} fwd_bwd", ())}
-        return bench_attention.Measurement({"backend": name, "peak_mem_mib": mib}, runs, {}, {})
+        return attention_measure.Measurement({"backend": name, "peak_mem_mib": mib}, runs, {}, {})
 
     ms = [
         measurement("manual", 20_000),
@@ -474,7 +484,7 @@ def test_graphs_go_to_the_smallest_backends_and_a_failed_capture_times_eagerly(m
         measurement("broken", 100, "breaks"),
         measurement("flex", 5_000),
     ]
-    bench_attention.capture_graphs(ms, torch.device("cuda"))
+    attention_measure.capture_graphs(ms, torch.device("cuda"))
     manual, sdpa, broken, flex = ms
     assert captured == ["sdpa fwd", "sdpa fwd_bwd", "flex fwd", "flex fwd_bwd"]
     assert sdpa.runs["fwd"] == ("replay sdpa fwd", ()) and sdpa.row["fwd_bwd_timing"] == "cuda graph"
@@ -613,10 +623,10 @@ def test_e2e_torchrun_cells_give_each_rank_whole_micro_steps(tmp_path):
         assert cfg.block_size % (2 * cfg.context_parallel) == 0, cell.path
 
 
-def test_bench_ddp_context_rows_split_n_times_one_gpus_t_and_compare_mfu_and_loss(monkeypatch):
+def test_multi_gpu_context_rows_split_n_times_one_gpus_t_and_compare_mfu_and_loss(monkeypatch):
     """--context T: one GPU at T, N GPUs at N x T with context_parallel=N; --context-check T: T on both. Scaling
     compares tok/s per GPU for DDP rows, MFU for context rows, and the final loss where T is the same."""
-    from bench import bench_ddp
+    from bench import multi_gpu
 
     calls = []
 
@@ -624,9 +634,9 @@ def test_bench_ddp_context_rows_split_n_times_one_gpus_t_and_compare_mfu_and_los
         calls.append((run, gpus, options["block_size"], [s for s in settings if "context_parallel" in s]))
         return {"run": run}
 
-    monkeypatch.setattr(bench_ddp, "measure", measure)
+    monkeypatch.setattr(multi_gpu, "measure", measure)
     args = types.SimpleNamespace(quick=True, gpus=[1, 2], context=[64], context_check=[32], context_iters=6)
-    bench_ddp.context_rows(args, lambda row: None)
+    multi_gpu.context_rows(args, lambda row: None)
     assert calls == [
         ("context T=64", 1, 64, []),
         ("context T=64", 2, 128, ["--context_parallel=2"]),
@@ -647,7 +657,7 @@ def test_bench_ddp_context_rows_split_n_times_one_gpus_t_and_compare_mfu_and_los
         row("context-check T=32", 1, 32, 100.0, 0.50, 3.0),
         row("context-check T=32", 2, 32, 90.0, 0.20, 3.001),
     ]
-    bench_ddp.add_scaling(rows)
+    multi_gpu.add_scaling(rows)
     assert rows[1]["scaling"] == pytest.approx(0.95) and "mfu_vs_1gpu" not in rows[1]
     assert rows[3]["mfu_vs_1gpu"] == pytest.approx(0.8) and "scaling" not in rows[3] and "loss_vs_1gpu" not in rows[3]
     assert rows[5]["mfu_vs_1gpu"] == pytest.approx(0.4) and rows[5]["loss_vs_1gpu"] == pytest.approx(0.001)
@@ -655,18 +665,18 @@ def test_bench_ddp_context_rows_split_n_times_one_gpus_t_and_compare_mfu_and_los
     assert not any(key in rows[0] for key in ("scaling", "mfu_vs_1gpu", "loss_vs_1gpu"))
     # the one-GPU run logged a third iteration, whose loss is far from the second's: compared iteration by iteration
     rows[4]["losses"][3] = rows[4]["final_loss"] = 2.5
-    bench_ddp.add_scaling(rows)
+    multi_gpu.add_scaling(rows)
     assert rows[5]["loss_vs_1gpu"] == pytest.approx(0.001) and rows[5]["loss_gaps"] == "+0.000 +0.001"
 
 
-def test_bench_ddp_rows_end_at_the_iteration_waited_for_and_read_a_corpus_sized_by_their_own_t(monkeypatch, tmp_path):
+def test_multi_gpu_rows_end_at_the_iteration_waited_for_and_read_a_corpus_sized_by_their_own_t(monkeypatch, tmp_path):
     """A fast run logs a step past the stop before the kill lands: the row leaves it out, so two rows of one check end
     at the same iteration (a GPU check once compared one GPU's fifth loss with two GPUs' fourth: 0.49 apart). Each
     run's corpus is sized by its own sequence length, so a check at one T reads the same tokens in every bench
     process, whatever longer runs that process also makes."""
     from types import SimpleNamespace
 
-    from bench import bench_ddp, launch
+    from bench import launch, multi_gpu
 
     line = "iter {} | loss {} | lr 1.0e-04 | 9.0 ms | 1,000 tok/s | MFU 40.0% | mem 1.0 GiB\n"
     output = "".join(line.format(it, loss) for it, loss in ((1, 10.9), (2, 8.8), (3, 7.9), (4, 7.2)))
@@ -675,7 +685,7 @@ def test_bench_ddp_rows_end_at_the_iteration_waited_for_and_read_a_corpus_sized_
     monkeypatch.setattr(launch, "corpus", lambda folder, longest: folder.with_name(f"data-{longest}"))
     args = SimpleNamespace(gpus=[1, 2], accum=1, block_size=64, vocab_size=None, iters=6, log_interval=1,
                            quick=True, work=tmp_path, timeout=10, warmup=0, extra=[])  # fmt: skip
-    row = bench_ddp.measure(args, "context-check", "tiny", bench_ddp.TINY, "ddp", 2, 1, stop_at_iter=3, block_size=32)
+    row = multi_gpu.measure(args, "context-check", "tiny", multi_gpu.TINY, "ddp", 2, 1, stop_at_iter=3, block_size=32)
     assert row["losses"] == {1: 10.9, 2: 8.8, 3: 7.9} and row["final_loss"] == 7.9
     assert f"--data_dir={tmp_path / 'data-32'}" in commands[0]
 
@@ -729,37 +739,37 @@ def test_bench_context_checks_each_chunk_kernel_against_the_reference(tmp_path):
     assert (tmp_path / "cpu-context.md").exists() and (tmp_path / "cpu-context.png").exists()
 
 
-def test_bench_ddp_fsdp_model_picks_the_sharded_models_shape_at_half_the_micro_batch(monkeypatch, tmp_path):
+def test_multi_gpu_fsdp_model_picks_the_sharded_models_shape_at_half_the_micro_batch(monkeypatch, tmp_path):
     """--fsdp-model gpt2-6.7B: the FSDP rows train a GPT-2 of width 4096 and 32 layers (6.65B parameters with its
     vocabulary) at half the --micro-batch, as GPT-2 XL's do; the default stays GPT-2 XL."""
-    from bench import bench_ddp, launch
+    from bench import launch, multi_gpu
 
     calls = []
 
     def measure(args, run, model, shape, parallelism, gpus, micro_batch, *rest, **options):
-        calls.append((model, shape, gpus, micro_batch, round(bench_ddp.params_millions(shape, 50304, 1024))))
+        calls.append((model, shape, gpus, micro_batch, round(multi_gpu.params_millions(shape, 50304, 1024))))
         return {"run": run, "model": model, "gpus": gpus, "status": "ok", "wall_s": 0, "tokens_per_sec": 1.0,
                 "tokens_per_sec_per_gpu": 1.0}  # fmt: skip
 
-    monkeypatch.setattr(bench_ddp, "measure", measure)
-    monkeypatch.setattr(bench_ddp, "save", lambda *args: [])
+    monkeypatch.setattr(multi_gpu, "measure", measure)
+    monkeypatch.setattr(multi_gpu, "save", lambda *args: [])
     monkeypatch.setattr(launch, "corpus", lambda folder, longest: folder)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     common = ["--skip-ddp", "--fsdp", "--gpus", "4", "--micro-batch", "8", "--work", str(tmp_path)]
-    assert bench_ddp.main([*common, "--fsdp-model", "gpt2-6.7B"]) == 0
-    assert bench_ddp.main(common) == 0
+    assert multi_gpu.main([*common, "--fsdp-model", "gpt2-6.7B"]) == 0
+    assert multi_gpu.main(common) == 0
     assert calls == [
         ("gpt2-6.7B", {"n_layer": 32, "n_head": 32, "n_embd": 4096}, 4, 4, 6653),
-        ("gpt2-xl-1.5B", bench_ddp.GPT2_XL, 4, 4, 1557),
+        ("gpt2-xl-1.5B", multi_gpu.GPT2_XL, 4, 4, 1557),
     ]
 
 
-def test_bench_ddp_rows_name_a_model_that_settings_after_the_dashes_reshape(monkeypatch, tmp_path):
+def test_multi_gpu_rows_name_a_model_that_settings_after_the_dashes_reshape(monkeypatch, tmp_path):
     """`-- --n_layer=12 --n_embd=768` on a --quick run changes the model the rows train: their model says so, and
     the parameters are train.py's own count, not the bench's shape's; other settings leave both as they were."""
     from types import SimpleNamespace
 
-    from bench import bench_ddp, launch
+    from bench import launch, multi_gpu
 
     output = "parameters: 123.59M | tokens per iteration: 2,048\niter 1 | loss 10.8 | lr 1e-4 | 9.0 ms | 1 tok/s\n"
     monkeypatch.setattr(launch, "run", lambda *args: launch.Run(0, output, 1.0))
@@ -769,16 +779,16 @@ def test_bench_ddp_rows_name_a_model_that_settings_after_the_dashes_reshape(monk
     rows = {}
     for extra in (["--n_layer=12", "--n_embd=768", "--dtype=bfloat16"], ["--dtype=bfloat16"]):
         args.extra = extra
-        rows[len(extra)] = bench_ddp.measure(args, "context-check", "tiny", bench_ddp.TINY, "ddp", 1, 1)
+        rows[len(extra)] = multi_gpu.measure(args, "context-check", "tiny", multi_gpu.TINY, "ddp", 1, 1)
     assert (rows[3]["model"], rows[3]["params_m"]) == ("tiny (n_layer=12, n_embd=768)", 123.59)
-    expected = bench_ddp.params_millions(bench_ddp.TINY, None, 64)
+    expected = multi_gpu.params_millions(multi_gpu.TINY, None, 64)
     assert (rows[1]["model"], rows[1]["params_m"]) == ("tiny", expected)
 
 
-def test_bench_ddp_variants_keep_the_tokens_of_a_step_for_each_family(monkeypatch):
+def test_multi_gpu_variants_keep_the_tokens_of_a_step_for_each_family(monkeypatch):
     """--variant rows for DDP and, with --fsdp, GPT-2 XL: each scaled by its own family's 1-GPU run; a variant's
     --batch_size keeps the tokens a step (fewer micro-steps) and leaves the train.py settings."""
-    from bench import bench_ddp
+    from bench import multi_gpu
 
     calls = []
 
@@ -786,11 +796,11 @@ def test_bench_ddp_variants_keep_the_tokens_of_a_step_for_each_family(monkeypatc
         calls.append((run, model, gpus, micro_batch, options.get("accum_total"), list(settings), baseline))
         return {"run": run}
 
-    monkeypatch.setattr(bench_ddp, "measure", measure)
+    monkeypatch.setattr(multi_gpu, "measure", measure)
     args = types.SimpleNamespace(gpus=[1, 2], accum=2)
-    shape = bench_ddp.GPT2_XL
-    bench_ddp.variant_row(args, "fsdp mb16", "xl", shape, "fsdp", 2, 8, ["--batch_size=16", "--compile=true"])
-    bench_ddp.variant_row(args, "ddp plain", "small", shape, "ddp", 2, 16, ["--ddp_graph_split=true"])
+    shape = multi_gpu.GPT2_XL
+    multi_gpu.variant_row(args, "fsdp mb16", "xl", shape, "fsdp", 2, 8, ["--batch_size=16", "--compile=true"])
+    multi_gpu.variant_row(args, "ddp plain", "small", shape, "ddp", 2, 16, ["--ddp_graph_split=true"])
     assert calls == [
         ("fsdp mb16", "xl", 2, 16, 2, ["--compile=true"], "fsdp"),  # 4 x 8 sequences a step = 2 x 16
         ("ddp plain", "small", 2, 16, 4, ["--ddp_graph_split=true"], "ddp"),

@@ -61,10 +61,9 @@ def run_command(command: str, args: list[str], timeout: float = 120) -> tuple[in
 
 BENCHES = {  # each bench, and what its error line names for an unknown option
     **dict.fromkeys(
-        ("bench_attention", "bench_ddp", "generation", "train_step", "bench_two_nodes", "e2e", "readme_table"),
+        ("attention", "multi_gpu", "generation", "train_step", "bench_two_nodes", "e2e", "readme_table"),
         "--bogus",
     ),
-    "fit_auto": "the following arguments are required: results",
 }
 COMMANDS = [  # (command, its arguments, what the error line names); {tmp}: the test's folder, {trained}: an out_dir
     ("train.py", ["--init_from=resume", "--out_dir={tmp}/out", "--device=cpu"], "ckpt.pt"),
@@ -87,6 +86,7 @@ COMMANDS = [  # (command, its arguments, what the error line names); {tmp}: the 
     *[(f"-m data.{name}.prepare", ["--bogus"], "--bogus") for name in ("openwebtext", "fineweb")],
     *[(f"-m bench.{name}", ["--bogus"], BENCHES[name]) for name in BENCHES],
     ("-m bench.train_step", ["phases"], "the following arguments are required: parallelism"),
+    ("-m bench.attention", ["fit"], "the following arguments are required: results"),
 ]
 
 
