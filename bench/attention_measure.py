@@ -287,27 +287,15 @@ def quick_skip_reason(backend: str, cell: Cell, args) -> str:
     return ""
 
 
+# the figures of a row, None until measured
+FIGURES = ("fwd_ms", "fwd_bwd_ms", "fwd_tflops", "fwd_bwd_tflops", "peak_mem_mib", "mem_pass", "max_err", "rel_err")
+TIMES = ("first_call_s", "fwd_ms_rounds", "fwd_bwd_ms_rounds")
+
+
 def empty_row(backend: str, cell: Cell, batch: int) -> dict:
-    return {
-        "backend": backend,
-        "resolved": None,
-        "head_dim": cell.head_dim,
-        "seq_len": cell.seq_len,
-        "batch_size": batch,
-        "docs": cell.docs,
-        "dtype": str(cell.dtype).removeprefix("torch."),
-        "fwd_ms": None,
-        "fwd_bwd_ms": None,
-        "fwd_tflops": None,
-        "fwd_bwd_tflops": None,
-        "peak_mem_mib": None,
-        "mem_pass": None,
-        "max_err": None,
-        "rel_err": None,
-        "first_call_s": None,
-        "fwd_ms_rounds": None,
-        "fwd_bwd_ms_rounds": None,
-    }
+    dtype = str(cell.dtype).removeprefix("torch.")
+    shape = dict(head_dim=cell.head_dim, seq_len=cell.seq_len, batch_size=batch, docs=cell.docs, dtype=dtype)
+    return {"backend": backend, "resolved": None, **shape, **dict.fromkeys(FIGURES + TIMES)}
 
 
 def finish_row(row: dict, fwd_status: str, fwd_bwd_status: str) -> dict:

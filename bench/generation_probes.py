@@ -28,7 +28,7 @@ import generation
 from bench import report
 from bench.generation import model_settings
 from bench.grid import profiled
-from bench.report import DEFAULT_OUT, card_slug
+from bench.report import DEFAULT_OUT, card_slug, write_markdown
 from data.common import OneLineParser
 from kernels.timing import timed
 from model import GPT, GPTConfig
@@ -98,14 +98,6 @@ def profile(argv=None) -> int:
         f"greedy, {args.tokens} tokens profiled after {args.skip}\n\n"
     )
     return write_markdown(args.out / f"{card}-{name}.md", title + "\n".join(sections))
-
-
-def write_markdown(path: Path, text: str) -> int:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    print(text)
-    print(f"wrote {path}")
-    return 0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -160,6 +160,15 @@ def save_results(
     return header
 
 
+def write_markdown(path: Path, text: str) -> int:
+    """A report that is text only (the profiles): written, printed, and its path said. Returns 0 (a tool's exit)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(text)
+    print(f"wrote {path}")
+    return 0
+
+
 def pyplot():
     """matplotlib.pyplot drawing into files: no display on the bench machines."""
     import matplotlib

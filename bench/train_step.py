@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from bench.grid import BenchParser, Grid, dispatch, fresh_row, number, profiled, run_grid
-from bench.report import DEFAULT_OUT, GPT2_VOCAB, Column, card_slug, model_shape, plot_lines
+from bench.report import DEFAULT_OUT, GPT2_VOCAB, Column, card_slug, model_shape, plot_lines, write_markdown
 from data.common import OneLineParser
 from kernels.timing import timed
 from train import TrainConfig, build_model, build_train_state, train_step
@@ -450,11 +450,8 @@ def profile(argv=None) -> int:
     args.model, name = {}, "profile-train" + ("-quick" if args.quick else "")
     sections = [profile_variant(variant, args) for variant in args.variants]
     card = card_slug() if not args.quick else "cpu"
-    path = args.out / f"{card}-{name}.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"# {name} on {card} (torch {torch.__version__})\n\n" + "\n".join(sections))
-    print(path.read_text() + f"\nwrote {path}")
-    return 0
+    text = f"# {name} on {card} (torch {torch.__version__})\n\n" + "\n".join(sections)
+    return write_markdown(args.out / f"{card}-{name}.md", text)
 
 
 def main(argv=None) -> int:
