@@ -374,6 +374,15 @@ def test_bench_generation_quick(tmp_path):
     assert (tmp_path / "cpu-generate-quick.md").is_file() and (tmp_path / "cpu-generate-quick.png").is_file()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the probe runs on a GPU there")
+def test_bench_generation_probe_says_in_one_line_that_it_needs_a_gpu(tmp_path, capsys):
+    from bench import generation
+
+    assert generation.main(["probe", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("error: the sampling probe times CUDA graphs on a CUDA GPU")
+    assert not list(tmp_path.iterdir())
+
+
 def test_bench_generation_profile_quick_writes_the_decode_steps_kernels_by_kind(tmp_path, capsys):
     from bench import generation
 
