@@ -146,6 +146,8 @@ def parse_args(argv=None):
         full,
         quick_help="tiny CPU run: T 64/128, D 64, float32, manual/sdpa/flex/auto (flex in one cell), with documents",
         dtypes=("bfloat16", "float16", "float32"),
+        tool="attention",
+        modes=("fit",),
     )
     add_grid_options(parser)
     args = parser.parse_args(argv)

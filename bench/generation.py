@@ -355,6 +355,8 @@ def parse_args(argv=None):
         {**FULL, **on_cuda},
         quick_help="tiny CPU model, prompts of 8, 4 new tokens",
         dtypes=("bfloat16", "float16", "float32"),
+        tool="generation",
+        modes=("profile", "probe"),
     )
     parser.add_argument("--backends", nargs="+", help=f"default: {' '.join(BACKENDS)}")
     parser.add_argument("--caches", nargs="+", default=list(CACHES), choices=CACHES)

@@ -29,8 +29,11 @@ class BenchParser(OneLineParser):
     """A grid bench's command line: the options every one has (--quick, --out, --device, --dtype, --budget,
     --name), then the bench's own. An option left unset (None) takes its --quick or full-run default."""
 
-    def __init__(self, doc: str, quick: dict, full: dict, *, quick_help: str, dtypes: Sequence[str]):
-        super().__init__(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    def __init__(self, doc, quick, full, *, quick_help, dtypes: Sequence[str], tool=None, modes: Sequence[str] = ()):
+        prog = f"python -m bench.{tool}" if tool else None
+        epilog = f"modes: {prog} {' | '.join(modes)} (each with its own --help)" if modes else None
+        formatter = argparse.RawDescriptionHelpFormatter
+        super().__init__(prog=prog, description=doc.split("\n\n")[0], epilog=epilog, formatter_class=formatter)
         self.defaults = {True: quick, False: full}
         self.add_argument("--quick", action="store_true", help=quick_help)
         self.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")

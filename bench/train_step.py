@@ -335,6 +335,8 @@ def parse_args(argv=None):
         FULL,
         quick_help="tiny CPU model, T=64, 2 steps, no compile",
         dtypes=("auto", "bfloat16", "float16", "float32"),  # as train.py's (auto: bfloat16 on CUDA, else float32)
+        tool="train_step",
+        modes=("profile", "phases", "context", "compare", "curves"),
     )
     parser.add_argument(
         "--compile", choices=("true", "false"), help="torch.compile the model (default: as train.py, on for CUDA)"
