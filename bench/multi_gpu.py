@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from bench import launch
-from bench.report import DEFAULT_OUT, GPT2_124M, GPT2_VOCAB, TINY, Column, pyplot, results_header, write_results
+from bench.report import DEFAULT_OUT, GPT2_124M, GPT2_VOCAB, TINY, Column, plot_series, results_header, write_results
 from data.common import OneLineParser
 from training.parallel import PARALLELISMS
 
@@ -264,26 +264,13 @@ def progress(row: dict) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    plt = pyplot()
-    figure, (speed, scaling) = plt.subplots(1, 2, figsize=(11, 4.5))
     scaled = [r for r in rows if not r["run"].startswith(("ddp-", "fsdp-", "context"))]  # not largest, not context
-    for key in dict.fromkeys((r["run"], r["model"]) for r in scaled):
-        points = sorted((r["gpus"], r) for r in rows if (r["run"], r["model"]) == key and r.get("tokens_per_sec"))
-        if not points:
-            continue
-        gpus = [g for g, _ in points]
-        speed.plot(gpus, [r["tokens_per_sec_per_gpu"] for _, r in points], marker="o", label=" ".join(key))
-        scaling.plot(gpus, [r.get("scaling") for _, r in points], marker="o", label=" ".join(key))
-    speed.set(xlabel="GPUs", ylabel="tokens/s per GPU", title="throughput per GPU, same global batch")
-    scaling.axhline(1.0, color="gray", linewidth=0.8)
-    scaling.set(xlabel="GPUs", ylabel="per-GPU tok/s / one GPU's", title="scaling (1.0 = perfect)")
-    for axis in (speed, scaling):
-        axis.grid(alpha=0.3)
-        if axis.get_legend_handles_labels()[0]:  # a --largest-only run has no lines
-            axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    panels = [
+        ("tokens_per_sec_per_gpu", "tokens/s per GPU", "throughput per GPU, same global batch"),
+        ("scaling", "per-GPU tok/s / one GPU's", "scaling (1.0 = perfect)"),
+    ]
+    measured = [r for r in scaled if r.get("tokens_per_sec")]
+    plot_series(measured, path, x="gpus", panels=panels, series=lambda r: f"{r['run']} {r['model']}", ratio="scaling")
 
 
 def parse_args(argv=None):

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench.report import DEFAULT_OUT, GPT2_VOCAB, Column, model_shape, pyplot, save_results
+from bench.report import DEFAULT_OUT, GPT2_VOCAB, Column, model_shape, plot_bars, save_results
 from bench.train_step import build_state, random_batches
 from data.common import OneLineParser
 from kernels.timing import median_ms, timed
@@ -131,21 +131,9 @@ def time_phases(parallelism: str, runtime, steps: int, quick: bool) -> list[dict
 
 
 def plot_phases(rows: list[dict], path: Path) -> None:
-    plt = pyplot()
-    parallelisms = list(dict.fromkeys(row["parallelism"] for row in rows))
-    figure, axis = plt.subplots(figsize=(9, 4))
-    for index, parallelism in enumerate(parallelisms):
-        mine = [row for row in rows if row["parallelism"] == parallelism]
-        positions = [i + index * 0.4 for i in range(len(mine))]
-        axis.barh(positions, [row["wall_ms"] for row in mine], height=0.4, label=f"{parallelism} wall")
-        axis.barh(positions, [row["host_ms"] for row in mine], height=0.4, fill=False, hatch="//", label="host")
-        axis.set_yticks([i + 0.2 for i in range(len(mine))], [row["phase"] for row in mine], fontsize=7)
-    axis.invert_yaxis()
-    axis.set(xlabel="ms (rank 0, median)", title="one optimizer step, phase by phase")
-    axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    title = "one optimizer step, phase by phase: wall ms (rank 0, median), hatched: host"
+    labels = dict(label="phase", value="wall_ms", inner="host_ms", group="parallelism")
+    plot_bars(rows, path, **labels, x_label="ms", title=title)
 
 
 def phases(argv=None) -> int:
@@ -239,14 +227,9 @@ def measure_chunks(args, device: torch.device, dtype: torch.dtype) -> list[dict]
 
 
 def plot_chunks(rows: list[dict], path) -> None:
-    plt = pyplot()
-    figure, axes = plt.subplots(figsize=(6, 3.5))
-    axes.bar([f"{r['kernel']}\n({r['used']})" for r in rows], [r["tflops"] for r in rows])
-    axes.set_ylabel("TFLOP/s, forward + backward")
-    axes.set_title("context-parallel chunk attention, one rank")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    labelled = [{**row, "runs as": f"{row['kernel']} ({row['used']})"} for row in rows]
+    title = "context-parallel chunk attention, one rank"
+    plot_bars(labelled, path, label="runs as", value="tflops", x_label="TFLOP/s, forward + backward", title=title)
 
 
 def context_args(argv=None) -> argparse.Namespace:

@@ -44,7 +44,7 @@ from bench.report import (
     TINY,
     Column,
     bench_device,
-    pyplot,
+    plot_series,
     results_header,
     results_stem,
     save_results,
@@ -186,13 +186,13 @@ def smoothed(values: list[float], width: int = 20) -> list[float]:
 
 
 def plot_curves(rows: list[dict], path: Path) -> None:
-    plt = pyplot()
-    figure, axis = plt.subplots(figsize=(8, 5))
-    for row in rows:
-        axis.plot(range(1, len(row["losses"]) + 1), smoothed(row["losses"]), label=row["run"], linewidth=1.2)
-    axis.set(xlabel="iteration", ylabel="train loss (mean of the last 20)", title="same model, same data")
-    axis.legend()
-    figure.savefig(path, dpi=120, bbox_inches="tight")
+    points = [
+        {"run": row["run"], "iteration": i, "loss": loss}
+        for row in rows
+        for i, loss in enumerate(smoothed(row["losses"]), start=1)
+    ]
+    panels = [("loss", "train loss (mean of the last 20)", "same model, same data")]
+    plot_series(points, path, x="iteration", panels=panels, series=lambda r: r["run"], marker=None)
 
 
 def curves(argv=None) -> int:

@@ -189,6 +189,7 @@ def test_step_phases_time_train_pys_own_step_phase_by_phase(runs):
     for row in rows:  # one process: it is its own slowest rank
         assert 0 < row["host_ms"] <= row["wall_ms"] * 1.01 and row["slowest_ms"] == row["wall_ms"], row
         assert row["rank_wall_ms"] == f"{row['wall_ms']:.2f}" and row["ranks"] == 1
+    assert (out / "cpu-step-phases-quick.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_multi_gpu_quick_runs_train_py_under_torchrun_and_reads_its_log(runs):
@@ -197,6 +198,7 @@ def test_multi_gpu_quick_runs_train_py_under_torchrun_and_reads_its_log(runs):
     (row,) = json.loads((out / "cpu-ddp-quick.json").read_text())["rows"]
     assert (row["run"], row["gpus"], row["status"]) == ("ddp", 1, "ok"), row
     assert row["tokens_per_sec"] > 0 and sorted(row["losses"]) == ["1", "2", "3"]
+    assert (out / "cpu-ddp-quick.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_every_bench_takes_its_models_from_one_place():
