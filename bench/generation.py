@@ -28,6 +28,7 @@ from errors import as_command
 if __name__ == "__main__":  # before torch's seconds of importing: see as_command
     as_command()
 
+import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -266,11 +267,7 @@ def hf_peer(case: Case, args, device, dtype) -> dict:
 
 
 def hf_available() -> bool:
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("transformers") is not None
 
 
 # ----------------------------------------------------------------------------------------------

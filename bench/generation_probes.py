@@ -16,7 +16,6 @@ graph).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys
@@ -27,22 +26,13 @@ import torch
 import generation
 from bench import report
 from bench.generation import model_settings
-from bench.grid import profiled
+from bench.grid import mode_parser, profiled
 from bench.report import DEFAULT_OUT, card_slug, write_markdown
-from data.common import OneLineParser
 from kernels.timing import timed
 from model import GPT, GPTConfig
 from training.profiling import summarize, top_table
 
 PROMPT, NEW_TOKENS, PROFILED_STEPS = 15496, 500, 20  # "Hello"
-
-
-def parser_for(mode: str) -> OneLineParser:
-    return OneLineParser(
-        prog=f"python -m bench.generation {mode}",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -73,7 +63,7 @@ def profile_decoding(gpt: GPT, args, device: torch.device, compile: bool) -> lis
 
 
 def profile(argv=None) -> int:
-    parser = parser_for("profile")
+    parser = mode_parser("generation", "profile", __doc__)
     parser.add_argument("--quick", action="store_true", help="tiny model on CPU")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--top", type=int, default=15, help="rows of each top table (15)")
@@ -128,7 +118,7 @@ def probe_variant(name: str, model: GPT, autocast: bool, profile_it=False, tempe
 
 
 def probe(argv=None) -> int:
-    parser = parser_for("probe")
+    parser = mode_parser("generation", "probe", __doc__)
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

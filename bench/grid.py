@@ -66,6 +66,15 @@ def dispatch(argv, default: Callable[[list[str]], int], **modes: Callable[[list[
     return default(argv)
 
 
+def mode_parser(tool: str, mode: str, doc: str) -> OneLineParser:
+    """The command line of `python -m bench.TOOL MODE`, described by the paragraph of doc that starts "MODE:" (or
+    doc's first)."""
+    paragraphs = doc.split("\n\n")
+    description = next((p for p in paragraphs if p.startswith(f"{mode}:")), paragraphs[0])
+    formatter = argparse.RawDescriptionHelpFormatter
+    return OneLineParser(prog=f"python -m bench.{tool} {mode}", description=description, formatter_class=formatter)
+
+
 # ----------------------------------------------------------------------------------------------
 # The runner and the writer
 

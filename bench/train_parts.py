@@ -38,17 +38,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from bench.grid import mode_parser
 from bench.report import DEFAULT_OUT, GPT2_VOCAB, Column, model_shape, plot_bars, save_results
 from bench.train_step import build_state, random_batches
-from data.common import OneLineParser
 from kernels.timing import median_ms, timed
 from training.context import CHUNK_KERNELS, REFERENCE, attend_chunk, resolve_chunk_kernel
-
-
-def parser_for(mode: str) -> OneLineParser:
-    description = next(part for part in __doc__.split("\n\n") if part.startswith(f"{mode}:"))
-    return OneLineParser(prog=f"python -m bench.train_step {mode}", description=description.split(". ")[0])
-
 
 # ----------------------------------------------------------------------------------------------
 # phases
@@ -137,7 +131,7 @@ def plot_phases(rows: list[dict], path: Path) -> None:
 
 
 def phases(argv=None) -> int:
-    parser = parser_for("phases")
+    parser = mode_parser("train_step", "phases", __doc__)
     parser.add_argument("parallelism", nargs="+", choices=("ddp", "fsdp"))
     parser.add_argument("--steps", type=int, default=20, help="steps per parallelism; the first quarter is left out")
     parser.add_argument("--quick", action="store_true", help="CPU, gloo, a tiny model: checks the script")
@@ -233,7 +227,7 @@ def plot_chunks(rows: list[dict], path) -> None:
 
 
 def context_args(argv=None) -> argparse.Namespace:
-    parser = parser_for("context")
+    parser = mode_parser("train_step", "context", __doc__)
     parser.add_argument("--T", type=int, default=32768, help="the whole sequence's length (32768)")
     parser.add_argument("--ranks", type=int, default=2, help="ranks the sequence is split over (2)")
     parser.add_argument("--rank", type=int, default=0, help="the rank measured (0: the first and last chunks)")

@@ -25,7 +25,6 @@ gap between the two seeds is the run-to-run noise the default's gap is read agai
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shutil
@@ -39,6 +38,7 @@ from pathlib import Path
 import torch
 
 from bench import launch
+from bench.grid import mode_parser
 from bench.report import (
     DEFAULT_OUT,
     TINY,
@@ -50,16 +50,6 @@ from bench.report import (
     save_results,
     write_results,
 )
-from data.common import OneLineParser
-
-
-def parser_for(mode: str) -> OneLineParser:
-    description = next(part for part in __doc__.split("\n\n") if part.startswith(f"{mode}:"))
-    return OneLineParser(
-        prog=f"python -m bench.train_step {mode}",
-        description=description,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
 
 
 def train_log(settings: Sequence[str]) -> launch.Run:
@@ -121,7 +111,7 @@ def tabulate_compare_logs(logs: Path, out: Path, backends: Sequence[str], keep_r
 
 
 def compare(argv=None) -> int:
-    parser = parser_for("compare")
+    parser = mode_parser("train_step", "compare", __doc__)
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), help=f"default {' '.join(BACKENDS)}")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
     parser.add_argument("--keep-rows", action="store_true", help="keep other backends' rows of the earlier file")
@@ -196,7 +186,7 @@ def plot_curves(rows: list[dict], path: Path) -> None:
 
 
 def curves(argv=None) -> int:
-    parser = parser_for("curves")
+    parser = mode_parser("train_step", "curves", __doc__)
     parser.add_argument("--quick", action="store_true", help="tiny char model on CPU, 30 iterations")
     parser.add_argument("--iters", type=int, default=None, help="iterations per run (default 300; --quick 30)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")

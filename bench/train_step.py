@@ -39,9 +39,8 @@ from pathlib import Path
 
 import torch
 
-from bench.grid import BenchParser, Grid, dispatch, fresh_row, number, profiled, run_grid
+from bench.grid import BenchParser, Grid, dispatch, fresh_row, mode_parser, number, profiled, run_grid
 from bench.report import DEFAULT_OUT, GPT2_VOCAB, Column, card_slug, model_shape, plot_lines, write_markdown
-from data.common import OneLineParser
 from kernels.timing import timed
 from train import TrainConfig, build_model, build_train_state, train_step
 from training.profiling import summarize
@@ -437,7 +436,7 @@ def profile_lines(variant: str, state: TrainState, args) -> list[str]:
 
 
 def profile(argv=None) -> int:
-    parser = OneLineParser(prog="python -m bench.train_step profile", description=PROFILE_DOC.split("\n\n")[0])
+    parser = mode_parser("train_step", "profile", PROFILE_DOC)
     parser.add_argument("--quick", action="store_true", help="tiny model on CPU, no compile")
     parser.add_argument("--variants", nargs="+", default=["plain", "default"], choices=VARIANTS)
     parser.add_argument("--batch-size", type=int, help="default 16 (--quick 4)")
