@@ -7,7 +7,7 @@ Train a GPT on one CPU or GPU, or on many GPUs with DDP.
     python train.py --help                                 # every setting, its default and what it does
 
 Every setting lives in TrainConfig below; config files and --key=value overrides only fill it. Then the run,
-train(), its loop, train_loop(), and one optimizer step, train_step() (bench/bench_train.py times it as it is).
+train(), its loop, train_loop(), and one optimizer step, train_step() (python -m bench.train_step times it as it is).
 One step reads three files: this one, training/parallel.py and training/progress.py; a run's end, training/ending.py.
 """
 

@@ -1,7 +1,7 @@
 """The grid runner of the attention, train and generate benches: the command line they share, their cases run
 in order under a wall-clock budget with one progress line a row, and the results written (bench.report).
-Each bench keeps its own cases and measurement; what they share to measure is here too: timing, a failure
-recorded as the row's status, the GPU freed between rows.
+Each bench keeps its own cases and measurement (timed through kernels.timing); what they share to measure is
+here too: a failure recorded as the row's status, the GPU freed between rows, a call captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import torch
 
 from bench.report import DEFAULT_OUT, Column, save_results
 from data.common import OneLineParser
+from kernels.timing import timed
 
 # ----------------------------------------------------------------------------------------------
 # The command line
@@ -27,8 +29,11 @@ class BenchParser(OneLineParser):
     """A grid bench's command line: the options every one has (--quick, --out, --device, --dtype, --budget,
     --name), then the bench's own. An option left unset (None) takes its --quick or full-run default."""
 
-    def __init__(self, doc: str, quick: dict, full: dict, *, quick_help: str, dtypes: Sequence[str]):
-        super().__init__(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    def __init__(self, doc, quick, full, *, quick_help, dtypes: Sequence[str], tool=None, modes: Sequence[str] = ()):
+        prog = f"python -m bench.{tool}" if tool else None
+        epilog = f"modes: {prog} {' | '.join(modes)} (each with its own --help)" if modes else None
+        formatter = argparse.RawDescriptionHelpFormatter
+        super().__init__(prog=prog, description=doc.split("\n\n")[0], epilog=epilog, formatter_class=formatter)
         self.defaults = {True: quick, False: full}
         self.add_argument("--quick", action="store_true", help=quick_help)
         self.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
@@ -51,6 +56,23 @@ class BenchParser(OneLineParser):
             if getattr(parsed, key) is None:
                 setattr(parsed, key, value)
         return parsed
+
+
+def dispatch(argv, default: Callable[[list[str]], int], **modes: Callable[[list[str]], int]) -> int:
+    """A tool's modes: `python -m bench.X MODE ...` runs modes[MODE] on the rest, anything else the default."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in modes:
+        return modes[argv[0]](argv[1:])
+    return default(argv)
+
+
+def mode_parser(tool: str, mode: str, doc: str) -> OneLineParser:
+    """The command line of `python -m bench.TOOL MODE`, described by the paragraph of doc that starts "MODE:" (or
+    doc's first)."""
+    paragraphs = doc.split("\n\n")
+    description = next((p for p in paragraphs if p.startswith(f"{mode}:")), paragraphs[0])
+    formatter = argparse.RawDescriptionHelpFormatter
+    return OneLineParser(prog=f"python -m bench.{tool} {mode}", description=description, formatter_class=formatter)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -154,35 +176,18 @@ def fresh_row(row: dict):
         free_device_memory()
 
 
+def profiled(device: torch.device, steps: int, step: Callable[[], object]) -> tuple[object, float]:
+    """torch.profiler over `steps` calls of step() (CPU ops, and CUDA kernels on a GPU), and their wall ms each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        wall_ms = timed(lambda: [step() for _ in range(steps)], device).wall_ms / steps
+    return prof, wall_ms
+
+
 # ----------------------------------------------------------------------------------------------
-# Timing
-
-
-def median_ms(
-    fn: Callable[[], object],
-    device: torch.device,
-    grad_to_none: Sequence[torch.Tensor] = (),
-    warmup_ms: float = 25,
-    rep_ms: float = 100,
-) -> float:
-    """Median time of fn() in ms. On CUDA: triton.testing.do_bench (CUDA events per run, and the L2 cache
-    flushed before each run, so a small input cannot be served from cache). Elsewhere: host clock."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=list(grad_to_none), return_mode="median"))
-    times = []
-    deadline = time.perf_counter() + (warmup_ms + rep_ms) / 1000
-    for i in range(1000):
-        for t in grad_to_none:
-            t.grad = None
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-        if i >= 2 and time.perf_counter() > deadline:
-            break
-    times = times[1:] if len(times) > 2 else times  # the first run is the warm-up
-    return 1000 * sorted(times)[len(times) // 2]
+# CUDA graphs (timed through kernels.timing like every call)
 
 
 def cuda_graph(fn: Callable[[], object], grads: Sequence[torch.Tensor], device: torch.device) -> torch.cuda.CUDAGraph:

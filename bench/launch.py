@@ -1,4 +1,4 @@
-"""train.py as a subprocess, the one way bench_ddp, bench_two_nodes, loss_curves and compare_backends run it:
+"""train.py as a subprocess, the one way the multi-GPU, two-node and train_step compare/curves benches run it:
 its command (plain or under torchrun), a run to its end, to a logged iteration or to a timeout (and then
 nothing it started is left running), and its iter lines parsed.
 """

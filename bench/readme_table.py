@@ -2,7 +2,7 @@
 
     python -m bench.readme_table                             # table of h100-attention.json -> bench/README.md
     python -m bench.readme_table RESULTS.json --docs         # the document-masked table
-    python -m bench.readme_table --train A.json B.json       # the train-step table of bench_train.py files
+    python -m bench.readme_table --train A.json B.json       # the train-step table of bench.train_step files
     python -m bench.readme_table RESULTS.json --readme X.md  # write into another file's markers
 
 bench/README.md keeps each table between markers such as `<!-- bench:attention:start -->` and
@@ -113,7 +113,7 @@ def backend_table(
 
 
 def train_table(results_list: list[dict], sources: list[str]) -> str:
-    """The measured rows of bench_train.py results (one or more files of the same card)."""
+    """The measured rows of bench.train_step results (one or more files of the same card)."""
     lines = ["| backend | T | batch | ms/iter | tokens/s | MFU | peak memory |", "|---|---:|---:|---:|---:|---:|---:|"]
     for results in results_list:
         for r in results["rows"]:
@@ -167,8 +167,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         nargs="*",
         type=Path,
         default=[DEFAULT_RESULTS],
-        help="results JSON of bench_attention.py (default bench/results/h100-attention.json), "
-        "or with --train one or more of bench_train.py",
+        help="results JSON of bench.attention (default bench/results/h100-attention.json), "
+        "or with --train one or more of bench.train_step",
     )
     parser.add_argument(
         "--readme", type=Path, default=DEFAULT_README, help="file whose markers get the table (bench/README.md)"
@@ -181,7 +181,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="seq lens shown (default 1024 4096 16384)",
     )
     parser.add_argument("--docs", action="store_true", help="table of the document-masked rows instead")
-    parser.add_argument("--train", action="store_true", help="table of bench_train.py results instead")
+    parser.add_argument("--train", action="store_true", help="table of bench.train_step results instead")
     parser.add_argument("--dtype", default=None, help="dtype of the rows shown (default the file's)")
     return parser.parse_args(argv)
 

@@ -160,6 +160,15 @@ def save_results(
     return header
 
 
+def write_markdown(path: Path, text: str) -> int:
+    """A report that is text only (the profiles): written, printed, and its path said. Returns 0 (a tool's exit)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(text)
+    print(f"wrote {path}")
+    return 0
+
+
 def pyplot():
     """matplotlib.pyplot drawing into files: no display on the bench machines."""
     import matplotlib
@@ -212,6 +221,52 @@ def plot_lines(
                 axes[-1].plot(xs, ys, style, marker=".", color=colors[name], label=f"{name} ({panel}={value})")
     _memory_axes(axes[-1], x)
     _save_figure(plt, fig, axes[0], title, path)
+
+
+def plot_series(rows: list[dict], path: Path, *, x: str, panels, series: Callable[[dict], str], marker="o", ratio=""):
+    """One panel per (y key, y label, title) of `panels`: y against x, one line per series (rows in x order);
+    a y of None leaves a gap. The panel of the `ratio` key gets a line at 1.0 (perfect scaling)."""
+    plt = pyplot()
+    figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels) + 1, 4.5), squeeze=False)
+    names = list(dict.fromkeys(series(r) for r in rows))
+    for axis, (y, y_label, title) in zip(axes[0], panels):
+        for name in names:
+            mine = sorted((r for r in rows if series(r) == name), key=lambda r: r[x])
+            axis.plot([r[x] for r in mine], [r.get(y) for r in mine], marker=marker, label=name, linewidth=1.2)
+        if y == ratio:
+            axis.axhline(1.0, color="gray", linewidth=0.8)
+        axis.set(xlabel=x, ylabel=y_label, title=title)
+        axis.grid(alpha=0.3)
+        if names:
+            axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def plot_bars(
+    rows: list[dict], path: Path, *, label: str, value: str, x_label: str, title: str, group=None, inner=None
+):
+    """Horizontal bars of row[value] per row[label], side by side per row[group]; `inner`: a second value drawn
+    hatched inside each bar (the host's share of a wall time)."""
+    plt = pyplot()
+    groups = list(dict.fromkeys(row.get(group) for row in rows))
+    figure, axis = plt.subplots(figsize=(9, 1 + 0.5 * len(rows)))
+    height = 0.8 / len(groups)
+    for index, name in enumerate(groups):
+        mine = [row for row in rows if row.get(group) == name]
+        positions = [i + index * height for i in range(len(mine))]
+        axis.barh(positions, [row[value] for row in mine], height=height, label=f"{name or ''} {value}".strip())
+        if inner:
+            hatched = dict(fill=False, hatch="//", label=inner if index == 0 else None)  # one legend entry
+            axis.barh(positions, [row[inner] for row in mine], height=height, **hatched)
+        axis.set_yticks([i + (len(groups) - 1) * height / 2 for i in range(len(mine))], [row[label] for row in mine])
+    axis.invert_yaxis()
+    axis.set(xlabel=x_label, title=title)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 def _save_figure(plt, fig, legend_from, title: str, path: Path):

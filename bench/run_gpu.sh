@@ -4,7 +4,7 @@
 #   bash bench/run_gpu.sh tests attention     # what this machine runs + GPU tests; attention benches (bf16)
 #   bash bench/run_gpu.sh float16 train       # attention bench in fp16; train-step bench
 #   bash bench/run_gpu.sh e2e                 # the end-to-end tests (tests/gpu), flash cells included where the packages came
-#   bash bench/run_gpu.sh smoke compare       # a short train.py run per backend; bench/compare_backends.sh
+#   bash bench/run_gpu.sh smoke compare       # a short train.py run per backend; train.py per backend, 100 steps
 #   bash bench/run_gpu.sh scan attention      # fit auto's flash-attn-4 lengths (sm90) first, then measure them
 #   bash bench/run_gpu.sh generate            # generation: prefill and decode tok/s per backend and KV cache
 #   bash bench/run_gpu.sh speed profile long curves   # train-step speed: plain vs default, profile, long T, loss
@@ -86,75 +86,76 @@ for stage in "$@"; do
                 --block_size=64 --overwrite_out_dir=true ${SMOKE_ARGS:-} 2>&1 | grep -E "^(iter|eval|WARNING|INFO|error)" | tail -3
         done
         ;;
-    scan)  # sdpa against flash-attn-4, causal: fit_auto.py writes the lengths auto uses to config/attention_auto.json
-        python3 -m bench.bench_attention --backends sdpa:auto flash_attn_4 --seq-lens 512 1024 2048 4096 8192 --rounds 1 \
+    scan)  # sdpa against flash-attn-4, causal: bench/attention_fit.py writes the lengths auto uses to config/attention_auto.json
+        python3 -m bench.attention --backends sdpa:auto flash_attn_4 --seq-lens 512 1024 2048 4096 8192 --rounds 1 \
             --rep-ms 30 --name attention-scan --out "$OUT" --budget 60 | tail -3
-        python3 -m bench.fit_auto "$OUT"/*-attention-scan.json --write
+        python3 -m bench.attention fit "$OUT"/*-attention-scan.json --write
         ;;
     attention)
-        python3 -m bench.bench_attention --out "$OUT" --budget "${ATTN_BUDGET:-300}" --rep-ms "${REP_MS:-100}" | tail -3
-        python3 -m bench.bench_attention --docs-only --out "$OUT" --budget "${DOCS_BUDGET:-150}" --rep-ms "${REP_MS:-100}" \
+        python3 -m bench.attention --out "$OUT" --budget "${ATTN_BUDGET:-300}" --rep-ms "${REP_MS:-100}" | tail -3
+        python3 -m bench.attention --docs-only --out "$OUT" --budget "${DOCS_BUDGET:-150}" --rep-ms "${REP_MS:-100}" \
             --seq-lens ${DOCS_SEQ_LENS:-1024 4096 16384 8192} | tail -3
         python3 -m pytest -q -o "addopts=-ra" tests/unit/test_readme_table.py | tail -3  # the targets, on bench/results
         ;;
     float16)
-        python3 -m bench.bench_attention --dtype float16 --out "$OUT" --budget "${FP16_BUDGET:-200}" --rep-ms "${REP_MS:-100}" \
+        python3 -m bench.attention --dtype float16 --out "$OUT" --budget "${FP16_BUDGET:-200}" --rep-ms "${REP_MS:-100}" \
             --seq-lens ${FP16_SEQ_LENS:-1024 4096 16384 512 2048 8192 32768} | tail -3
         python3 -m pytest -q -o "addopts=-ra" tests/unit/test_readme_table.py | tail -3  # the targets, on bench/results
         ;;
     train)  # GPT-2 124M: every backend at T=1024 batch 16 and T=32768 batch 1, then batch 32 and 8
-        python3 -m bench.bench_train --out "$OUT" --name "${TRAIN_NAME:-train}" \
+        python3 -m bench.train_step --out "$OUT" --name "${TRAIN_NAME:-train}" \
             --backends ${TRAIN_BACKENDS:-auto sdpa flash_attn_2 flash_attn_4 flex_attention manual} \
             --batch-sizes ${TRAIN_BATCH_SIZES:-16 32 8} --long-seq-lens 32768 --budget "${TRAIN_BUDGET:-300}" | tail -22
         ;;
     compare)  # train.py's own loop: --max_iters=100 per backend, GPT-2 124M shapes on a char corpus
         corpus /tmp/compare_data
-        OUT_DIR="$OUT" BACKENDS="${COMPARE_BACKENDS:-auto sdpa flash_attn_2 flash_attn_4 flex_attention manual}" \
-            bash bench/compare_backends.sh config/train_gpt2.py --data_dir=/tmp/compare_data \
-            --gradient_accumulation_steps=1 --batch_size=16 --vocab_size=50304
+        python3 -m bench.train_step compare --out "$OUT" \
+            --backends ${COMPARE_BACKENDS:-auto sdpa flash_attn_2 flash_attn_4 flex_attention manual} \
+            -- config/train_gpt2.py --data_dir=/tmp/compare_data --gradient_accumulation_steps=1 --batch_size=16 \
+            --vocab_size=50304
         ;;
     generate)  # GPT-2 124M shapes: batch 1 and 32, prompt 128 and 2048, 256 new tokens, per backend and KV cache
-        python3 -m bench.bench_generate --out "$OUT" --name "${GEN_NAME:-generate}" --budget "${GEN_BUDGET:-480}" \
+        python3 -m bench.generation --out "$OUT" --name "${GEN_NAME:-generate}" --budget "${GEN_BUDGET:-480}" \
             ${GEN_BACKENDS:+--backends $GEN_BACKENDS} | tail -40
         ;;
     speed)  # the plain path (nanoGPT's step) against the default and single switches, one call, ratios in vs_plain
-        python3 -m bench.bench_train --out "$OUT" --name "${SPEED_NAME:-train-speed}" --budget 0 --long-seq-lens \
+        python3 -m bench.train_step --out "$OUT" --name "${SPEED_NAME:-train-speed}" --budget 0 --long-seq-lens \
             --variants ${SPEED_VARIANTS:-plain default plain-ce} --batch-sizes ${SPEED_BATCH_SIZES:-16 32} | tail -14
         ;;
     profile)  # where the step's time goes, plain and default
-        python3 -m bench.profile --what train --out "$OUT" --variants ${PROFILE_VARIANTS:-plain default} | grep -E "^(##|wall|\| [a-z])"
+        python3 -m bench.train_step profile --out "$OUT" --variants ${PROFILE_VARIANTS:-plain default} | grep -E "^(##|wall|\| [a-z])"
         ;;
     long)  # the longest context GPT-2 124M trains at batch 1
-        python3 -m bench.bench_train --out "$OUT" --name "${LONG_NAME:-train-long}" --budget 0 --batch-sizes \
+        python3 -m bench.train_step --out "$OUT" --name "${LONG_NAME:-train-long}" --budget 0 --batch-sizes \
             --variants ${LONG_VARIANTS:-default ckpt-mlp} --long-seq-lens ${LONG_SEQ_LENS:-32768 65536 131072} \
             --steps 3 --chunks 2 --warmup-steps 1 | tail -10
         ;;
     curves)  # 300 iterations of plain and default on Shakespeare (GPT-2 BPE; data/shakespeare prepared beforehand)
-        python3 -m bench.loss_curves --out "$OUT" ${CURVE_ITERS:+--iters $CURVE_ITERS} | tail -12
+        python3 -m bench.train_step curves --out "$OUT" ${CURVE_ITERS:+--iters $CURVE_ITERS} | tail -12
         ;;
     ddp)  # the same global batch on 1 2 4 GPUs (GPT-2 124M, DDP), GPT-2 XL under FSDP, the largest GPT that trains
-        NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --gpus ${DDP_GPUS:-1 2 4} ${DDP_FLAGS:---fsdp --largest} | tail -24
+        NCCL_NVLS_ENABLE=0 python3 -m bench.multi_gpu --out "$OUT" --gpus ${DDP_GPUS:-1 2 4} ${DDP_FLAGS:---fsdp --largest} | tail -24
         ;;
     chunks)  # one GPU: rank 0's chunk attention at the context stage's T=524288, each LSE kernel in its own
         # process under a timeout, so a kernel that hangs at these lengths names itself
         for kernel in cudnn flash; do
-            timeout "${KERNEL_TIMEOUT:-240}" python3 -m bench.bench_context --T 524288 --kernels "$kernel" --repeats 3 \
-                --name "context-kernels-$kernel" --out "$OUT" | tail -3 || echo "bench_context --kernels $kernel: exit $?"
+            timeout "${KERNEL_TIMEOUT:-240}" python3 -m bench.train_step context --T 524288 --kernels "$kernel" --repeats 3 \
+                --name "context-kernels-$kernel" --out "$OUT" | tail -3 || echo "train_step context --kernels $kernel: exit $?"
         done
         ;;
     context)  # context parallelism: T=262144 on 1 GPU against 524288 over 2, then the losses of both at 8192. The
         # 2-GPU run's first step compiles for minutes; on 3+ GPUs the one-GPU side runs at the same time on GPU 2
         # (its own files, context-1gpu). CONTEXT_EXTRA: train.py settings for both (e.g. --compile_blocks=true)
         if [ "$(nvidia-smi -L | wc -l)" -ge 3 ]; then
-            CUDA_VISIBLE_DEVICES=2 NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --work /tmp/context-1gpu \
+            CUDA_VISIBLE_DEVICES=2 NCCL_NVLS_ENABLE=0 python3 -m bench.multi_gpu --out "$OUT" --work /tmp/context-1gpu \
                 --name context-1gpu --skip-ddp --gpus 1 --context 262144 --context-iters 4 --context-check 8192 \
                 --timeout "${RUN_TIMEOUT:-540}" -- ${CONTEXT_EXTRA:-} > /tmp/context-1gpu.log 2>&1 &
-            CUDA_VISIBLE_DEVICES=0,1 NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name context --skip-ddp \
+            CUDA_VISIBLE_DEVICES=0,1 NCCL_NVLS_ENABLE=0 python3 -m bench.multi_gpu --out "$OUT" --name context --skip-ddp \
                 --gpus 2 --context 262144 --context-iters 4 --context-check 8192 --timeout "${RUN_TIMEOUT:-540}" \
                 -- ${CONTEXT_EXTRA:-} | tail -8
             wait && tail -4 /tmp/context-1gpu.log
         else
-            NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name context --skip-ddp --gpus 2 1 \
+            NCCL_NVLS_ENABLE=0 python3 -m bench.multi_gpu --out "$OUT" --name context --skip-ddp --gpus 2 1 \
                 --context 262144 --context-iters 4 --context-check 8192 --timeout "${RUN_TIMEOUT:-540}" \
                 -- ${CONTEXT_EXTRA:-} | tail -8
         fi
@@ -168,7 +169,7 @@ for stage in "$@"; do
         pairs=$([ "$(nvidia-smi -L | wc -l)" -ge 4 ] && echo 2 || echo 1)
         run_check() {  # $1: the GPUs, $2: a train.py setting, which names the results (context-check-sdpa_kernel-flash)
             local name=${2#--}
-            CUDA_VISIBLE_DEVICES=$1 NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --work "/tmp/check-$1" \
+            CUDA_VISIBLE_DEVICES=$1 NCCL_NVLS_ENABLE=0 python3 -m bench.multi_gpu --out "$OUT" --work "/tmp/check-$1" \
                 --name "context-check-${name//=/-}" --skip-ddp --gpus 1 2 --context-check 8192 --context-iters 4 \
                 --timeout "${RUN_TIMEOUT:-240}" -- "$2" | grep -E "^context-check"
         }
@@ -183,7 +184,7 @@ for stage in "$@"; do
         # the largest count, so each count is its own run against one GPU), plain against the all-reduces
         # overlapping backward: the compiled graph cut per 25 MB bucket, or each block compiled apart
         for gpus in ${DDP_GPUS:-2 4}; do
-            NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name "ddp-one-micro-step-${gpus}gpu" --gpus 1 "$gpus" \
+            NCCL_NVLS_ENABLE=0 python3 -m bench.multi_gpu --out "$OUT" --name "ddp-one-micro-step-${gpus}gpu" --gpus 1 "$gpus" \
                 --accum 1 --variant split25:--ddp_graph_split=true,--ddp_bucket_cap_mb=25 \
                 --variant blocks:--compile_blocks=true | tail -5
         done
@@ -191,7 +192,7 @@ for stage in "$@"; do
     zerochannels)  # DDP on 4 GPUs at one micro-step a GPU with NCCL held to fewer channels (NCCL_MAX_NCHANNELS), so
         # its all-reduce, overlapping backward with each block compiled apart, takes fewer of the SMs backward runs on
         for channels in ${NCCL_CHANNELS:-4 8 16}; do
-            NCCL_MAX_NCHANNELS=$channels NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" \
+            NCCL_MAX_NCHANNELS=$channels NCCL_NVLS_ENABLE=0 python3 -m bench.multi_gpu --out "$OUT" \
                 --name "ddp-one-micro-step-4gpu-nccl$channels" --gpus 1 4 --accum 1 --variant blocks:--compile_blocks=true \
                 | grep -E " on [0-9]"
         done
@@ -211,7 +212,7 @@ for stage in "$@"; do
         ;;
     fsdpxl)  # GPT-2 XL: 1 GPU at 8 x 4 micro-steps against FSDP: one unit per block, 8 blocks a unit, and
         # config/train_gpt2_xl_fsdp.py's settings; then that config profiled (each rank's report under $OUT/fsdp-xl-profile)
-        NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name fsdp-xl --skip-ddp --fsdp --gpus ${DDP_GPUS:-1 2} \
+        NCCL_NVLS_ENABLE=0 python3 -m bench.multi_gpu --out "$OUT" --name fsdp-xl --skip-ddp --fsdp --gpus ${DDP_GPUS:-1 2} \
             --iters 16 --warmup 6 --log-interval 2 --accum 2 --timeout 300 --variant unit8:--fsdp_blocks_per_unit=8 \
             --variant shipped:--batch_size=16,--fsdp_reshard_after_forward=false,--fsdp_blocks_per_unit=8 \
             -- --activation_checkpointing=none | tail -10
@@ -238,7 +239,7 @@ for stage in "$@"; do
     big)  # 4 GPUs: a GPT-2 of width 4096 and 32 layers (6.7B), which one GPU cannot train, under FSDP at micro-batch 4
         # (--micro-batch 8 is the 124M's; the large model gets half): one unit per block, then 4 blocks a unit without
         # resharding; two runs within one 600 s call (OMP threads for rank 0's initialization of the model on its CPU)
-        OMP_NUM_THREADS=16 NCCL_NVLS_ENABLE=0 python3 -m bench.bench_ddp --out "$OUT" --name fsdp-6.7b --skip-ddp --fsdp \
+        OMP_NUM_THREADS=16 NCCL_NVLS_ENABLE=0 python3 -m bench.multi_gpu --out "$OUT" --name fsdp-6.7b --skip-ddp --fsdp \
             --fsdp-model gpt2-6.7B --gpus ${BIG_GPUS:-4} --micro-batch 8 --accum 2 --iters 12 --warmup 4 --log-interval 2 \
             --timeout "${RUN_TIMEOUT:-280}" \
             --variant unit4-noreshard:--fsdp_blocks_per_unit=4,--fsdp_reshard_after_forward=false \
@@ -249,7 +250,7 @@ for stage in "$@"; do
         ;;
     phases)  # one optimizer step phase by phase (host and GPU time), DDP and FSDP, GPT-2 124M
         NCCL_NVLS_ENABLE=0 python3 -m torch.distributed.run --standalone --nproc_per_node="${PHASE_GPUS:-4}" \
-            -m bench.step_phases --out "$OUT" ddp fsdp | grep -E "^(ddp|fsdp|wrote)"
+            -m bench.train_step phases --out "$OUT" ddp fsdp | grep -E "^(ddp|fsdp|wrote)"
         ;;
     *) echo "unknown stage $stage; stages: tests e2e smoke scan attention float16 train compare generate speed profile long curves ddp twonodes phases chunks context contextcheck zero zerochannels zeroprofile fsdpxl big bigresume"; exit 2 ;;
     esac

@@ -1,7 +1,8 @@
 """
 auto's order on a GPU: a per-card table of measured lengths (config/attention_auto.json, fitted by
-bench/fit_auto.py) from which a card's fastest backend goes first, and, for a card the table does not know, a
-one-time timing of the candidates at setup (cached on disk). Registered into model.py's registry.
+python -m bench.attention fit) from which a card's fastest backend goes first, and, for a card the table does not
+know, a one-time timing of the candidates at setup (kernels.timing, cached on disk). Registered into model.py's
+registry.
 """
 
 from __future__ import annotations
@@ -11,13 +12,12 @@ import json
 import logging
 import math
 import os
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from kernels.timing import median_ms
 from model import BACKENDS, AttentionMask, AttentionUse, cuda_capability, dtype_name, register_auto_order
 from storage.atomic import atomic_path
 
@@ -138,14 +138,13 @@ def _write_cache(path: Path, cache: dict) -> None:
         log.debug(f"could not cache auto's timings in {path}: {error}")
 
 
-def time_kernel(kernel: Callable, use: AttentionUse, n_head: int, tokens: int = 16384, reps: int = 5) -> float:
+def time_kernel(kernel: Callable, use: AttentionUse, n_head: int, tokens: int = 16384) -> float:
     """Median milliseconds of one call (forward, + backward when training); inf if it fails (e.g. OOM)."""
     T = max(1, use.seq_len)
     shape = (max(1, tokens // T), n_head, T, use.head_dim)
     q, k, v = (torch.randn(shape, device=use.device, dtype=use.dtype, requires_grad=use.training) for _ in "qkv")
     doc_ids = torch.arange(T, device=use.device).div(max(1, T // 4), rounding_mode="floor").expand(shape[0], T)
     mask = AttentionMask(T, use.device, doc_ids if use.documents else None)
-    cuda = use.device.type == "cuda"
 
     def run():
         y = kernel(q, k, v, mask, 0.0)
@@ -154,20 +153,11 @@ def time_kernel(kernel: Callable, use: AttentionUse, n_head: int, tokens: int = 
 
     try:
         with torch.no_grad() if not use.training else contextlib.nullcontext():
-            run()  # warm-up (and compile, for flex)
-            times = []
-            for _ in range(reps):
-                if cuda:
-                    torch.cuda.synchronize(use.device)
-                started = time.perf_counter()
-                run()
-                if cuda:
-                    torch.cuda.synchronize(use.device)
-                times.append((time.perf_counter() - started) * 1e3)
+            # short: every candidate is timed at setup; the warm-up compiles flex
+            return median_ms(run, use.device, (q, k, v) if use.training else (), warmup_ms=5, rep_ms=20)
     except (RuntimeError, torch.cuda.OutOfMemoryError) as error:
         log.debug(f"auto: timing failed ({str(error).splitlines()[0]})")
         return math.inf
-    return statistics.median(times)
 
 
 def measure_unknown_card(use: AttentionUse) -> tuple[tuple[str, ...], str] | None:

@@ -27,7 +27,7 @@ log = logging.getLogger("train")
 
 FP8_MODES = ("off", "tensorwise", "rowwise", "auto")
 # auto: per card family, the narrowest model width from which a recipe measured faster than bf16 for the whole
-# train step (bench: python -m bench.bench_train --variants bf16 fp8-tensorwise fp8-rowwise, per width). No
+# train step (bench: python -m bench.train_step --variants bf16 fp8-tensorwise fp8-rowwise, per width). No
 # measurement has shown a win yet, so auto trains in bf16 everywhere.
 AUTO_FP8: dict[str, tuple[int, str]] = {}
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89), Hopper (sm90) and newer

@@ -7,7 +7,7 @@ beside (all-reduces, all-gathers and reduce-scatters not hidden), the top kernel
 most CPU time; and profile-rank<r>.json.gz, the Chrome trace (chrome://tracing, ui.perfetto.dev). The recorded
 steps start after PROFILE_WAIT steps (compiling and warming up) and one more the profiler warms up on; they run
 slower than the others (the profiler's own work), and so do the log's figures for them.
-bench/profile.py summarizes the same way without train.py.
+python -m bench.train_step profile summarizes the same way without train.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The benches (bench/): both --quick runs end to end, and the README table.
+"""The benches (bench/): each tool's --quick run end to end, and the README table.
 
-The three end-to-end runs (both --quick benches and compare_backends.sh) start together in one fixture;
-the rest is pure Python on small synthetic results.
+The end-to-end runs (the attention and train-step --quick runs, the phases and train.py per backend) start
+together in one fixture; the rest is pure Python on small synthetic results or cheap in-process runs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import compare_backends, grid, launch, readme_table, report, step_phases
+from bench import grid, launch, readme_table, report, train_parts, train_runs, train_step
 from bench.launch import parse_log_line
 from bench.report import card_slug
 from helpers import REPO as ROOT
@@ -82,26 +82,29 @@ COMPARE_ARGUMENTS = (
 
 @pytest.fixture(scope="module")
 def runs(char_data, tmp_path_factory, warm_interpreter):
-    """{name: (exit code, stdout, stderr, out folder)} of `python -m bench.bench_attention --quick`,
-    `bench.bench_train --quick`, `bench.step_phases --quick` (one process) and compare_backends.sh (sdpa,
-    manual), as the benches run: modules from the repo root. Started together, each on one CPU thread; the
-    python -m ones forked from the warm interpreter (helpers.WarmProcess), which has torch imported already."""
+    """{name: (exit code, stdout, stderr, out folder)} of `python -m bench.attention --quick`,
+    `bench.train_step --quick`, `bench.train_step phases --quick` (one process) and `bench.train_step compare`
+    (sdpa, manual), as the benches run: modules from the repo root. Started together, each on one CPU thread; all
+    but compare forked from the warm interpreter (helpers.WarmProcess), which has torch imported already."""
     commands = {  # the shortest timings that still time: these tests check rows and statuses, not speed
-        "compare": ["bash", "bench/compare_backends.sh", f"--data_dir={char_data}", *COMPARE_ARGUMENTS],
-        "attention-quick": ["bench.bench_attention", "--quick", "--warmup-ms", "1", "--rep-ms", "5"],
-        "train-quick": ["bench.bench_train", "--quick"],
-        "step-phases-quick": ["bench.step_phases", "--quick", "--steps", "4", "ddp"],
+        "compare": ["bench.train_step", "compare", "--backends", "sdpa", "manual"],
+        "attention-quick": ["bench.attention", "--quick", "--warmup-ms", "1", "--rep-ms", "5"],
+        "train-quick": ["bench.train_step", "--quick"],
+        "step-phases-quick": ["bench.train_step", "phases", "--quick", "--steps", "4", "ddp"],
+        "multi-gpu-quick": ["bench.multi_gpu", "--quick", "--gpus", "1", "--iters", "3", "--warmup", "1", "--work"],
     }
     started = {}
     for name, command in commands.items():
         out = tmp_path_factory.mktemp(name)
         with open(out / "stdout.txt", "w") as stdout, open(out / "stderr.txt", "w") as stderr:
-            if name == "compare":  # TMPDIR: the script's log folder lands in out, not in /tmp
-                env = subprocess_env()
-                env.update(BACKENDS="sdpa manual", OUT_DIR=str(out), PYTHON=sys.executable, TMPDIR=str(out))
+            if name == "compare":  # TMPDIR: the run's log folder lands in out, not in /tmp
+                env = {**subprocess_env(), "TMPDIR": str(out)}
+                train_args = ["--", f"--data_dir={char_data}", *COMPARE_ARGUMENTS]
+                command = [sys.executable, "-m", *command, "--out", str(out), *train_args]
                 process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=stdout, stderr=stderr)
             else:
-                process = WarmProcess("-m", [*command, "--out", str(out)], stdout.fileno(), stderr.fileno())
+                argv = [*command, str(out)] if command[-1] == "--work" else command  # its runs' folders: in out
+                process = WarmProcess("-m", [*argv, "--out", str(out)], stdout.fileno(), stderr.fileno())
             started[name] = (process, out)
     finished = {}
     try:
@@ -182,10 +185,20 @@ def test_step_phases_time_train_pys_own_step_phase_by_phase(runs):
     code, stdout, stderr, out = runs["step-phases-quick"]
     assert code == 0, (stdout + stderr)[-3000:]
     rows = json.loads((out / "cpu-step-phases-quick.json").read_text())["rows"]
-    assert [row["phase"] for row in rows] == list(step_phases.PHASES)
+    assert [row["phase"] for row in rows] == list(train_parts.PHASES)
     for row in rows:  # one process: it is its own slowest rank
         assert 0 < row["host_ms"] <= row["wall_ms"] * 1.01 and row["slowest_ms"] == row["wall_ms"], row
         assert row["rank_wall_ms"] == f"{row['wall_ms']:.2f}" and row["ranks"] == 1
+    assert (out / "cpu-step-phases-quick.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_multi_gpu_quick_runs_train_py_under_torchrun_and_reads_its_log(runs):
+    code, stdout, stderr, out = runs["multi-gpu-quick"]
+    assert code == 0, (stdout + stderr)[-3000:]
+    (row,) = json.loads((out / "cpu-ddp-quick.json").read_text())["rows"]
+    assert (row["run"], row["gpus"], row["status"]) == ("ddp", 1, "ok"), row
+    assert row["tokens_per_sec"] > 0 and sorted(row["losses"]) == ["1", "2", "3"]
+    assert (out / "cpu-ddp-quick.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_every_bench_takes_its_models_from_one_place():
@@ -255,14 +268,12 @@ def test_train_py_is_launched_one_way():
     assert torchrun == [*launcher, "train.py", "--a=1"]
 
 
-def test_one_profile_script_for_the_train_step_and_for_decoding():
-    from bench import profile
-
-    train = profile.parse_args(["--quick"])
-    assert (train.what, train.batch_size, train.seq_len, train.top) == ("train", 4, 64, 25)
-    assert train.name == "profile-train-quick"
-    decode = profile.parse_args(["--what", "generate"])
-    assert (decode.batch_size, decode.top, decode.name, decode.cache) == (1, 15, "profile-generate", "contiguous")
+def test_the_train_step_profile_writes_each_variants_kernels_by_kind(tmp_path, capsys):
+    argv = ["profile", "--quick", "--steps", "1", "--variants", "plain", "docs", "--out", str(tmp_path)]
+    assert train_step.main(argv) == 0
+    text = (tmp_path / "cpu-profile-train-quick.md").read_text()
+    assert text.startswith("# profile-train-quick on cpu") and "wrote " in capsys.readouterr().out
+    assert "## plain: sdpa, T=64, batch 4" in text and "## docs: " in text
 
 
 @pytest.mark.parametrize(
@@ -375,23 +386,23 @@ def test_compare_backends_tabulates_each_backends_last_log_line(runs, tmp_path):
         assert cells[1] == backend and cells[2] == "4" and cells[-1] == "ok", rows[backend]
     saved = json.loads((out / "cpu-compare_backends.json").read_text())
     assert [r["backend"] for r in saved["rows"]] == ["sdpa", "manual"]
-    assert saved["header"]["command"].startswith('BACKENDS="sdpa manual" bench/compare_backends.sh --data_dir=')
+    assert "compare --backends sdpa manual" in saved["header"]["command"]
     (logs,) = out.glob("compare_backends.*")
     assert f"logs in {logs}" in stderr
 
     # KEEP_ROWS=1: re-running one backend keeps the other's row from the earlier file
     (tmp_path / "cpu-compare_backends.json").write_text(json.dumps(saved))
-    compare_backends.tabulate_compare_logs(logs, tmp_path, ["manual"], "re-run of manual", keep_rows=True)
+    train_runs.tabulate_compare_logs(logs, tmp_path, ["manual"], keep_rows=True)
     merged = json.loads((tmp_path / "cpu-compare_backends.json").read_text())
     assert [r["backend"] for r in merged["rows"]] == ["sdpa", "manual"]
     assert merged["rows"][0] == saved["rows"][0] and "kept_rows_from" in merged["header"]
-    compare_backends.tabulate_compare_logs(logs, tmp_path, ["manual"], "re-run of manual", keep_rows=False)
+    train_runs.tabulate_compare_logs(logs, tmp_path, ["manual"], keep_rows=False)
     alone = json.loads((tmp_path / "cpu-compare_backends.json").read_text())
     assert [r["backend"] for r in alone["rows"]] == ["manual"]
 
 
 def test_compare_row_records_a_failed_run_with_its_last_line():
-    row = compare_backends.compare_row("flash_attn_2", "INFO: attention backend: sdpa\nerror: no such thing\n", 2)
+    row = train_runs.compare_row("flash_attn_2", "INFO: attention backend: sdpa\nerror: no such thing\n", 2)
     assert row == {"backend": "flash_attn_2", "runs": "sdpa", "status": "exit 2: error: no such thing"}
 
 
@@ -400,7 +411,7 @@ def test_graphs_go_to_the_smallest_backends_and_a_failed_capture_times_eagerly(m
     a backend past that, or whose capture fails, keeps its eager runs and says why in its row."""
     from types import SimpleNamespace
 
-    from bench import bench_attention
+    from bench import attention_measure
 
     captured = []
 
@@ -410,12 +421,12 @@ def test_graphs_go_to_the_smallest_backends_and_a_failed_capture_times_eagerly(m
         captured.append(fn)
         return SimpleNamespace(replay=f"replay {fn}")
 
-    monkeypatch.setattr(bench_attention, "cuda_graph", fake_graph)
+    monkeypatch.setattr(attention_measure, "cuda_graph", fake_graph)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=100 * 2**30))
 
     def measurement(name, mib, fn=None):
         runs = {"fwd": (fn or f"{name} fwd", ()), "fwd_bwd": (fn or f"{name} fwd_bwd", ())}
-        return bench_attention.Measurement({"backend": name, "peak_mem_mib": mib}, runs, {}, {})
+        return attention_measure.Measurement({"backend": name, "peak_mem_mib": mib}, runs, {}, {})
 
     ms = [
         measurement("manual", 20_000),
@@ -423,7 +434,7 @@ def test_graphs_go_to_the_smallest_backends_and_a_failed_capture_times_eagerly(m
         measurement("broken", 100, "breaks"),
         measurement("flex", 5_000),
     ]
-    bench_attention.capture_graphs(ms, torch.device("cuda"))
+    attention_measure.capture_graphs(ms, torch.device("cuda"))
     manual, sdpa, broken, flex = ms
     assert captured == ["sdpa fwd", "sdpa fwd_bwd", "flex fwd", "flex fwd_bwd"]
     assert sdpa.runs["fwd"] == ("replay sdpa fwd", ()) and sdpa.row["fwd_bwd_timing"] == "cuda graph"
@@ -489,10 +500,10 @@ def test_a_probe_stops_at_its_last_step_and_a_timeout_leaves_nothing_running(tmp
     assert gone(int(pid_file.read_text()))
 
 
-def test_bench_ddp_context_rows_split_n_times_one_gpus_t_and_compare_mfu_and_loss(monkeypatch):
+def test_multi_gpu_context_rows_split_n_times_one_gpus_t_and_compare_mfu_and_loss(monkeypatch):
     """--context T: one GPU at T, N GPUs at N x T with context_parallel=N; --context-check T: T on both. Scaling
     compares tok/s per GPU for DDP rows, MFU for context rows, and the final loss where T is the same."""
-    from bench import bench_ddp
+    from bench import multi_gpu
 
     calls = []
 
@@ -500,9 +511,9 @@ def test_bench_ddp_context_rows_split_n_times_one_gpus_t_and_compare_mfu_and_los
         calls.append((run, gpus, options["block_size"], [s for s in settings if "context_parallel" in s]))
         return {"run": run}
 
-    monkeypatch.setattr(bench_ddp, "measure", measure)
+    monkeypatch.setattr(multi_gpu, "measure", measure)
     args = types.SimpleNamespace(quick=True, gpus=[1, 2], context=[64], context_check=[32], context_iters=6)
-    bench_ddp.context_rows(args, lambda row: None)
+    multi_gpu.context_rows(args, lambda row: None)
     assert calls == [
         ("context T=64", 1, 64, []),
         ("context T=64", 2, 128, ["--context_parallel=2"]),
@@ -523,7 +534,7 @@ def test_bench_ddp_context_rows_split_n_times_one_gpus_t_and_compare_mfu_and_los
         row("context-check T=32", 1, 32, 100.0, 0.50, 3.0),
         row("context-check T=32", 2, 32, 90.0, 0.20, 3.001),
     ]
-    bench_ddp.add_scaling(rows)
+    multi_gpu.add_scaling(rows)
     assert rows[1]["scaling"] == pytest.approx(0.95) and "mfu_vs_1gpu" not in rows[1]
     assert rows[3]["mfu_vs_1gpu"] == pytest.approx(0.8) and "scaling" not in rows[3] and "loss_vs_1gpu" not in rows[3]
     assert rows[5]["mfu_vs_1gpu"] == pytest.approx(0.4) and rows[5]["loss_vs_1gpu"] == pytest.approx(0.001)
@@ -531,18 +542,18 @@ def test_bench_ddp_context_rows_split_n_times_one_gpus_t_and_compare_mfu_and_los
     assert not any(key in rows[0] for key in ("scaling", "mfu_vs_1gpu", "loss_vs_1gpu"))
     # the one-GPU run logged a third iteration, whose loss is far from the second's: compared iteration by iteration
     rows[4]["losses"][3] = rows[4]["final_loss"] = 2.5
-    bench_ddp.add_scaling(rows)
+    multi_gpu.add_scaling(rows)
     assert rows[5]["loss_vs_1gpu"] == pytest.approx(0.001) and rows[5]["loss_gaps"] == "+0.000 +0.001"
 
 
-def test_bench_ddp_rows_end_at_the_iteration_waited_for_and_read_a_corpus_sized_by_their_own_t(monkeypatch, tmp_path):
+def test_multi_gpu_rows_end_at_the_iteration_waited_for_and_read_a_corpus_sized_by_their_own_t(monkeypatch, tmp_path):
     """A fast run logs a step past the stop before the kill lands: the row leaves it out, so two rows of one check end
     at the same iteration (a GPU check once compared one GPU's fifth loss with two GPUs' fourth: 0.49 apart). Each
     run's corpus is sized by its own sequence length, so a check at one T reads the same tokens in every bench
     process, whatever longer runs that process also makes."""
     from types import SimpleNamespace
 
-    from bench import bench_ddp, launch
+    from bench import launch, multi_gpu
 
     line = "iter {} | loss {} | lr 1.0e-04 | 9.0 ms | 1,000 tok/s | MFU 40.0% | mem 1.0 GiB\n"
     output = "".join(line.format(it, loss) for it, loss in ((1, 10.9), (2, 8.8), (3, 7.9), (4, 7.2)))
@@ -551,7 +562,7 @@ def test_bench_ddp_rows_end_at_the_iteration_waited_for_and_read_a_corpus_sized_
     monkeypatch.setattr(launch, "corpus", lambda folder, longest: folder.with_name(f"data-{longest}"))
     args = SimpleNamespace(gpus=[1, 2], accum=1, block_size=64, vocab_size=None, iters=6, log_interval=1,
                            quick=True, work=tmp_path, timeout=10, warmup=0, extra=[])  # fmt: skip
-    row = bench_ddp.measure(args, "context-check", "tiny", bench_ddp.TINY, "ddp", 2, 1, stop_at_iter=3, block_size=32)
+    row = multi_gpu.measure(args, "context-check", "tiny", multi_gpu.TINY, "ddp", 2, 1, stop_at_iter=3, block_size=32)
     assert row["losses"] == {1: 10.9, 2: 8.8, 3: 7.9} and row["final_loss"] == 7.9
     assert f"--data_dir={tmp_path / 'data-32'}" in commands[0]
 
@@ -593,11 +604,10 @@ def test_a_stopped_bench_leaves_no_run_behind(monkeypatch, capsys):
 
 
 def test_bench_context_checks_each_chunk_kernel_against_the_reference(tmp_path):
-    """bench_context --quick (CPU, float64): one row per chunk kernel, each with the kernel it runs as; CPU's flash
-    kernel, merged over prefix and diagonal, within 1e-10 of the lower-right-masked reference; results written."""
-    from bench import bench_context
-
-    assert bench_context.main(["--quick", "--out", str(tmp_path), "--ranks", "4", "--rank", "1"]) == 0
+    """train_step context --quick (CPU, float64): one row per chunk kernel, each with the kernel it runs as; CPU's
+    flash kernel, merged over prefix and diagonal, within 1e-10 of the lower-right-masked reference; results
+    written."""
+    assert train_step.main(["context", "--quick", "--out", str(tmp_path), "--ranks", "4", "--rank", "1"]) == 0
     rows = json.loads((tmp_path / "cpu-context.json").read_text())["rows"]
     used = {row["kernel"]: row["used"] for row in rows}
     assert used["auto"] == used["cpu_flash"] == "cpu_flash" and used["cudnn"] == "sdpa_lower_right"
@@ -606,37 +616,37 @@ def test_bench_context_checks_each_chunk_kernel_against_the_reference(tmp_path):
     assert (tmp_path / "cpu-context.md").exists() and (tmp_path / "cpu-context.png").exists()
 
 
-def test_bench_ddp_fsdp_model_picks_the_sharded_models_shape_at_half_the_micro_batch(monkeypatch, tmp_path):
+def test_multi_gpu_fsdp_model_picks_the_sharded_models_shape_at_half_the_micro_batch(monkeypatch, tmp_path):
     """--fsdp-model gpt2-6.7B: the FSDP rows train a GPT-2 of width 4096 and 32 layers (6.65B parameters with its
     vocabulary) at half the --micro-batch, as GPT-2 XL's do; the default stays GPT-2 XL."""
-    from bench import bench_ddp, launch
+    from bench import launch, multi_gpu
 
     calls = []
 
     def measure(args, run, model, shape, parallelism, gpus, micro_batch, *rest, **options):
-        calls.append((model, shape, gpus, micro_batch, round(bench_ddp.params_millions(shape, 50304, 1024))))
+        calls.append((model, shape, gpus, micro_batch, round(multi_gpu.params_millions(shape, 50304, 1024))))
         return {"run": run, "model": model, "gpus": gpus, "status": "ok", "wall_s": 0, "tokens_per_sec": 1.0,
                 "tokens_per_sec_per_gpu": 1.0}  # fmt: skip
 
-    monkeypatch.setattr(bench_ddp, "measure", measure)
-    monkeypatch.setattr(bench_ddp, "save", lambda *args: [])
+    monkeypatch.setattr(multi_gpu, "measure", measure)
+    monkeypatch.setattr(multi_gpu, "save", lambda *args: [])
     monkeypatch.setattr(launch, "corpus", lambda folder, longest: folder)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     common = ["--skip-ddp", "--fsdp", "--gpus", "4", "--micro-batch", "8", "--work", str(tmp_path)]
-    assert bench_ddp.main([*common, "--fsdp-model", "gpt2-6.7B"]) == 0
-    assert bench_ddp.main(common) == 0
+    assert multi_gpu.main([*common, "--fsdp-model", "gpt2-6.7B"]) == 0
+    assert multi_gpu.main(common) == 0
     assert calls == [
         ("gpt2-6.7B", {"n_layer": 32, "n_head": 32, "n_embd": 4096}, 4, 4, 6653),
-        ("gpt2-xl-1.5B", bench_ddp.GPT2_XL, 4, 4, 1557),
+        ("gpt2-xl-1.5B", multi_gpu.GPT2_XL, 4, 4, 1557),
     ]
 
 
-def test_bench_ddp_rows_name_a_model_that_settings_after_the_dashes_reshape(monkeypatch, tmp_path):
+def test_multi_gpu_rows_name_a_model_that_settings_after_the_dashes_reshape(monkeypatch, tmp_path):
     """`-- --n_layer=12 --n_embd=768` on a --quick run changes the model the rows train: their model says so, and
     the parameters are train.py's own count, not the bench's shape's; other settings leave both as they were."""
     from types import SimpleNamespace
 
-    from bench import bench_ddp, launch
+    from bench import launch, multi_gpu
 
     output = "parameters: 123.59M | tokens per iteration: 2,048\niter 1 | loss 10.8 | lr 1e-4 | 9.0 ms | 1 tok/s\n"
     monkeypatch.setattr(launch, "run", lambda *args: launch.Run(0, output, 1.0))
@@ -646,16 +656,16 @@ def test_bench_ddp_rows_name_a_model_that_settings_after_the_dashes_reshape(monk
     rows = {}
     for extra in (["--n_layer=12", "--n_embd=768", "--dtype=bfloat16"], ["--dtype=bfloat16"]):
         args.extra = extra
-        rows[len(extra)] = bench_ddp.measure(args, "context-check", "tiny", bench_ddp.TINY, "ddp", 1, 1)
+        rows[len(extra)] = multi_gpu.measure(args, "context-check", "tiny", multi_gpu.TINY, "ddp", 1, 1)
     assert (rows[3]["model"], rows[3]["params_m"]) == ("tiny (n_layer=12, n_embd=768)", 123.59)
-    expected = bench_ddp.params_millions(bench_ddp.TINY, None, 64)
+    expected = multi_gpu.params_millions(multi_gpu.TINY, None, 64)
     assert (rows[1]["model"], rows[1]["params_m"]) == ("tiny", expected)
 
 
-def test_bench_ddp_variants_keep_the_tokens_of_a_step_for_each_family(monkeypatch):
+def test_multi_gpu_variants_keep_the_tokens_of_a_step_for_each_family(monkeypatch):
     """--variant rows for DDP and, with --fsdp, GPT-2 XL: each scaled by its own family's 1-GPU run; a variant's
     --batch_size keeps the tokens a step (fewer micro-steps) and leaves the train.py settings."""
-    from bench import bench_ddp
+    from bench import multi_gpu
 
     calls = []
 
@@ -663,11 +673,11 @@ def test_bench_ddp_variants_keep_the_tokens_of_a_step_for_each_family(monkeypatc
         calls.append((run, model, gpus, micro_batch, options.get("accum_total"), list(settings), baseline))
         return {"run": run}
 
-    monkeypatch.setattr(bench_ddp, "measure", measure)
+    monkeypatch.setattr(multi_gpu, "measure", measure)
     args = types.SimpleNamespace(gpus=[1, 2], accum=2)
-    shape = bench_ddp.GPT2_XL
-    bench_ddp.variant_row(args, "fsdp mb16", "xl", shape, "fsdp", 2, 8, ["--batch_size=16", "--compile=true"])
-    bench_ddp.variant_row(args, "ddp plain", "small", shape, "ddp", 2, 16, ["--ddp_graph_split=true"])
+    shape = multi_gpu.GPT2_XL
+    multi_gpu.variant_row(args, "fsdp mb16", "xl", shape, "fsdp", 2, 8, ["--batch_size=16", "--compile=true"])
+    multi_gpu.variant_row(args, "ddp plain", "small", shape, "ddp", 2, 16, ["--ddp_graph_split=true"])
     assert calls == [
         ("fsdp mb16", "xl", 2, 16, 2, ["--compile=true"], "fsdp"),  # 4 x 8 sequences a step = 2 x 16
         ("ddp plain", "small", 2, 16, 4, ["--ddp_graph_split=true"], "ddp"),

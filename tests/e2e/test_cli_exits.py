@@ -61,12 +61,9 @@ def run_command(command: str, args: list[str], timeout: float = 120) -> tuple[in
 
 BENCHES = {  # each bench, and what its error line names for an unknown option
     **dict.fromkeys(
-        ("bench_attention", "bench_context", "bench_ddp", "bench_generate", "bench_train"),
+        ("attention", "multi_gpu", "generation", "train_step", "readme_table"),
         "--bogus",
     ),
-    **dict.fromkeys(("compare_backends", "loss_curves", "profile", "readme_table", "sampling_probe"), "--bogus"),
-    "fit_auto": "the following arguments are required: results",
-    "step_phases": "the following arguments are required: parallelism",
 }
 COMMANDS = [  # (command, its arguments, what the error line names); {tmp}: the test's folder, {trained}: an out_dir
     ("train.py", ["--init_from=resume", "--out_dir={tmp}/out", "--device=cpu"], "ckpt.pt"),
@@ -88,6 +85,8 @@ COMMANDS = [  # (command, its arguments, what the error line names); {tmp}: the 
     *[(f"-m data.{name}.prepare", ["--bogus"], "--bogus") for name in ("shakespeare_char", "shakespeare")],
     *[(f"-m data.{name}.prepare", ["--bogus"], "--bogus") for name in ("openwebtext", "fineweb")],
     *[(f"-m bench.{name}", ["--bogus"], BENCHES[name]) for name in BENCHES],
+    ("-m bench.train_step", ["phases"], "the following arguments are required: parallelism"),
+    ("-m bench.attention", ["fit"], "the following arguments are required: results"),
 ]
 
 
@@ -145,7 +144,7 @@ def read_line(fd: int, deadline: float) -> str:
         ("train.py", signal.SIGINT, "interrupted"),
         ("sample.py", signal.SIGINT, "interrupted"),
         ("train.py", signal.SIGTERM, "stopped by SIGTERM"),
-        ("-m bench.bench_generate", signal.SIGHUP, "stopped by SIGHUP"),
+        ("-m bench.generation", signal.SIGHUP, "stopped by SIGHUP"),
     ],
 )
 def test_a_stop_signal_while_torch_imports_is_one_line(script, stop, said, tmp_path):

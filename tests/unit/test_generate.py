@@ -1,7 +1,7 @@
 """Generation with a KV cache (generation/: kv_cache.py, loop.py; generation.generate): cached and uncached
 decoding (kv_cache="none", and GPT.generate, nanoGPT's plain loop) agree token for token and in their logits, per
 backend that runs on CPU (flex eagerly, flash-attn through a stand-in module); batches of prompts of different
-lengths; the paged cache's pages; the fallbacks; bench_generate.py --quick and sample.py's generation options."""
+lengths; the paged cache's pages; the fallbacks; bench.generation --quick and sample.py's generation options."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from errors import NonFiniteLogits
 from generation import generate, kv_cache, loop
 from generation.kv_cache import CacheMask, ContiguousKVCache, PagedKVCache
 from generation.loop import forward_cached, generation_attention
-from helpers import REPO, stand_in_flash, stand_in_flash_module, tiny_config, tree_digest
+from helpers import stand_in_flash, stand_in_flash_module, tiny_config, tree_digest
 from kernels import flash, flex
 from model import GPT, AttentionUse
 
@@ -358,13 +358,13 @@ def test_bad_settings_are_value_errors(kwargs, message):
         generate(gpt, [tokens(3), tokens(0)], 2)
 
 
-# ---- bench_generate.py --quick --------------------------------------------------------------------
+# ---- python -m bench.generation --quick and profile --quick -----------------------------------------
 
 
-def test_bench_generate_quick(tmp_path):
-    from bench import bench_generate
+def test_bench_generation_quick(tmp_path):
+    from bench import generation
 
-    assert bench_generate.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert generation.main(["--quick", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "cpu-generate-quick.json").read_text())
     rows = result["rows"]
     assert {r["cache"] for r in rows} == set(CACHES)
@@ -372,7 +372,25 @@ def test_bench_generate_quick(tmp_path):
     assert all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in rows)
     assert {"prefill_tok_s", "decode_tok_s", "peak_mem_mib", "batch_size", "prompt_len", "new_tokens"} <= set(rows[0])
     assert (tmp_path / "cpu-generate-quick.md").is_file() and (tmp_path / "cpu-generate-quick.png").is_file()
-    assert REPO.joinpath("bench", "bench_generate.py").is_file()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the probe runs on a GPU there")
+def test_bench_generation_probe_says_in_one_line_that_it_needs_a_gpu(tmp_path, capsys):
+    from bench import generation
+
+    assert generation.main(["probe", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("error: the sampling probe times CUDA graphs on a CUDA GPU")
+    assert not list(tmp_path.iterdir())
+
+
+def test_bench_generation_profile_quick_writes_the_decode_steps_kernels_by_kind(tmp_path, capsys):
+    from bench import generation
+
+    argv = ["profile", "--quick", "--out", str(tmp_path), "--skip", "1", "--tokens", "2", "--prompt-len", "4"]
+    assert generation.main(argv) == 0
+    text = (tmp_path / "cpu-profile-generate-quick.md").read_text()
+    assert text.startswith("# profile-generate-quick on cpu") and "## eager, contiguous cache" in text
+    assert "host ops (self CPU)" in text and "wrote " in capsys.readouterr().out
 
 
 # ---- sample.py: --kv_cache, --batch_size with a file of prompts, --compile, the log lines ----------------

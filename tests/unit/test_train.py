@@ -53,7 +53,7 @@ def lines_starting(text: str, prefix: str) -> list[str]:
 
 def test_smoke_run_log_lines_and_checkpoint(char_data, tmp_path, warm_interpreter):
     """`python train.py`, forked warm; fresh interpreters run train.py in test_ddp.py (torchrun) and
-    test_bench.py (compare_backends.sh)."""
+    test_bench.py (python -m bench.train_step compare)."""
     out = tmp_path / "out"
     result = run_script("train.py", tiny_args(char_data, out, "--max_iters=4", "--eval_interval=2"), warm=True)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -1,19 +1,24 @@
-"""Time generation for GPT-2 124M shapes (random weights) per attention backend and KV cache.
+"""Generation for GPT-2 124M shapes (random weights): speed per attention backend and KV cache, where a decode
+step's time goes (profile), and what a default sampling step costs per decode variant (probe).
 
-    python -m bench.bench_generate                  # CUDA, bf16: batch 1 and 32, prompt 128 and 2048, 256 new tokens
-    python -m bench.bench_generate --budget 0       # the whole grid, however long it takes
-    python -m bench.bench_generate --quick          # tiny CPU model, a few tokens: seconds
+    python -m bench.generation                      # CUDA, bf16: batch 1 and 32, prompt 128 and 2048, 256 new tokens
+    python -m bench.generation --budget 0           # the whole grid, however long it takes
+    python -m bench.generation --caches paged --mixed   # prompts of mixed lengths in each batch, per cache
+    python -m bench.generation --quick              # tiny CPU model, a few tokens: seconds
+    python -m bench.generation profile [--quick]    # torch.profiler over steady decoding, kernels by kind
+    python -m bench.generation probe                # a default sampling step per decode variant (CUDA)
 
 Each row runs generation.stream greedily on random prompts, the same way sample.py generates: prefill time
 is the time to the first token (the whole prompt read), decode time the rest; tok/s counts tokens of the whole
 batch. A short untimed run of the same shapes comes first (flex_attention and torch.compile compile there, CUDA
 graphs are captured). `compile` rows run the static decode step under torch.compile(mode="reduce-overhead").
 A backend that falls back is not timed under its name. With `transformers` importable (and not --quick), a peer
-row runs Hugging Face's GPT2LMHeadModel.generate with a static cache on the same weights.
+row runs Hugging Face's GPT2LMHeadModel.generate with a static cache on the same weights. --slide rows decode 3
+windows past block_size at batch 1, as sample.py runs a long sample.
 
 Rows, most wanted first, so a --budget cut drops the least wanted: every backend with the contiguous and the
 paged cache at each shape; then compiled decoding (--compile-backends, default auto); then the Hugging Face
-peer; then no cache (the whole context every step, as nanoGPT generates).
+peer; then no cache (the whole context every step, as nanoGPT generates); then the slide rows.
 """
 
 from __future__ import annotations
@@ -23,19 +28,19 @@ from errors import as_command
 if __name__ == "__main__":  # before torch's seconds of importing: see as_command
     as_command()
 
+import importlib.util
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 import generation
-from bench.grid import BenchParser, Grid, fresh_row, number, run_grid
+from bench.grid import BenchParser, Grid, dispatch, fresh_row, number, run_grid
 from bench.report import GPT2_VOCAB, Column, model_shape, plot_lines
 from generation.loop import decode_step_for, generation_attention
+from kernels.timing import timed
 from model import GPT, GPTConfig
-from training.runtime import synchronize
 
 BACKENDS = ("auto", "sdpa", "flash_attn_2", "flash_attn_3", "flex_attention", "manual")
 CACHES = ("contiguous", "paged", "none")
@@ -92,7 +97,7 @@ def default_cases(args) -> list[Case]:
 
 
 def model_settings(quick: bool) -> dict:
-    """GPT-2 124M's shapes (or the tiny --quick model) as bench_generate runs them: with bias, no dropout."""
+    """GPT-2 124M's shapes (or the tiny --quick model) as the generation bench runs them: with bias, no dropout."""
     return {**model_shape(quick), "vocab_size": 512 if quick else GPT2_VOCAB, "bias": True, "dropout": 0.0}
 
 
@@ -118,39 +123,24 @@ def prompts_for(case: Case, vocab_size: int, device) -> list[torch.Tensor]:
 
 def timed_stream(gpt: GPT, prompts, case: Case, device, tokens: int) -> tuple[float, float]:
     """(seconds to the first token, seconds for the rest) of greedy generation, stopped after `tokens`."""
-    synchronize(device)
-    start = time.perf_counter()
     options = dict(kv_cache=case.cache, compile=case.compile, slide=case.slide or "exact")
     stream = generation.stream(gpt, prompts, case.new_tokens, temperature=0, **options)
-    next(stream)
-    synchronize(device)
-    first = time.perf_counter()
-    for _ in range(tokens - 1):
-        next(stream)
-    synchronize(device)
-    end = time.perf_counter()
+    first_ms = timed(lambda: next(stream), device).wall_ms
+    rest_ms = timed(lambda: [next(stream) for _ in range(tokens - 1)], device).wall_ms
     stream.close()
-    return first - start, end - first
+    return first_ms / 1e3, rest_ms / 1e3
+
+
+ROW_FIELDS = ("prefill_ms", "prefill_tok_s", "decode_ms_per_token", "decode_tok_s", "peak_mem_mib", "warmup_s")
 
 
 def empty_row(case: Case, dtype: torch.dtype) -> dict:
+    prompts = f"{min(case.prompt_lens())}-{case.prompt_len}" if case.mixed else str(case.prompt_len)
     return {
-        "backend": case.backend,
-        "resolved": None,
-        "cache": case.cache,
-        "compile": case.compile,
-        "batch_size": case.batch_size,
-        "prompt_len": case.prompt_len,
-        "prompts": f"{min(case.prompt_lens())}-{case.prompt_len}" if case.mixed else str(case.prompt_len),
-        "new_tokens": case.new_tokens,
-        "slide": case.slide or None,
-        "dtype": str(dtype).removeprefix("torch."),
-        "prefill_ms": None,
-        "prefill_tok_s": None,
-        "decode_ms_per_token": None,
-        "decode_tok_s": None,
-        "peak_mem_mib": None,
-        "warmup_s": None,
+        **dict(backend=case.backend, resolved=None, cache=case.cache, compile=case.compile),
+        **dict(batch_size=case.batch_size, prompt_len=case.prompt_len, prompts=prompts, new_tokens=case.new_tokens),
+        **dict(slide=case.slide or None, dtype=str(dtype).removeprefix("torch.")),
+        **dict.fromkeys(ROW_FIELDS),
     }
 
 
@@ -186,9 +176,8 @@ def time_row(row: dict, case: Case, args, device: torch.device, dtype: torch.dty
         row["status"] = f"falls back to {resolution.used}: {resolution.reason}"
         return
     prompts = prompts_for(case, gpt.config.vocab_size, device)
-    started = time.perf_counter()
-    timed_stream(gpt, prompts, case, device, min(WARMUP_TOKENS, case.new_tokens))
-    row["warmup_s"] = time.perf_counter() - started
+    warmup = timed(lambda: timed_stream(gpt, prompts, case, device, min(WARMUP_TOKENS, case.new_tokens)), device)
+    row["warmup_s"] = warmup.wall_ms / 1e3
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     prefill_s, decode_s = timed_stream(gpt, prompts, case, device, case.new_tokens)
@@ -261,10 +250,11 @@ def hf_peer(case: Case, args, device, dtype) -> dict:
     def prefill():
         hf(ids, attention_mask=mask)
 
-    warmup_s = timed(generate, device) + timed(prefill, device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    first, whole = timed(prefill, device), timed(generate, device)
+    with torch.no_grad():
+        warmup_s = (timed(generate, device).wall_ms + timed(prefill, device).wall_ms) / 1e3
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        first, whole = timed(prefill, device).wall_ms / 1e3, timed(generate, device).wall_ms / 1e3
     import transformers
 
     return {
@@ -276,22 +266,8 @@ def hf_peer(case: Case, args, device, dtype) -> dict:
     }
 
 
-def timed(fn, device) -> float:
-    """Seconds of fn() without gradients, the device synchronised before and after."""
-    synchronize(device)
-    start = time.perf_counter()
-    with torch.no_grad():
-        fn()
-    synchronize(device)
-    return time.perf_counter() - start
-
-
 def hf_available() -> bool:
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("transformers") is not None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -376,6 +352,8 @@ def parse_args(argv=None):
         {**FULL, **on_cuda},
         quick_help="tiny CPU model, prompts of 8, 4 new tokens",
         dtypes=("bfloat16", "float16", "float32"),
+        tool="generation",
+        modes=("profile", "probe"),
     )
     parser.add_argument("--backends", nargs="+", help=f"default: {' '.join(BACKENDS)}")
     parser.add_argument("--caches", nargs="+", default=list(CACHES), choices=CACHES)
@@ -426,7 +404,7 @@ def header_fields(args, cases: list[Case]) -> dict:
     }
 
 
-def main(argv=None) -> int:
+def speed(argv=None) -> int:
     args = parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     cases = default_cases(args)
@@ -439,6 +417,12 @@ def main(argv=None) -> int:
     )
     run_grid(grid, cases, args, device, header_fields(args, cases))
     return 0
+
+
+def main(argv=None) -> int:
+    from bench import generation_probes
+
+    return dispatch(argv, speed, profile=generation_probes.profile, probe=generation_probes.probe)
 
 
 if __name__ == "__main__":

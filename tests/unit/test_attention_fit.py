@@ -1,5 +1,5 @@
-"""bench/fit_auto.py: fitting auto's flash-attn-4 lengths from a results file into the table that auto's order
-(kernels/auto.py) reads."""
+"""bench/attention_fit.py (python -m bench.attention fit): fitting auto's flash-attn-4 lengths from a results file
+into the table that auto's order (kernels/auto.py) reads."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kernels
-from bench import fit_auto
+from bench import attention_fit
 from model import AttentionUse
 
 CUDA = torch.device("cuda")  # an object only: auto_order is asked about a card that is never touched
@@ -37,11 +37,11 @@ def test_fit_takes_flash_attn_4_from_where_it_wins_at_every_longer_length():
     rows += [row("flex_attention", 128, t, 1.0, True) for t in (1024, 4096)]
     rows += [row("flash_attn_4", 128, 1024, 0.5, True), row("flash_attn_4", 128, 4096, 0.7, True)]
     # 1024 wins but 2048 loses: the table starts at 4096, the first length of the winning run to the end
-    assert fit_auto.fit({"rows": rows}) == {"causal": [[64, 4096]], "documents": [[256, 1024]]}
+    assert attention_fit.fit({"rows": rows}) == {"causal": [[64, 4096]], "documents": [[256, 1024]]}
     rows.append(row("flash_attn_4", 64, 16384, None))  # an unmeasured cell changes nothing
     rows += [row("sdpa:auto", 64, 32768, 1.0), row("flash_attn_4", 64, 32768, 2.0)]
     with pytest.raises(ValueError, match="does not beat sdpa:auto at the longest"):
-        fit_auto.fit({"rows": rows})
+        attention_fit.fit({"rows": rows})
 
 
 def test_the_written_table_is_what_auto_orders_by(tmp_path, capsys, monkeypatch):
@@ -55,7 +55,7 @@ def test_the_written_table_is_what_auto_orders_by(tmp_path, capsys, monkeypatch)
     sm90 = {"first": "flash_attn_4", "causal": [[64, 1]]}
     table.write_text(json.dumps({"about": "kept", "cards": {"sm90": sm90}}))
     committed = kernels.auto.AUTO_TABLE.read_bytes()
-    assert fit_auto.main([str(results), "--write", "--table", str(table)]) == 0
+    assert attention_fit.main([str(results), "--write", "--table", str(table)]) == 0
     assert '"sm80"' in capsys.readouterr().out
     assert kernels.auto.AUTO_TABLE.read_bytes() == committed, "--table names the only file written"
     assert json.loads(table.read_text())["about"] == "kept"
@@ -90,7 +90,7 @@ def test_the_committed_table_has_an_entry_auto_reads_for_every_masking_it_fitted
 @pytest.mark.parametrize(
     "content, says",
     [
-        ("{}", "is not an attention results file (no 'header' field); make one with python -m bench.bench_attention"),
+        ("{}", "is not an attention results file (no 'header' field); make one with python -m bench.attention"),
         (json.dumps({"header": {"capability": None}, "rows": []}), "is not from a CUDA card (capability None)"),
         ("not json", "is not an attention results file (Expecting value"),
         (None, ": No such file or directory"),
@@ -101,7 +101,7 @@ def test_a_results_file_without_a_card_is_one_line_and_exit_2(tmp_path, capsys, 
     path = tmp_path / "results.json"
     if content is not None:
         path.write_text(content)
-    assert fit_auto.main([str(path), "--table", str(tmp_path / "table.json")]) == 2
+    assert attention_fit.main([str(path), "--table", str(tmp_path / "table.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {path}") and says in err and err.count("\n") == 1, err
     assert not (tmp_path / "table.json").exists()

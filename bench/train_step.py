@@ -1,11 +1,20 @@
-"""Time train.py's training step for GPT-2 124M per attention backend, batch size and context length.
+"""train.py's training step: timed per attention backend, batch size and context length, or per switch set;
+profiled; phase by phase over several GPUs; context parallelism's chunk attention; and train.py itself per
+backend and per switch set (its own log lines, its loss curves).
 
-    python -m bench.bench_train                 # H100 grid (compile on, as train.py does on CUDA), --budget 200 s
-    python -m bench.bench_train --budget 0      # the whole grid, however long it takes
-    python -m bench.bench_train --quick         # tiny CPU model, 3 steps, no compile: seconds
+    python -m bench.train_step                  # H100 grid (compile on, as train.py does on CUDA), --budget 200 s
+    python -m bench.train_step --budget 0      # the whole grid, however long it takes
+    python -m bench.train_step --variants plain default --batch-sizes 16 32 --long-seq-lens   # per switch set
+    python -m bench.train_step --quick         # tiny CPU model, 2 steps, no compile: seconds
+    python -m bench.train_step profile --variants plain default     # torch.profiler, GPU kernels by kind
+    torchrun --standalone --nproc_per_node=4 -m bench.train_step phases ddp fsdp     # one step phase by phase
+    python -m bench.train_step context          # context parallelism's chunk kernels on one device
+    python -m bench.train_step compare -- config/train_gpt2.py --batch_size=16      # train.py per backend
+    python -m bench.train_step curves           # the loss curves of plain and default
 
-Each row builds a fresh training state with train.py's own functions (setup_runtime, build_model,
-build_train_state) and times train.py's train_step on synthetic random tokens (no dataset needed).
+Each `python -m bench.train_step MODE --help` says more. The grid: each row builds a fresh training state with
+train.py's own functions (setup_runtime, build_model, build_train_state) and times train.py's train_step on
+synthetic random tokens (no dataset needed).
 
 Rows, most wanted first, so a --budget cut drops the least wanted: every backend at T=1024 batch 16; the
 long-context model (same GPT-2 at T=8192 and T=32768, batch 1); then batch 32 and 8 at T=1024. `manual`
@@ -25,17 +34,18 @@ import itertools
 import math
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from bench.grid import BenchParser, Grid, fresh_row, number, run_grid
-from bench.report import GPT2_VOCAB, Column, model_shape, plot_lines
+from bench.grid import BenchParser, Grid, dispatch, fresh_row, mode_parser, number, profiled, run_grid
+from bench.report import DEFAULT_OUT, GPT2_VOCAB, Column, card_slug, model_shape, plot_lines, write_markdown
+from kernels.timing import timed
 from train import TrainConfig, build_model, build_train_state, train_step
+from training.profiling import summarize
 from training.progress import TrainState
-from training.runtime import model_flops_utilization, peak_flops_for, setup_runtime, synchronize
+from training.runtime import model_flops_utilization, peak_flops_for, setup_runtime
 
 BACKENDS = ("auto", "sdpa", "flash_attn_2", "flash_attn_4", "flex_attention", "manual")
 MANUAL_MAX_SEQ_LEN = 1024
@@ -78,7 +88,7 @@ def variant_cases(variants, batch_sizes, long_seq_lens, seq_len: int = 1024) -> 
 
 
 def model_settings(quick: bool, model: dict | None = None) -> dict:
-    """GPT-2 124M (or the tiny --quick model) as bench_train runs it: no bias, no dropout; `model` (--model)
+    """GPT-2 124M (or the tiny --quick model) as the step grid runs it: no bias, no dropout; `model` (--model)
     changes its settings, e.g. the width."""
     base = {**model_shape(quick), "vocab_size": 512 if quick else GPT2_VOCAB, "bias": False, "dropout": 0.0}
     return {**base, **(model or {})}
@@ -118,8 +128,9 @@ def default_cases(backends, batch_sizes, long_seq_lens) -> list[Case]:
 # One training state, built as train.py builds it; its step is train.py's train_step
 
 
-def build_state(cfg: TrainConfig) -> TrainState:
-    runtime = setup_runtime(cfg.device, cfg.dtype, cfg.dist_backend, cfg.gradient_accumulation_steps)
+def build_state(cfg: TrainConfig, runtime=None) -> TrainState:
+    """train.py's state for cfg, on `runtime` (one per process: the phases under torchrun share theirs) or a new one."""
+    runtime = runtime or setup_runtime(cfg.device, cfg.dtype, cfg.dist_backend, cfg.gradient_accumulation_steps)
     torch.manual_seed(cfg.seed)
     batches = itertools.cycle(random_batches(cfg, runtime.device))
     return build_train_state(cfg, runtime, build_model(cfg, cfg.vocab_size, None), lambda: next(batches))
@@ -178,25 +189,14 @@ def skip_reason(case: Case, cfg: TrainConfig) -> str:
     return ""
 
 
+ROW_FIELDS = ("compile", "ms_per_iter", "tokens_per_sec", "mfu", "peak_mem_mib", "first_step_s", "compile_s", "loss")
+
+
 def empty_row(case: Case, cfg: TrainConfig, dtype: torch.dtype) -> dict:
     return {
-        "variant": case.variant,
-        "backend": case.backend,
-        "resolved": None,
-        "seq_len": case.seq_len,
-        "batch_size": case.batch_size,
-        "head_dim": cfg.n_embd // cfg.n_head,
-        "docs": cfg.packed_documents,
-        "dtype": str(dtype).removeprefix("torch."),
-        "compile": None,
-        "ms_per_iter": None,
-        "tokens_per_sec": None,
-        "mfu": None,
-        "peak_mem_mib": None,
-        "first_step_s": None,
-        "compile_s": None,
-        "loss": None,
-        "vs_plain": None,
+        **dict(variant=case.variant, backend=case.backend, resolved=None, seq_len=case.seq_len),
+        **dict(batch_size=case.batch_size, head_dim=cfg.n_embd // cfg.n_head, docs=cfg.packed_documents),
+        **dict(dtype=str(dtype).removeprefix("torch."), **dict.fromkeys(ROW_FIELDS), vs_plain=None),
     }
 
 
@@ -228,22 +228,13 @@ def time_steps(state: TrainState, args) -> dict:
     cfg, device = state.cfg, state.runtime.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    synchronize(device)
-    start = time.perf_counter()
-    train_step(state)  # compiles
-    synchronize(device)
-    first_step_s = time.perf_counter() - start
+    first_step_s = timed(lambda: train_step(state), device).wall_ms / 1e3  # compiles
     for _ in range(args.warmup_steps):
         train_step(state)
-    chunk_ms = []
-    for _ in range(args.chunks):  # median over chunks of mean step time (train.py's log line is a mean too)
-        synchronize(device)
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            step = train_step(state)
-        synchronize(device)
-        chunk_ms.append((time.perf_counter() - start) * 1000 / args.steps)
-    ms = statistics.median(chunk_ms)
+    # median over chunks of mean step time (train.py's log line is a mean too)
+    chunks = [timed(lambda: [train_step(state) for _ in range(args.steps)], device) for _ in range(args.chunks)]
+    ms = statistics.median(chunk.wall_ms / args.steps for chunk in chunks)
+    step = chunks[-1].result[-1]
     tokens = cfg.batch_size * cfg.block_size * cfg.gradient_accumulation_steps
     peak, _ = peak_flops_for(device, state.runtime.dtype, cfg.peak_flops)
     flops = state.model.flops_per_token(cfg.block_size) * tokens
@@ -343,6 +334,8 @@ def parse_args(argv=None):
         FULL,
         quick_help="tiny CPU model, T=64, 2 steps, no compile",
         dtypes=("auto", "bfloat16", "float16", "float32"),  # as train.py's (auto: bfloat16 on CUDA, else float32)
+        tool="train_step",
+        modes=("profile", "phases", "context", "compare", "curves"),
     )
     parser.add_argument(
         "--compile", choices=("true", "false"), help="torch.compile the model (default: as train.py, on for CUDA)"
@@ -398,11 +391,11 @@ def header_fields(args, cases: list[Case], dtype: torch.dtype) -> dict:
     }
 
 
-def main(argv=None) -> int:
+def grid(argv=None) -> int:
     args = parse_args(argv)
     cases = cases_for(args)
     probe = setup_runtime(args.device, args.dtype)  # the device and dtype every row will use
-    grid = Grid(
+    step_grid = Grid(
         measure=lambda case: measure_case(case, args, probe.dtype),
         skipped=lambda case, reason: [{**empty_row(case, case_config(case, args), probe.dtype), "status": reason}],
         progress=progress_line,
@@ -410,8 +403,63 @@ def main(argv=None) -> int:
         plot=plot,
         finish=add_ratios,
     )
-    run_grid(grid, cases, args, probe.device, header_fields(args, cases, probe.dtype))
+    run_grid(step_grid, cases, args, probe.device, header_fields(args, cases, probe.dtype))
     return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# profile: train.py's step per variant under torch.profiler
+
+PROFILE_DOC = """torch.profiler over train.py's train_step per variant (VARIANTS): after a compile step and warm-up,
+a few steps are recorded; <card>-profile-train.md has the step's wall time and its GPU time per kernel kind
+(matmul, attention, the fused pointwise/reduction kernels torch.compile generates, the optimizer, communication,
+copies), then the top kernels. GPU busy time well under the wall time means the step waits on the host."""
+
+
+def profile_variant(variant: str, args) -> str:
+    case = Case(VARIANTS[variant].get("attention_backend", "auto"), args.seq_len, args.batch_size, variant)
+    row: dict = {}
+    with fresh_row(row):  # a variant that cannot run here says why, as a grid row does
+        row["lines"] = profile_lines(variant, build_state(case_config(case, args)), args)
+    lines = [f"## {variant}: {row['status']}", ""] if "status" in row else row["lines"]
+    return "\n".join(lines) + "\n"
+
+
+def profile_lines(variant: str, state: TrainState, args) -> list[str]:
+    """The state's steps profiled; the state goes when this returns (or raises)."""
+    device = state.runtime.device
+    for _ in range(3):  # compile and warm up
+        train_step(state)
+    prof, wall_ms = profiled(device, args.steps, lambda: train_step(state))
+    lines = [f"## {variant}: {state.attention.used}, T={args.seq_len}, batch {args.batch_size}", ""]
+    return lines + summarize(prof, args.steps, wall_ms, device.type == "cuda", args.top, "step")
+
+
+def profile(argv=None) -> int:
+    parser = mode_parser("train_step", "profile", PROFILE_DOC)
+    parser.add_argument("--quick", action="store_true", help="tiny model on CPU, no compile")
+    parser.add_argument("--variants", nargs="+", default=["plain", "default"], choices=VARIANTS)
+    parser.add_argument("--batch-size", type=int, help="default 16 (--quick 4)")
+    parser.add_argument("--seq-len", type=int, help="default 1024 (--quick 64)")
+    parser.add_argument("--steps", type=int, default=5, help="steps profiled (5)")
+    parser.add_argument("--top", type=int, default=25, help="rows of the top table (25)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
+    args = parser.parse_args(argv)
+    args.batch_size = args.batch_size or (4 if args.quick else 16)
+    args.seq_len = args.seq_len or (64 if args.quick else 1024)
+    args.device, args.compile, args.dtype = ("cpu", False, "auto") if args.quick else ("auto", None, "auto")
+    args.model, name = {}, "profile-train" + ("-quick" if args.quick else "")
+    sections = [profile_variant(variant, args) for variant in args.variants]
+    card = card_slug() if not args.quick else "cpu"
+    text = f"# {name} on {card} (torch {torch.__version__})\n\n" + "\n".join(sections)
+    return write_markdown(args.out / f"{card}-{name}.md", text)
+
+
+def main(argv=None) -> int:
+    from bench import train_parts, train_runs
+
+    modes = dict(profile=profile, phases=train_parts.phases, context=train_parts.context)
+    return dispatch(argv, grid, **modes, compare=train_runs.compare, curves=train_runs.curves)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,20 @@
 """How train.py scales over the GPUs of one host: the same global batch on 1, 2 and 4 GPUs, per-GPU tokens/s and
-the scaling against one GPU (1.0 = perfect); optionally GPT-2 XL (1.5B) under FSDP, and the largest model that
-trains under DDP and under FSDP.
+the scaling against one GPU (1.0 = perfect); optionally GPT-2 XL (1.5B) under FSDP, the largest model that
+trains under DDP and under FSDP, and context parallelism (one step phase by phase: python -m bench.train_step
+phases under torchrun).
 
-    python -m bench.bench_ddp                  # GPT-2 124M, T=1024, micro-batch 16, DDP on 1 2 4 GPUs
-    python -m bench.bench_ddp --gpus 1 2 4 8
-    python -m bench.bench_ddp --fsdp           # also GPT-2 XL (48 layers, width 1600) under FSDP, same GPU counts
-    python -m bench.bench_ddp --skip-ddp --fsdp --fsdp-model gpt2-6.7B --gpus 4 --micro-batch 8
+    python -m bench.multi_gpu                  # GPT-2 124M, T=1024, micro-batch 16, DDP on 1 2 4 GPUs
+    python -m bench.multi_gpu --gpus 1 2 4 8
+    python -m bench.multi_gpu --fsdp           # also GPT-2 XL (48 layers, width 1600) under FSDP, same GPU counts
+    python -m bench.multi_gpu --skip-ddp --fsdp --fsdp-model gpt2-6.7B --gpus 4 --micro-batch 8
                                                # a 6.7B GPT-2 (width 4096, 32 layers) under FSDP, micro-batch 4
-    python -m bench.bench_ddp --largest        # also the deepest width-1600 GPT that trains, DDP and FSDP
-    python -m bench.bench_ddp --quick          # CPU, gloo, a tiny model on 1 and 2 processes: checks the script
-    python -m bench.bench_ddp --skip-ddp --gpus 1 2 --context 262144 --context-check 8192
+    python -m bench.multi_gpu --largest        # also the deepest width-1600 GPT that trains, DDP and FSDP
+    python -m bench.multi_gpu --quick          # CPU, gloo, a tiny model on 1 and 2 processes: checks the script
+    python -m bench.multi_gpu --skip-ddp --gpus 1 2 --context 262144 --context-check 8192
                                                # context parallelism: T on 1 GPU, 2T split over 2; losses at 8192
-    python -m bench.bench_ddp --gpus 1 2 --variant overlap:--ddp_graph_split=true,--ddp_bucket_cap_mb=25
+    python -m bench.multi_gpu --gpus 1 2 --variant overlap:--ddp_graph_split=true,--ddp_bucket_cap_mb=25
                                                # other DDP settings, scaled by the same 1-GPU run
-    python -m bench.bench_ddp --skip-ddp --fsdp --gpus 1 2 --accum 2 --variant mb16:--batch_size=16
+    python -m bench.multi_gpu --skip-ddp --fsdp --gpus 1 2 --accum 2 --variant mb16:--batch_size=16
                                                # GPT-2 XL under FSDP, also at micro-batch 16 (same tokens a step)
 
 Each run is train.py itself under torchrun (--log_interval=10: a log line waits for the GPU); its figures are
@@ -43,7 +44,7 @@ from pathlib import Path
 import torch
 
 from bench import launch
-from bench.report import DEFAULT_OUT, GPT2_124M, GPT2_VOCAB, TINY, Column, pyplot, results_header, write_results
+from bench.report import DEFAULT_OUT, GPT2_124M, GPT2_VOCAB, TINY, Column, plot_series, results_header, write_results
 from data.common import OneLineParser
 from training.parallel import PARALLELISMS
 
@@ -81,6 +82,8 @@ def params_millions(shape: dict, vocab_size: int | None, block_size: int) -> flo
 
 
 def run_settings(args, shape: dict, parallelism: str, micro_batch: int, accum_total: int, block_size: int) -> list[str]:
+    steps = dict(max_iters=args.iters, lr_decay_iters=args.iters, warmup_iters=min(5, args.iters))
+    schedule = dict(learning_rate=3e-4, min_lr=3e-5, log_interval=args.log_interval, eval_interval=args.iters)
     settings = launch.flags(shape) + [
         f"--data_dir={launch.corpus(args.work / 'data', block_size)}",
         f"--parallelism={parallelism}",
@@ -88,13 +91,7 @@ def run_settings(args, shape: dict, parallelism: str, micro_batch: int, accum_to
         f"--gradient_accumulation_steps={accum_total}",
         f"--block_size={block_size}",
         *([f"--vocab_size={args.vocab_size}"] if args.vocab_size else []),
-        f"--max_iters={args.iters}",
-        f"--lr_decay_iters={args.iters}",
-        f"--warmup_iters={min(5, args.iters)}",
-        "--learning_rate=3e-4",
-        "--min_lr=3e-5",
-        f"--log_interval={args.log_interval}",
-        f"--eval_interval={args.iters}",
+        *launch.flags({**steps, **schedule}),
         "--eval_iters=1",
         "--eval_on_start=false",
     ]
@@ -267,26 +264,13 @@ def progress(row: dict) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    plt = pyplot()
-    figure, (speed, scaling) = plt.subplots(1, 2, figsize=(11, 4.5))
     scaled = [r for r in rows if not r["run"].startswith(("ddp-", "fsdp-", "context"))]  # not largest, not context
-    for key in dict.fromkeys((r["run"], r["model"]) for r in scaled):
-        points = sorted((r["gpus"], r) for r in rows if (r["run"], r["model"]) == key and r.get("tokens_per_sec"))
-        if not points:
-            continue
-        gpus = [g for g, _ in points]
-        speed.plot(gpus, [r["tokens_per_sec_per_gpu"] for _, r in points], marker="o", label=" ".join(key))
-        scaling.plot(gpus, [r.get("scaling") for _, r in points], marker="o", label=" ".join(key))
-    speed.set(xlabel="GPUs", ylabel="tokens/s per GPU", title="throughput per GPU, same global batch")
-    scaling.axhline(1.0, color="gray", linewidth=0.8)
-    scaling.set(xlabel="GPUs", ylabel="per-GPU tok/s / one GPU's", title="scaling (1.0 = perfect)")
-    for axis in (speed, scaling):
-        axis.grid(alpha=0.3)
-        if axis.get_legend_handles_labels()[0]:  # a --largest-only run has no lines
-            axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    panels = [
+        ("tokens_per_sec_per_gpu", "tokens/s per GPU", "throughput per GPU, same global batch"),
+        ("scaling", "per-GPU tok/s / one GPU's", "scaling (1.0 = perfect)"),
+    ]
+    measured = [r for r in scaled if r.get("tokens_per_sec")]
+    plot_series(measured, path, x="gpus", panels=panels, series=lambda r: f"{r['run']} {r['model']}", ratio="scaling")
 
 
 def parse_args(argv=None):

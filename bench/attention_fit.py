@@ -1,7 +1,8 @@
-"""From an attention results file: the sequence lengths from which `auto` puts flash-attn-4 first on that card.
+"""`python -m bench.attention fit`: from an attention results file, the sequence lengths from which `auto` puts
+flash-attn-4 first on that card.
 
-    python -m bench.fit_auto bench/results/h100-attention.json            # print the card's fitted entry
-    python -m bench.fit_auto bench/results/h100-attention.json --write    # and store it in config/attention_auto.json
+    python -m bench.attention fit bench/results/h100-attention.json           # print the card's fitted entry
+    python -m bench.attention fit bench/results/h100-attention.json --write   # and store it in the table
 
 For each (masking, head dim) in the file: the shortest measured T from which flash_attn_4's fwd+bwd time
 beats what auto runs without it (sdpa:auto for causal cells, flex_attention for document cells) at that T
@@ -11,11 +12,6 @@ keep their earlier entries. The table is data: model code reads it, and nothing 
 """
 
 from __future__ import annotations
-
-from errors import as_command
-
-if __name__ == "__main__":  # before torch's seconds of importing: see as_command
-    as_command()
 
 import json
 import sys
@@ -66,8 +62,8 @@ def updated_table(table: dict, card: str, fitted: dict, source: str) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = OneLineParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", type=Path, help="an attention results JSON (python -m bench.bench_attention)")
+    parser = OneLineParser(prog="python -m bench.attention fit", description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", type=Path, help="an attention results JSON (python -m bench.attention)")
     parser.add_argument("--write", action="store_true", help="store the entry in the table file")
     parser.add_argument("--table", type=Path, default=AUTO_TABLE, help="the table file (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -81,15 +77,15 @@ def main(argv=None) -> int:
     except (ValueError, KeyError, TypeError) as error:
         what = f"no {error} field" if isinstance(error, KeyError) else str(error).splitlines()[0]
         print(
-            f"error: {args.results} is not an attention results file ({what}); "
-            f"make one with python -m bench.bench_attention",
+            f"error: {args.results} is not an attention results file ({what}); make one with python -m bench.attention",
             file=sys.stderr,
         )
         return 2
     if not card or not card.startswith("sm"):
         print(f"error: {args.results} is not from a CUDA card (capability {card!r})", file=sys.stderr)
         return 2
-    source = f"fitted by bench/fit_auto.py from {args.results.name} ({results['header'].get('device_name', card)})"
+    device_name = results["header"].get("device_name", card)
+    source = f"fitted by python -m bench.attention fit from {args.results.name} ({device_name})"
     table = json.loads(args.table.read_text()) if args.table.exists() else {}
     table = updated_table(table, card, fitted, source)
     print(json.dumps({card: table["cards"][card]}, indent=1))
@@ -98,7 +94,3 @@ def main(argv=None) -> int:
             tmp.write_text(json.dumps(table, indent=1) + "\n")
         print(f"wrote {args.table}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,218 @@
+"""`python -m bench.train_step compare` and `curves`: train.py itself, as a user runs it (a subprocess, through
+bench.launch), its own log lines read.
+
+compare: train.py once per attention backend, and a table of each run's last log line.
+
+    python -m bench.train_step compare -- config/train_gpt2.py --batch_size=16   # arguments go to every train.py run
+    python -m bench.train_step compare --backends auto sdpa flex_attention -- config/train_gpt2.py
+
+Each run: python train.py --max_iters=100 --log_interval=25 (no evaluation until the end, checkpoints in a
+temporary folder that is removed), then your arguments (so they win, e.g. --max_iters=200), then
+--attention_backend=X. The last log line covers the last 25 steps, so compile time is left out. Prints a
+markdown table and writes <out>/<card>-compare_backends.{md,json}; the logs stay in a temporary folder named at
+the end. --keep-rows keeps the rows of other backends from that card's earlier file (to re-run one backend, or
+to split the backends over several runs on the same card).
+
+curves: the same model from the same seed with different switches, and their loss curves compared.
+
+    python -m bench.train_step curves               # GPT-2 124M on Shakespeare (GPT-2 BPE), 300 iterations
+    python -m bench.train_step curves --quick       # tiny char model on CPU: seconds
+
+Each run is train.py with --log_interval=1, so the curves are what a user would see: the plain path (nanoGPT's
+step: SDPA, full logits), the default (every speed switch on), and the plain path again from another seed: the
+gap between the two seeds is the run-to-run noise the default's gap is read against.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from bench import launch
+from bench.grid import mode_parser
+from bench.report import (
+    DEFAULT_OUT,
+    TINY,
+    Column,
+    bench_device,
+    plot_series,
+    results_header,
+    results_stem,
+    save_results,
+    write_results,
+)
+
+
+def train_log(settings: Sequence[str]) -> launch.Run:
+    """train.py run to its end with these settings after the evaluation and logging the runs have in common."""
+    quiet = ["--eval_iters=1", "--eval_on_start=false", "--overwrite_out_dir=true"]
+    return launch.run(launch.train_command([*quiet, *settings]))
+
+
+# ----------------------------------------------------------------------------------------------
+# compare: the last log line per backend
+
+BACKENDS = ("auto", "sdpa", "flash_attn_2", "flex_attention", "manual")
+COMPARE_SETTINGS = ["--max_iters=100", "--log_interval=25", "--eval_interval=1000000"]  # the caller's win
+COMPARE_COLUMNS = [
+    Column("backend", "backend"),
+    Column("runs", "runs"),
+    Column("iter", "iter"),
+    Column("loss", "loss", "{:.4f}"),
+    Column("ms_per_iter", "ms/iter", "{:.1f}"),
+    Column("tokens_per_sec", "tok/s", "{:,.0f}"),
+    Column("mfu", "MFU", "{:.1%}"),
+    Column("mem_gib", "mem GiB", "{:.1f}"),
+    Column("status", "status"),
+]
+
+
+def compare_row(backend: str, log_text: str, exit_code: int) -> dict:
+    """One row: the last log line of `train.py --attention_backend=backend`."""
+    parsed = launch.log_lines(log_text)
+    # The first such line is the training resolution (train.py logs it before the loop; evaluation runs
+    # without gradients and may resolve to another backend later).
+    runs = re.findall(r"attention backend: ([\w:]+)", log_text)
+    row = {"backend": backend, "runs": runs[0] if runs else None, **(parsed[-1] if parsed else {})}
+    if exit_code == 0 and parsed:
+        row["status"] = "ok"
+    else:
+        last = [line for line in log_text.splitlines() if line.strip()][-1:] or ["(no output)"]
+        row["status"] = f"exit {exit_code}: {last[0][:160]}"
+    return row
+
+
+def tabulate_compare_logs(logs: Path, out: Path, backends: Sequence[str], keep_rows: bool) -> list[Path]:
+    """The table from <logs>/<backend>.log and .rc: <card>-compare_backends.{json,md} under out. keep_rows: keep
+    the rows of other backends from that card's earlier file (to re-run one backend)."""
+    logs, out = Path(logs), Path(out)
+    rows = [
+        compare_row(b, (logs / f"{b}.log").read_text(errors="replace"), int((logs / f"{b}.rc").read_text()))
+        for b in backends
+    ]
+    notes = {"source": "last log line of `python train.py ... --attention_backend=X` per backend"}
+    header = results_header("compare_backends", bench_device(), logs=str(logs), notes=notes)
+    earlier_path = results_stem(out, "compare_backends", header["card"]).with_suffix(".json")
+    if keep_rows and earlier_path.exists():
+        earlier = json.loads(earlier_path.read_text())
+        if earlier["header"]["device_name"] == header["device_name"]:
+            rows = [r for r in earlier["rows"] if r["backend"] not in backends] + rows
+            header["kept_rows_from"] = {key: earlier["header"][key] for key in ("command", "date", "torch")}
+    return write_results(out, "compare_backends", header, rows, COMPARE_COLUMNS)
+
+
+def compare(argv=None) -> int:
+    parser = mode_parser("train_step", "compare", __doc__)
+    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), help=f"default {' '.join(BACKENDS)}")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
+    parser.add_argument("--keep-rows", action="store_true", help="keep other backends' rows of the earlier file")
+    parser.add_argument("train_args", nargs="*", help="train.py's config file and --key=value settings (after --)")
+    args = parser.parse_args(argv)
+    logs = Path(tempfile.mkdtemp(prefix="compare_backends."))
+    for backend in args.backends:  # <logs>/<backend>.log (stdout and stderr) and .rc (its exit code)
+        print(f"== {backend}", file=sys.stderr, flush=True)
+        out_dir = logs / f"out-{backend}"
+        run = train_log([*COMPARE_SETTINGS, f"--out_dir={out_dir}", *args.train_args, f"--attention_backend={backend}"])
+        (logs / f"{backend}.log").write_text(run.output)
+        (logs / f"{backend}.rc").write_text(f"{run.code}\n")
+        shutil.rmtree(out_dir, ignore_errors=True)  # the checkpoint of a 100-step run is not worth keeping
+        print((run.output.splitlines() or [""])[-1], file=sys.stderr, flush=True)
+    paths = tabulate_compare_logs(logs, args.out, args.backends, args.keep_rows)
+    print(paths[1].read_text())
+    print("wrote " + ", ".join(map(str, paths)) + f"; logs in {logs}", file=sys.stderr)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# curves: the loss curves of plain and default
+
+PLAIN = ["--attention_backend=sdpa", "--cross_entropy=plain"]
+RUNS = {"plain": (1337, PLAIN), "default": (1337, []), "plain, seed 2": (2, PLAIN)}  # name: (seed, switches)
+GPT2_SHAKESPEARE = [
+    "--dataset=shakespeare",
+    *launch.flags({"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "batch_size": 16}),
+    *launch.flags({"learning_rate": 6e-4, "min_lr": 6e-5, "warmup_iters": 30, "beta2": 0.95}),
+]
+TINY_CHAR = ["--dataset=shakespeare_char", *launch.flags(TINY), "--block_size=32", "--batch_size=8", "--warmup_iters=3"]
+CURVE_COLUMNS = [
+    Column("run", "run"),
+    Column("seed", "seed"),
+    Column("switches", "switches"),
+    Column("first_loss", "first loss", "{:.4f}"),
+    Column("tail_loss", "mean loss, last third", "{:.4f}"),
+    Column("gap_vs_plain", "mean abs gap to plain, last third", "{:.4f}"),
+    Column("log_tokens_per_sec", "log tok/s (median)", "{:,.0f}"),
+    Column("log_mfu", "log MFU (median)", "{:.1%}"),
+]
+
+
+def curve_row(run: str, seed: int, switches: list[str], log: list[dict], tail: int) -> dict:
+    losses = [line["loss"] for line in log]
+    steady = log[min(10, len(log) - 1) :]  # the log's own figures, past the first iterations
+    mfus = [line["mfu"] for line in steady if line["mfu"] is not None]
+    return {
+        "run": run,
+        "seed": seed,
+        "switches": " ".join(switches) or "(defaults)",
+        "first_loss": losses[0],
+        "tail_loss": statistics.fmean(losses[-tail:]),
+        "log_tokens_per_sec": statistics.median(line["tokens_per_sec"] for line in steady),
+        "log_mfu": statistics.median(mfus) if mfus else None,
+        "losses": losses,
+    }
+
+
+def smoothed(values: list[float], width: int = 20) -> list[float]:
+    return [statistics.fmean(values[max(0, i - width + 1) : i + 1]) for i in range(len(values))]
+
+
+def plot_curves(rows: list[dict], path: Path) -> None:
+    points = [
+        {"run": row["run"], "iteration": i, "loss": loss}
+        for row in rows
+        for i, loss in enumerate(smoothed(row["losses"]), start=1)
+    ]
+    panels = [("loss", "train loss (mean of the last 20)", "same model, same data")]
+    plot_series(points, path, x="iteration", panels=panels, series=lambda r: r["run"], marker=None)
+
+
+def curves(argv=None) -> int:
+    parser = mode_parser("train_step", "curves", __doc__)
+    parser.add_argument("--quick", action="store_true", help="tiny char model on CPU, 30 iterations")
+    parser.add_argument("--iters", type=int, default=None, help="iterations per run (default 300; --quick 30)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
+    parser.add_argument("--work", type=Path, default=Path("out-loss-curves"), help="folder for the runs' out_dirs")
+    args = parser.parse_args(argv)
+    iters = args.iters or (30 if args.quick else 300)
+    settings = [*TINY_CHAR, "--device=cpu"] if args.quick else GPT2_SHAKESPEARE
+    steps = [f"--max_iters={iters}", f"--lr_decay_iters={iters}", "--log_interval=1", f"--eval_interval={iters}"]
+    start, rows, tail = time.perf_counter(), [], max(1, iters // 3)  # the last third, where the curves have settled
+    for index, (run, (seed, switches)) in enumerate(RUNS.items()):
+        out_dir = f"--out_dir={args.work / f'run{index}'}"
+        result = train_log([*settings, *switches, f"--seed={seed}", *steps, "--eval_iters=5", out_dir])
+        if result.code != 0 or len(result.lines) != iters:
+            lines = f"{len(result.lines)} of {iters} iter lines"
+            raise SystemExit(f"{run}: exit {result.code}, {lines}\n{result.output[-4000:]}")
+        rows.append(curve_row(run, seed, switches, result.lines, tail))
+        print(f"{run}: first {rows[-1]['first_loss']:.4f}, mean of the last {tail} {rows[-1]['tail_loss']:.4f}")
+    for row in rows:
+        pairs = zip(row["losses"][-tail:], rows[0]["losses"][-tail:])
+        row["gap_vs_plain"] = statistics.fmean(abs(a - b) for a, b in pairs)
+    notes = {
+        "settings": " ".join(settings) + f" --max_iters={iters}",
+        "gap": f"mean |loss - plain's loss| per iteration over the last {tail} iterations; "
+        "'plain, seed 2' against 'plain' is the run-to-run noise",
+    }
+    device, name = torch.device("cpu" if args.quick else "cuda"), "loss-curves-quick" if args.quick else "loss-curves"
+    wall_s = round(time.perf_counter() - start, 1)
+    save_results(args.out, name, device, rows, CURVE_COLUMNS, plot_curves, wall_s=wall_s, notes=notes)
+    return 0
