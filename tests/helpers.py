@@ -301,8 +301,8 @@ class WarmProcess:
 
 def rank_environ(world_size: int, port: int) -> list[dict[str, str]]:
     """What torchrun --standalone --nproc_per_node=world_size tells each of its workers about the process group."""
-    group = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1"}
-    group["MASTER_PORT"] = str(port)
+    group = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)}
+    group |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     return [{**group, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(world_size)]
 
 

@@ -1,12 +1,11 @@
 """Training over several ranks (parallel.py, and train.py's data stream and restarts), on CPU with gloo: the same
 steps whatever the number of ranks, micro-steps, launch agents, DDP or FSDP; FSDP checkpoints resume in one
-process; a failing rank is named by the others, and torchrun restarts a failed or killed job from its last
-checkpoint.
+process; a failing rank is named by the others, and torchrun restarts a killed job from its last checkpoint.
 
 Each torchrun launch costs several interpreters importing torch (its workers; torchrun itself is forked from the
-warm interpreter, helpers.WarmProcess), so torchrun launches only where it is under test (two launch agents, its
-restarts); elsewhere the ranks are forked from the warm interpreter (helpers.run_ranks), and the single-process
-reference runs in-process."""
+warm interpreter, helpers.WarmProcess), so torchrun launches only where it is under test (two launch agents, a
+restart); elsewhere the ranks are forked from the warm interpreter (helpers.run_ranks, rank_environ), and the
+single-process reference runs in-process."""
 
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ import pytest
 import torch
 
 import train
-from helpers import Child, free_port, one_torch_thread, run_ranks, tiny_args, tiny_config, warm_context
+from helpers import Child, free_port, one_torch_thread, rank_environ, run_ranks, tiny_args, tiny_config, warm_context
 from model import GPT
 from training import parallel
 from training.runtime import Runtime, join_process_group, leave_process_group
@@ -185,40 +184,55 @@ def test_fsdp_over_two_launch_agents_trains_like_one_process_and_resumes_on_one(
 def test_a_failed_or_killed_rank_is_reported_and_the_job_restarts_from_the_last_checkpoint(
     reference, char_data, tmp_path, monkeypatch, warm_interpreter
 ):
-    """DDP on 2 ranks under --max-restarts=2 and init_from=auto. First rank 1 alone cannot open another file (its
-    limit of open files lowered mid-run), so its next check of the dataset's files (at the next evaluation) fails:
-    rank 0, waiting for it in a collective, says which rank failed and why. Then, in the restarted job, rank 1 is
-    killed (-9): rank 0 says it lost contact. Each time torchrun starts the ranks again, they resume the last
+    """DDP on 2 ranks with init_from=auto. First rank 1 alone cannot open another file (its limit of open files
+    lowered mid-run), so its next check of the dataset's files (at the next evaluation) fails: rank 0, waiting for
+    it in a collective, says which rank failed and why, and both ranks exit by themselves (forked from the warm
+    interpreter: no launcher stops them). The job is launched again under torchrun --max-restarts=1, where rank 1 is
+    killed (-9): rank 0 says it lost contact, and torchrun starts the ranks again. Each start resumes the last
     checkpoint, and in the end every logged loss and the weights are those of one process that was never
     interrupted (1 rank x 4 micro-steps = 2 x 2)."""
     ref_out, ref_losses = reference
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # restarted ranks must not read the old ones' keys
     out = tmp_path / "out"
-    args = torchrun("--standalone", "--nproc_per_node=2", "--max-restarts=2")
-    args += run_args(char_data, out, "--init_from=auto", f"--max_iters={MAX_ITERS}", "--eval_interval=10")
+    settings = run_args(char_data, out, "--init_from=auto", f"--max_iters={MAX_ITERS}", "--eval_interval=10")
     # A gloo send to a killed peer does not fail: it waits out dist_timeout_s ("Timed out waiting 15000ms for send
     # operation to complete"; about one kill in 20 lands there, where a receive fails at once). Past torchrun's
     # 30 s between its SIGTERM and SIGKILL, the rank would die without its line; at 15 s it says it lost contact
-    args.append("--dist_timeout_s=15")
-    with Child("-m", args, warm=True) as child:  # its pipe holds a few dozen lines: the job cannot get far ahead of us
-        child.wait_for(lambda line: line.startswith("saved ") and "(iter 10," in line)
-        rank1 = pid_of_rank(child.pid, 1)
-        _, hard = resource.prlimit(rank1, resource.RLIMIT_NOFILE)
+    settings.append("--dist_timeout_s=15")
+    # rank 0's pipe holds a few dozen lines: the job cannot get far ahead of us; rank 1, read only at its end,
+    # gets a pipe it never fills
+    pipes = (4096, 1 << 20)
+    with contextlib.ExitStack() as stack:
+        ranks = [
+            stack.enter_context(Child("train.py", settings, pipe_size=size, warm=True, environ=environ))
+            for size, environ in zip(pipes, rank_environ(2, free_port()))
+        ]
+        ranks[0].wait_for(lambda line: line.startswith("saved ") and "(iter 10," in line)
+        _, hard = resource.prlimit(ranks[1].pid, resource.RLIMIT_NOFILE)
         # no new descriptor at all: a limit of the count open now let a descriptor open at that instant, and
         # closed after, make room for the next batch's (the limit caps descriptor numbers, not their count)
-        resource.prlimit(rank1, resource.RLIMIT_NOFILE, (0, hard))
+        resource.prlimit(ranks[1].pid, resource.RLIMIT_NOFILE, (0, hard))
         failed = time.monotonic()
-        child.wait_for(lambda line: "resuming at iter" in line)
-        assert time.monotonic() - failed < 60  # the ranks stopped, and started again, in bounded time
-        child.wait_for(lambda line: line.startswith("iter 12 |"))
-        os.kill(pid_of_rank(child.pid, 1), signal.SIGKILL)
-        code, output = child.finish(timeout=300)
-    assert code == 0, output
+        failures = [rank.finish(timeout=60) for rank in ranks]
+        assert time.monotonic() - failed < 60  # the ranks stopped in bounded time
+    assert all(code != 0 for code, _ in failures), failures
+    output = "".join(text for _, text in failures)
     assert re.search(r"^error: rank 1 failed: cannot read \S+train\.bin: Too many open files$", output, re.M), output
     assert re.search(r"^error: cannot read \S+train\.bin: Too many open files$", output, re.M), output  # rank 1's own
+
+    args = torchrun("--standalone", "--nproc_per_node=2", "--max-restarts=1") + settings
+    with Child("-m", args, warm=True) as child:
+        child.wait_for(lambda line: "resuming at iter" in line)
+        child.wait_for(lambda line: line.startswith("iter 12 |"))
+        os.kill(pid_of_rank(child.pid, 1), signal.SIGKILL)
+        code, restarted = child.finish(timeout=300)
+    assert code == 0, restarted
     lost = r"^error: rank 0 lost contact with the other ranks \(.+\); one died or hangs$"
-    said = "\n".join(line for line in output.splitlines() if not re.match(r"(iter|eval|saved) |config: |  \w+=", line))
-    assert re.search(lost, output, re.M), said  # what the ranks and torchrun said instead
+    said = "\n".join(
+        line for line in restarted.splitlines() if not re.match(r"(iter|eval|saved) |config: |  \w+=", line)
+    )
+    assert re.search(lost, restarted, re.M), said  # what the ranks and torchrun said instead
+    output += restarted
     assert "Traceback" not in output, output
     resumed = [int(it) for it in re.findall(r"resuming at iter (\d+)", output)]
     assert len(resumed) == 2 and all(10 <= it < MAX_ITERS for it in resumed), output

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from errors import CheckpointError
-from helpers import REPO, file_size_limit, run_module, subprocess_env, tiny_config, tree_digest
+from helpers import REPO, file_size_limit, run_script, subprocess_env, tiny_config, tree_digest
 from storage import checkpoint
 from storage.checkpoint import capture_rng, claim_out_dir, restore_rng, save_checkpoint
 from weights.__main__ import main as weights_main
@@ -587,12 +587,13 @@ def weights_cli(capsys, *argv: str) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def test_export_cli(trained_out, tmp_path):
-    """`python -m weights safetensors OUT_DIR FILE`, a real interpreter: an out_dir means its ckpt.pt."""
+def test_export_cli(trained_out, tmp_path, warm_interpreter):
+    """`python -m weights safetensors OUT_DIR FILE`, a process of its own (forked from the warm interpreter): an
+    out_dir means its ckpt.pt."""
     from safetensors.torch import load_file
 
     out = tmp_path / "model.safetensors"
-    result = run_module("weights", ["safetensors", str(trained_out), str(out)], timeout=60)
+    result = run_script("-m", ["weights", "safetensors", str(trained_out), str(out)], timeout=60, warm=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"wrote {out}\n" and "Traceback" not in result.stderr, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]  # no temporary file left
