@@ -122,14 +122,15 @@ class Child:
     blocks after ~4 KB more output until it is read again. That bounds how far a child can run on between
     "the line we waited for" and the signal sent after it, whatever the load on the machine.
 
-    warm=True: forked from the warm interpreter (WarmProcess) instead of started afresh."""
+    warm=True: forked from the warm interpreter (WarmProcess, with `environ` added to its environment) instead of
+    started afresh."""
 
-    def __init__(self, script: str, args: list[str], pipe_size: int = 4096, warm: bool = False):
+    def __init__(self, script: str, args: list[str], pipe_size: int = 4096, warm: bool = False, environ=None):
         read_end, write_end = os.pipe()
         try:
             fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, pipe_size)
             if warm:
-                self.proc = WarmProcess(script, args, write_end, write_end)
+                self.proc = WarmProcess(script, args, write_end, write_end, environ)
             else:
                 with terminal_signals():
                     self.proc = subprocess.Popen(
@@ -261,15 +262,15 @@ def run_as_main(script: str, args: list[str], stdout, stderr, path: tuple[str, .
 class WarmProcess:
     """`python <script> args` forked from the warm interpreter (warm_context): the same script, argv, output,
     signals and exit code, without the seconds of importing torch. For tests of what a script does, not of how
-    an interpreter starts or exits. stdout and stderr go to the given file descriptors; the part of
-    subprocess.Popen that the tests use."""
+    an interpreter starts or exits. stdout and stderr go to the given file descriptors; `environ` adds to the
+    environment; the part of subprocess.Popen that the tests use."""
 
-    def __init__(self, script: str, args: list[str], stdout_fd: int, stderr_fd: int):
+    def __init__(self, script: str, args: list[str], stdout_fd: int, stderr_fd: int, environ: dict | None = None):
         if script == "-m":  # ("-m", [name, *args]), as Popen takes it
             script, args = f"-m {args[0]}", args[1:]
         outputs = [multiprocessing.connection.Connection(os.dup(fd), readable=False) for fd in (stdout_fd, stderr_fd)]
         context, path = warm_context(), fresh_sys_path()
-        target_args = (script, list(args), *outputs, path, subprocess_env())
+        target_args = (script, list(args), *outputs, path, {**subprocess_env(), **(environ or {})})
         self.process = context.Process(target=run_as_main, args=target_args, name=script)
         try:
             self.process.start()
@@ -296,6 +297,36 @@ class WarmProcess:
 
     def kill(self):
         self.process.kill()
+
+
+def rank_environ(world_size: int, port: int) -> list[dict[str, str]]:
+    """What torchrun --standalone --nproc_per_node=world_size tells each of its workers about the process group."""
+    group = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)}
+    group |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return [{**group, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(world_size)]
+
+
+def run_ranks(script: str, args: list[str], world_size: int = 2, timeout: float = 300) -> list[tuple[int, str]]:
+    """`torchrun --standalone --nproc_per_node=world_size <script> args` without torchrun: the ranks forked from the
+    warm interpreter with the environment torchrun gives its workers, side by side; each rank's (exit code, output),
+    rank 0 first. For what the ranks do together; torchrun's own part (restarts, signals passed on) needs torchrun.
+    Each rank writes to a file of its own, so a rank that prints a lot never blocks its peers."""
+    with contextlib.ExitStack() as stack:
+        outputs = [stack.enter_context(tempfile.TemporaryFile()) for _ in range(world_size)]
+        ranks = []
+        for environ, output in zip(rank_environ(world_size, free_port()), outputs):
+            ranks.append(WarmProcess(script, args, output.fileno(), output.fileno(), environ))
+            stack.callback(ranks[-1].kill)  # if it ran past the timeout (a no-op once it has exited)
+        deadline = time.monotonic() + timeout
+        codes = []
+        for rank in ranks:
+            rank.process.join(max(0.0, deadline - time.monotonic()))
+            codes.append(rank.returncode)
+        for output in outputs:
+            output.seek(0)
+        texts = [output.read().decode(errors="replace") for output in outputs]
+    assert None not in codes, f"ranks still running after {timeout} s: {codes}; outputs:\n" + "\n".join(texts)
+    return list(zip(codes, texts))
 
 
 def tree_digest(*roots: Path) -> dict[str, tuple[str, int]]:

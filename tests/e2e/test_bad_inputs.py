@@ -30,7 +30,7 @@ import train
 from data import common
 from data.common import open_split, write_dataset
 from errors import CheckpointError
-from helpers import file_size_limit, run_module, tiny_args, tree_digest
+from helpers import file_size_limit, run_script, tiny_args, tree_digest
 from storage import checkpoint
 from weights.__main__ import main as weights_main
 from weights.hf import export_hf, load_weights
@@ -435,9 +435,11 @@ def test_a_nanogpt_checkpoint_is_not_resumed_but_named(trained_out, tmp_path):
 
 
 def test_the_weights_cli_on_a_raw_pickle_prints_one_line_and_no_torch_warning(tmp_path):
-    """A fresh interpreter, as a user runs it: stderr holds the error line and nothing else."""
+    """`python -m weights`, as a user runs it (forked from the warm interpreter): stderr holds the error line and
+    nothing else."""
     src = raw_pickle(tmp_path, None)
-    result = run_module("weights", ["safetensors", str(src), str(tmp_path / "out.safetensors")], timeout=120)
+    args = ["weights", "safetensors", str(src), str(tmp_path / "out.safetensors")]
+    result = run_script("-m", args, warm=True)
     assert result.returncode == 2 and result.stdout == "", result
     line = f"error: {src} is a plain Python pickle (pickle.dump), not a checkpoint saved by torch.save; refused unread"
     assert result.stderr.splitlines() == [f"{line}: unpickling it could run arbitrary code"], result.stderr

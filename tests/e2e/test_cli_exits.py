@@ -1,15 +1,20 @@
 """How every command ends: bad input is one `error:` line and exit code 2 with nothing written, whichever command
-and however it is run (a module run as a script, imported again under its own name, must still match its own
+(every module that does something when run is listed, and every module imports without side effects) and however
+it is run (a module run as a script, imported again under its own name, must still match its own
 error types); a signal during train.py's start-up is one line and leaves out_dir as it was; Ctrl-C while torch
 imports is one line; a run's last line says what is on disk; a config file cannot end the run; sample.py names a
 checkpoint that cannot be sampled and a temperature that is not finite."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import importlib
+import io
 import math
 import os
 import re
+import runpy
 import select
 import shutil
 import signal
@@ -17,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 import pytest
 import torch
@@ -26,10 +32,12 @@ import train
 from helpers import (
     REPO,
     WarmProcess,
+    is_repo_module,
     subprocess_env,
     terminal_signals,
     tiny_args,
     tree_digest,
+    warm_context,
 )
 from storage.checkpoint import checkpoint_names
 
@@ -90,22 +98,75 @@ COMMANDS = [  # (command, its arguments, what the error line names); {tmp}: the 
 ]
 
 
-def test_every_command_of_the_repo_is_in_the_list():
-    """A new command (a module with a `__main__` block) is added to COMMANDS, and so gets its bad-input test."""
-    listed = {command.values[0] if hasattr(command, "values") else command[0] for command in COMMANDS}
-    found = set()
-    for path in REPO.rglob("*.py"):
+def repo_modules() -> dict[str, str]:
+    """{module name: its command, as a user would run it} for each module of the repo: a file at the top is a
+    script (train.py), the rest run with -m (a package's __main__ as the package). The tests are not the repo's
+    commands, and config files are settings that train.py and sample.py read, not modules."""
+    modules = {}
+    for path in sorted(REPO.rglob("*.py")):
         relative = path.relative_to(REPO)
-        if relative.parts[0] in ("tests", ".probe") or relative.parts[0].startswith("."):
+        if relative.parts[0] in ("tests", "config") or any(part.startswith(".") for part in relative.parts):
             continue
-        if not re.search(r'^if __name__ == "__main__":', path.read_text(), re.M):
+        if relative.name == "__init__.py":
             continue
-        if len(relative.parts) == 1:
-            found.add(str(relative))
-        else:
-            module = ".".join(relative.with_suffix("").parts)
-            found.add("-m " + module.removesuffix(".__main__"))
-    assert found == listed
+        name = ".".join(relative.with_suffix("").parts)
+        modules[name] = str(relative) if len(relative.parts) == 1 else "-m " + name.removesuffix(".__main__")
+    return modules
+
+
+def import_and_run_each(names: list[str], results) -> None:
+    """In a child of the warm interpreter: each module imported afresh, then each run as `python -m name --bogus`
+    would run it (as __main__), its output caught; what each did is sent to `results`. Imports first, all of them:
+    a module's import must leave the process as it was (output, sys.path, signal handlers, argv)."""
+    for name, module in list(sys.modules.items()):
+        if is_repo_module(module):
+            del sys.modules[name]
+    stop_signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    before = (list(sys.path), [signal.getsignal(sig) for sig in stop_signals], list(sys.argv))
+    imports = {name: caught(importlib.import_module, name) for name in names}
+    after = (list(sys.path), [signal.getsignal(sig) for sig in stop_signals], list(sys.argv))
+    runs = {}
+    for name in names:
+        sys.argv = [name, "--bogus"]
+        runs[name] = caught(runpy.run_module, name.removesuffix(".__main__"), run_name="__main__", alter_sys=True)
+    results.send((imports, (before, after), runs))
+
+
+def caught(function, *args, **kwargs) -> str:
+    """What calling `function` did: "nothing" (it returned and wrote nothing), or what it wrote or raised."""
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # runpy's for a module imported before it runs as __main__
+            function(*args, **kwargs)
+        what = ""
+    except SystemExit as stop:
+        what = f"exit {stop.code!r}"
+    except BaseException as error:  # noqa: BLE001 (a module's import or run may raise anything)
+        what = f"raised {type(error).__name__}: {error}"
+    return " ".join(filter(None, (what, out.getvalue(), err.getvalue()))) or "nothing"
+
+
+def test_every_command_of_the_repo_is_in_the_list(warm_interpreter):
+    """A new command (a module that does something when run) is added to COMMANDS, and so gets its bad-input
+    test: every module of the repo, run as a command with an unknown option, does nothing unless it is listed.
+    And every module imports without side effects: nothing written or raised, sys.path, the stop signals'
+    handlers and argv as they were."""
+    modules = repo_modules()
+    listed = {command.values[0] if hasattr(command, "values") else command[0] for command in COMMANDS}
+    results, sender = warm_context().Pipe(duplex=False)
+    child = warm_context().Process(target=import_and_run_each, args=(list(modules), sender))
+    child.start()
+    sender.close()
+    try:
+        assert results.poll(120), "nothing from the child"
+        imports, (before, after), runs = results.recv()
+    finally:
+        child.join(30)
+        child.kill()
+    assert {name: what for name, what in imports.items() if what != "nothing"} == {}
+    assert after == before  # sys.path, the handlers of SIGINT, SIGTERM and SIGHUP, sys.argv
+    assert {modules[name] for name, what in runs.items() if what != "nothing"} == listed
 
 
 @pytest.mark.parametrize("command, args, names", COMMANDS)

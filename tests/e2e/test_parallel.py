@@ -1,16 +1,15 @@
 """Training over several ranks (parallel.py, and train.py's data stream and restarts), on CPU with gloo: the same
 steps whatever the number of ranks, micro-steps, launch agents, DDP or FSDP; FSDP checkpoints resume in one
-process; a failing rank is named by the others, and torchrun restarts a failed or killed job from its last
-checkpoint.
+process; a failing rank is named by the others, and torchrun restarts a killed job from its last checkpoint.
 
 Each torchrun launch costs several interpreters importing torch (its workers; torchrun itself is forked from the
-warm interpreter, helpers.WarmProcess), so few launches serve all the assertions, and the single-process reference
-runs in-process."""
+warm interpreter, helpers.WarmProcess), so torchrun launches only where it is under test (two launch agents, a
+restart); elsewhere the ranks are forked from the warm interpreter (helpers.run_ranks, rank_environ), and the
+single-process reference runs in-process."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import json
 import os
@@ -18,15 +17,13 @@ import re
 import resource
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 import train
-from helpers import REPO, Child, free_port, one_torch_thread, subprocess_env, tiny_args, tiny_config
+from helpers import Child, free_port, one_torch_thread, rank_environ, run_ranks, tiny_args, tiny_config, warm_context
 from model import GPT
 from training import parallel
 from training.runtime import Runtime, join_process_group, leave_process_group
@@ -69,6 +66,12 @@ def resume_in_one_process(char_data, out, reference, start: int, stop: int) -> N
 def torchrun(*launcher: str) -> list[str]:
     """Child's arguments after `python -m`: torchrun with these options, then train.py's arguments."""
     return ["torch.distributed.run", *launcher, "train.py"]
+
+
+def joined(ranks: list[tuple[int, str]]) -> tuple[int, str]:
+    """One exit code (the first rank's that is not 0, else 0) and one output for ranks that ran side by side, as
+    torchrun gives them."""
+    return next((code for code, _ in ranks if code), 0), "".join(output for _, output in ranks)
 
 
 def losses(output: str) -> dict[int, str]:
@@ -169,11 +172,8 @@ def test_fsdp_over_two_launch_agents_trains_like_one_process_and_resumes_on_one(
 
     # Back to iter 5, then on under FSDP on 2 ranks: the 4 ranks' optimizer state resharded over 2
     shutil.copyfile(out / "ckpt-0000005.pt", out / "ckpt.pt")
-    settings = run_args(char_data, out, "--parallelism=fsdp", "--init_from=auto")
-    with Child(
-        "-m", torchrun("--standalone", "--nproc_per_node=2") + settings + ["--max_iters=10"], warm=True
-    ) as child:
-        code, output = child.finish(timeout=300)
+    settings = run_args(char_data, out, "--parallelism=fsdp", "--init_from=auto", "--max_iters=10")
+    code, output = joined(run_ranks("train.py", settings))
     assert code == 0 and "resuming at iter 5" in output, output
     assert_same_losses(losses(output), {it: ref_losses[it] for it in range(6, 11)})
 
@@ -184,40 +184,55 @@ def test_fsdp_over_two_launch_agents_trains_like_one_process_and_resumes_on_one(
 def test_a_failed_or_killed_rank_is_reported_and_the_job_restarts_from_the_last_checkpoint(
     reference, char_data, tmp_path, monkeypatch, warm_interpreter
 ):
-    """DDP on 2 ranks under --max-restarts=2 and init_from=auto. First rank 1 alone cannot open another file (its
-    limit of open files lowered mid-run), so its next check of the dataset's files (at the next evaluation) fails:
-    rank 0, waiting for it in a collective, says which rank failed and why. Then, in the restarted job, rank 1 is
-    killed (-9): rank 0 says it lost contact. Each time torchrun starts the ranks again, they resume the last
+    """DDP on 2 ranks with init_from=auto. First rank 1 alone cannot open another file (its limit of open files
+    lowered mid-run), so its next check of the dataset's files (at the next evaluation) fails: rank 0, waiting for
+    it in a collective, says which rank failed and why, and both ranks exit by themselves (forked from the warm
+    interpreter: no launcher stops them). The job is launched again under torchrun --max-restarts=1, where rank 1 is
+    killed (-9): rank 0 says it lost contact, and torchrun starts the ranks again. Each start resumes the last
     checkpoint, and in the end every logged loss and the weights are those of one process that was never
     interrupted (1 rank x 4 micro-steps = 2 x 2)."""
     ref_out, ref_losses = reference
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # restarted ranks must not read the old ones' keys
     out = tmp_path / "out"
-    args = torchrun("--standalone", "--nproc_per_node=2", "--max-restarts=2")
-    args += run_args(char_data, out, "--init_from=auto", f"--max_iters={MAX_ITERS}", "--eval_interval=10")
+    settings = run_args(char_data, out, "--init_from=auto", f"--max_iters={MAX_ITERS}", "--eval_interval=10")
     # A gloo send to a killed peer does not fail: it waits out dist_timeout_s ("Timed out waiting 15000ms for send
     # operation to complete"; about one kill in 20 lands there, where a receive fails at once). Past torchrun's
     # 30 s between its SIGTERM and SIGKILL, the rank would die without its line; at 15 s it says it lost contact
-    args.append("--dist_timeout_s=15")
-    with Child("-m", args, warm=True) as child:  # its pipe holds a few dozen lines: the job cannot get far ahead of us
-        child.wait_for(lambda line: line.startswith("saved ") and "(iter 10," in line)
-        rank1 = pid_of_rank(child.pid, 1)
-        _, hard = resource.prlimit(rank1, resource.RLIMIT_NOFILE)
+    settings.append("--dist_timeout_s=15")
+    # rank 0's pipe holds a few dozen lines: the job cannot get far ahead of us; rank 1, read only at its end,
+    # gets a pipe it never fills
+    pipes = (4096, 1 << 20)
+    with contextlib.ExitStack() as stack:
+        ranks = [
+            stack.enter_context(Child("train.py", settings, pipe_size=size, warm=True, environ=environ))
+            for size, environ in zip(pipes, rank_environ(2, free_port()))
+        ]
+        ranks[0].wait_for(lambda line: line.startswith("saved ") and "(iter 10," in line)
+        _, hard = resource.prlimit(ranks[1].pid, resource.RLIMIT_NOFILE)
         # no new descriptor at all: a limit of the count open now let a descriptor open at that instant, and
         # closed after, make room for the next batch's (the limit caps descriptor numbers, not their count)
-        resource.prlimit(rank1, resource.RLIMIT_NOFILE, (0, hard))
+        resource.prlimit(ranks[1].pid, resource.RLIMIT_NOFILE, (0, hard))
         failed = time.monotonic()
-        child.wait_for(lambda line: "resuming at iter" in line)
-        assert time.monotonic() - failed < 60  # the ranks stopped, and started again, in bounded time
-        child.wait_for(lambda line: line.startswith("iter 12 |"))
-        os.kill(pid_of_rank(child.pid, 1), signal.SIGKILL)
-        code, output = child.finish(timeout=300)
-    assert code == 0, output
+        failures = [rank.finish(timeout=60) for rank in ranks]
+        assert time.monotonic() - failed < 60  # the ranks stopped in bounded time
+    assert all(code != 0 for code, _ in failures), failures
+    output = "".join(text for _, text in failures)
     assert re.search(r"^error: rank 1 failed: cannot read \S+train\.bin: Too many open files$", output, re.M), output
     assert re.search(r"^error: cannot read \S+train\.bin: Too many open files$", output, re.M), output  # rank 1's own
+
+    args = torchrun("--standalone", "--nproc_per_node=2", "--max-restarts=1") + settings
+    with Child("-m", args, warm=True) as child:
+        child.wait_for(lambda line: "resuming at iter" in line)
+        child.wait_for(lambda line: line.startswith("iter 12 |"))
+        os.kill(pid_of_rank(child.pid, 1), signal.SIGKILL)
+        code, restarted = child.finish(timeout=300)
+    assert code == 0, restarted
     lost = r"^error: rank 0 lost contact with the other ranks \(.+\); one died or hangs$"
-    said = "\n".join(line for line in output.splitlines() if not re.match(r"(iter|eval|saved) |config: |  \w+=", line))
-    assert re.search(lost, output, re.M), said  # what the ranks and torchrun said instead
+    said = "\n".join(
+        line for line in restarted.splitlines() if not re.match(r"(iter|eval|saved) |config: |  \w+=", line)
+    )
+    assert re.search(lost, restarted, re.M), said  # what the ranks and torchrun said instead
+    output += restarted
     assert "Traceback" not in output, output
     resumed = [int(it) for it in re.findall(r"resuming at iter (\d+)", output)]
     assert len(resumed) == 2 and all(10 <= it < MAX_ITERS for it in resumed), output
@@ -250,8 +265,7 @@ def test_sharded_optimizer_trains_like_one_process_and_its_checkpoints_resume_ei
     shutil.copyfile(ref_out / "ckpt-0000005.pt", out / "ckpt.pt")
     settings = run_args(char_data, out, "--init_from=auto", "--shard_optimizer=true", "--max_iters=10")
     settings += ["--eval_interval=5"]
-    with Child("-m", torchrun("--standalone", "--nproc_per_node=2") + settings, warm=True) as child:
-        code, output = child.finish(timeout=300)
+    code, output = joined(run_ranks("train.py", settings))
     assert code == 0, output
     assert "resuming at iter 5" in output and "(2 ranks x 2 micro-steps x 4 x 16)" in output, output
     assert "INFO: optimizer step sharded over 2 ranks (ZeRO-1)" in output, output
@@ -286,43 +300,48 @@ def gloo_world_of_one(monkeypatch):
     leave_process_group()
 
 
-GLOO_THREADS_AT_EXIT = """
-import os, torch
-from training import parallel
-from model import GPT, GPTConfig
-from training.runtime import Runtime, join_process_group, leave_process_group
-
-def gloo_threads():
+def gloo_threads() -> int:
     names = (open(f"/proc/self/task/{task}/comm").read() for task in os.listdir("/proc/self/task"))
     return sum("gloo" in name for name in names)
 
-runtime = Runtime(torch.device("cpu"), torch.float32, world_size=2)  # one process, placed as a rank of two
-for parallelism in ("ddp", "fsdp"):
-    join_process_group("gloo")
-    model = parallel.place_model(GPT(GPTConfig(**CONFIG)), runtime, parallelism)
-    eval_model, train_model = parallel.wrap_model(model, runtime, use_compile=False)
-    scaler = parallel.grad_scaler(model, "cpu", init_scale=1.0, enabled=True)
-    train_model(torch.zeros(1, 4, dtype=torch.long))[0].sum().backward()
-    del model, eval_model, train_model, scaler
-    print(parallelism, gloo_threads(), end=" ")
-    leave_process_group()
-    print(gloo_threads())
-"""
+
+def count_gloo_threads(environ: dict[str, str], results) -> None:
+    """In a child of the warm interpreter, a process group of its own: for DDP and FSDP, the gloo threads while
+    a wrapped model has trained a step, and after leave_process_group; sent to `results`."""
+    os.environ.update(environ)
+    runtime = Runtime(torch.device("cpu"), torch.float32, world_size=2)  # one process, placed as a rank of two
+    counts = {}
+    for parallelism in ("ddp", "fsdp"):
+        join_process_group("gloo")
+        model = parallel.place_model(GPT(tiny_config()), runtime, parallelism)
+        eval_model, train_model = parallel.wrap_model(model, runtime, use_compile=False)
+        scaler = parallel.grad_scaler(model, "cpu", init_scale=1.0, enabled=True)
+        train_model(torch.zeros(1, 4, dtype=torch.long))[0].sum().backward()
+        del model, eval_model, train_model, scaler
+        alive = gloo_threads()
+        leave_process_group()
+        counts[parallelism] = (alive, gloo_threads())
+    results.send(counts)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
-def test_leaving_the_process_group_stops_its_threads():
-    """In a fresh interpreter, as under torchrun: nothing DDP or FSDP leaves behind keeps the group alive past
-    leave_process_group. A gloo thread still running when the interpreter exits can abort the process after a
-    run that finished (runtime.join_process_group says how)."""
-    script = GLOO_THREADS_AT_EXIT.replace("CONFIG", repr(dataclasses.asdict(tiny_config())))
-    env = {**subprocess_env(), **world_of_one_env()}
-    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    counts = {name: (int(alive), int(after)) for name, alive, after in re.findall(r"(\w+) (\d+) (\d+)", done.stdout)}
-    assert list(counts) == ["ddp", "fsdp"], done.stdout
+def test_leaving_the_process_group_stops_its_threads(warm_interpreter):
+    """In a process of its own, as a rank under torchrun: nothing DDP or FSDP leaves behind keeps the group alive
+    past leave_process_group. A gloo thread still running when the interpreter exits can abort the process after
+    a run that finished (runtime.join_process_group says how)."""
+    results, sender = warm_context().Pipe(duplex=False)
+    child = warm_context().Process(target=count_gloo_threads, args=(world_of_one_env(), sender))
+    child.start()
+    sender.close()
+    try:
+        assert results.poll(120), "no counts from the child"
+        counts = results.recv()
+    finally:
+        child.join(30)
+        child.kill()
+    assert child.exitcode == 0 and list(counts) == ["ddp", "fsdp"], (child.exitcode, counts)
     for alive, after in counts.values():
-        assert alive > 0 and after == 0, done.stdout  # the count sees gloo's threads, and none is left
+        assert alive > 0 and after == 0, counts  # the count sees gloo's threads, and none is left
 
 
 def test_ddp_wrapping_follows_the_settings(monkeypatch, gloo_world_of_one):
@@ -361,7 +380,9 @@ def test_ddp_wrapping_follows_the_settings(monkeypatch, gloo_world_of_one):
 
 def test_a_sharded_optimizer_skips_a_non_finite_step_and_takes_a_finite_one_as_adamw(gloo_world_of_one):
     """clip_and_step drives ZeRO's fused AdamW as a plain one: a non-finite gradient norm reaches the AdamW inside
-    (found_inf), which leaves every weight as it was; a finite step moves the weights as a plain AdamW's does."""
+    (found_inf), which leaves every weight as it was; the skip is that step's alone (a step the optimizer then
+    takes by itself moves every weight); a finite step moves the weights as a plain AdamW's does."""
+    idx = torch.randint(0, tiny_config().vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     weights = {}
     for sharded in (False, True):
         torch.manual_seed(0)
@@ -369,18 +390,19 @@ def test_a_sharded_optimizer_skips_a_non_finite_step_and_takes_a_finite_one_as_a
         optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.99), "cpu")
         optimizer = parallel.shard_optimizer(optimizer) if sharded else optimizer
         scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
-        before = [p.detach().clone() for p in model.parameters()]
-        for poison in (True, False):
-            idx = torch.randint(0, tiny_config().vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+        for step in ("non-finite", "the optimizer's own", "finite"):
+            before = [p.detach().clone() for p in model.parameters()]
             model(idx, idx)[1].backward()
-            if poison:
+            if step == "non-finite":
                 next(model.parameters()).grad[0, 0] = float("nan")
-            norm = train.clip_and_step(optimizer, scaler, model, 1.0, torch.float32)
-            assert bool(torch.isfinite(norm)) is not poison
-            if poison:
-                torch.testing.assert_close(list(model.parameters()), before, rtol=0, atol=0)
+            if step == "the optimizer's own":
+                optimizer.step()
+            else:
+                norm = train.clip_and_step(optimizer, scaler, model, 1.0, torch.float32)
+                assert bool(torch.isfinite(norm)) is (step == "finite")
+            moved = [not torch.equal(p, kept) for p, kept in zip(model.parameters(), before)]
+            assert moved == [step != "non-finite"] * len(moved), step
             optimizer.zero_grad()
-        assert not hasattr(parallel.local_optimizer(optimizer), "found_inf")
         weights[sharded] = [p.detach() for p in model.parameters()]
     torch.testing.assert_close(weights[True], weights[False], rtol=0, atol=0)
 
@@ -497,8 +519,7 @@ def test_context_parallel_over_two_ranks_trains_like_one_process(reference, char
     # manual asked for: context parallelism replaces it, and the warning that says so comes once
     settings = run_args(char_data, out, "--context_parallel=2", "--max_iters=10", "--eval_interval=10")
     settings.append("--attention_backend=manual")
-    with Child("-m", torchrun("--standalone", "--nproc_per_node=2") + settings, warm=True) as child:
-        code, output = child.finish(timeout=300)
+    code, output = joined(run_ranks("train.py", settings))
     assert code == 0, output
     assert "(1 ranks x 4 micro-steps x 4 x 16, each sequence split over 2 ranks)" in output, output
     assert "INFO: context parallel: each sequence split over 2 ranks; attention: SDPA" in output, output

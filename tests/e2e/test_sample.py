@@ -15,7 +15,7 @@ import torch
 
 import sample
 from data.tokenizer import gpt2_meta, load_tokenizer, tokenizer_vocab_size
-from helpers import REPO, Child, subprocess_env, tree_digest
+from helpers import REPO, Child, run_script, subprocess_env, tree_digest
 from model import GPT, GPTConfig
 from weights.load import load_checkpoint
 
@@ -32,40 +32,57 @@ def samples(stdout: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def cli_run(trained_out) -> tuple[subprocess.CompletedProcess, str, set[str]]:
-    """`python sample.py ...` once, with the interpreter listing each module it imports (PYTHONPROFILEIMPORTTIME
-    lines on stderr): (the run, stderr without those lines, the names of the imported modules)."""
-    argv = [f"--out_dir={trained_out}", "--num_samples=2", "--max_new_tokens=20", "--device=cpu"]
-    result = subprocess.run(
+def fresh_run_to_a_closed_pipe(trained_out) -> tuple[int, str, set[str]]:
+    """`python sample.py ...` in a fresh interpreter from start to exit, its stdout a pipe closed before the first
+    write (what `| head -1` does to the writes after its line), listing each module it imports (PYTHONPROFILEIMPORTTIME
+    lines on stderr): (exit code, stderr without those lines, the names of the imported modules)."""
+    argv = [f"--out_dir={trained_out}", "--start=ROMEO:", "--num_samples=3", "--max_new_tokens=50", "--device=cpu"]
+    piped = subprocess.Popen(
         [sys.executable, "sample.py", *argv],
         cwd=REPO,
         env={**subprocess_env(), "PYTHONPROFILEIMPORTTIME": "1"},
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=60,
     )
-    import_lines = [line for line in result.stderr.splitlines() if line.startswith("import time:")]
+    piped.stdout.close()  # the reader is gone: every write to stdout fails with EPIPE
+    try:
+        err = piped.stderr.read()
+        code = piped.wait(timeout=60)
+    finally:
+        piped.kill()  # if it ran past the timeout
+        piped.stderr.close()
+    import_lines = [line for line in err.splitlines() if line.startswith("import time:")]
     imported = {line.rsplit("|", 1)[-1].strip() for line in import_lines}
-    stderr = "\n".join(line for line in result.stderr.splitlines() if not line.startswith("import time:"))
-    return result, stderr, imported
+    stderr = "\n".join(line for line in err.splitlines() if not line.startswith("import time:"))
+    return code, stderr, imported
 
 
-def test_sample_cli(cli_run):
-    result, stderr, _ = cli_run
-    assert result.returncode == 0, stderr
+def test_sample_cli(trained_out, warm_interpreter):
+    argv = [f"--out_dir={trained_out}", "--num_samples=2", "--max_new_tokens=20", "--device=cpu"]
+    result = run_script("sample.py", argv, timeout=60, warm=True)
+    assert result.returncode == 0, result.stderr
     texts = samples(result.stdout)
     assert len(texts) == 2
     assert all(len(text) == 1 + 20 and text.startswith("\n") for text in texts)  # the "\n" prompt + 20 chars
-    assert re.search(r"^40 tokens in \d+\.\d s \([\d,]+ tokens/s\)$", stderr, re.M), stderr
-    assert "Traceback" not in stderr
+    assert re.search(r"^40 tokens in \d+\.\d s \([\d,]+ tokens/s\)$", result.stderr, re.M), result.stderr
+    assert "Traceback" not in result.stderr
 
 
-def test_sample_does_not_import_train(cli_run):
-    _, _, imported = cli_run
+def test_sample_does_not_import_train(fresh_run_to_a_closed_pipe):
+    _, _, imported = fresh_run_to_a_closed_pipe
     assert {"training.runtime", "model", "storage.checkpoint", "generation.loop"} <= imported  # the list is real
     # sampling needs no training code: device and dtype come from training/runtime.py, and that is all of training/
     training_code = {"train", "training.state", "training.parallel", "training.preflight"}
     assert not training_code & imported, training_code & imported
+
+
+def test_a_closed_stdout_is_quiet(fresh_run_to_a_closed_pipe):
+    """stdout closed before the first write: nobody reads, so exit 0 and nothing said, at exit either (what an
+    interpreter does with a closed stdout is part of the test: a fresh one, from start to exit)."""
+    code, stderr, _ = fresh_run_to_a_closed_pipe
+    assert code == 0, stderr
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
 
 
 def run_sample(capsys, *argv: str) -> tuple[int, str, str]:
@@ -215,23 +232,17 @@ def test_padding_ids_are_never_sampled(trained_out, tmp_path, capsys, tokenizer)
         assert all(len(text) == len("ROMEO:") + 40 for text in texts)
 
 
-def test_ctrl_c_keeps_the_sample_so_far_and_a_closed_pipe_is_quiet(trained_out, warm_interpreter):
-    """SIGINT during the second sample: the first is printed whole, the second as far as it got, exit 130.
-    stdout closed before the first write (what `| head -1` does to the writes after its line): exit 0, quiet.
-    Both children run side by side; the interrupted one is forked from the warm interpreter, the piped one is a
-    fresh interpreter from start to exit (what an interpreter does with a closed stdout is part of the test)."""
+def test_ctrl_c_keeps_the_sample_so_far(trained_out, warm_interpreter):
+    """SIGINT during the second sample: the first is printed whole, the second as far as it got, exit 130."""
     max_new = 1500  # ~1.5 s a sample on one CPU thread: the second is still running when the signal arrives
-    common = [f"--out_dir={trained_out}", "--start=ROMEO:", "--device=cpu"]
-    piped = subprocess.Popen(
-        [sys.executable, "sample.py", *common, "--num_samples=3", "--max_new_tokens=50"],
-        cwd=REPO,
-        env=subprocess_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    piped.stdout.close()  # the reader is gone: every write to stdout fails with EPIPE
-    with Child("sample.py", [*common, "--num_samples=2", f"--max_new_tokens={max_new}"], warm=True) as child:
+    args = [
+        f"--out_dir={trained_out}",
+        "--start=ROMEO:",
+        "--device=cpu",
+        "--num_samples=2",
+        f"--max_new_tokens={max_new}",
+    ]
+    with Child("sample.py", args, warm=True) as child:
         child.wait_for(lambda line: line == sample.SEPARATOR + "\n", timeout=60)
         time.sleep(0.3)  # let the second sample draw some tokens
         os.kill(child.pid, signal.SIGINT)
@@ -243,10 +254,6 @@ def test_ctrl_c_keeps_the_sample_so_far_and_a_closed_pipe_is_quiet(trained_out, 
     first, partial = output[output.index("ROMEO:") :].split(f"\n{sample.SEPARATOR}\n")[:2]  # log lines come first
     assert len(first) == len("ROMEO:") + max_new  # the whole first sample
     assert partial.startswith("ROMEO:") and len(partial) == len("ROMEO:") + int(stopped.group(1))
-
-    piped_err = piped.stderr.read()
-    assert piped.wait(timeout=60) == 0, piped_err
-    assert "Traceback" not in piped_err and "Exception ignored" not in piped_err, piped_err
 
 
 def test_weights_that_do_not_fit_model_config_are_one_line(trained_out, tmp_path, capsys):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import io
 import multiprocessing.connection
 import os
 import re
@@ -32,6 +33,7 @@ from helpers import (
     warm_context,
 )
 from storage.checkpoint import checkpoint_names
+from training.runtime import emit
 from weights.load import load_checkpoint
 
 SEPARATOR = "---------------"
@@ -260,25 +262,32 @@ def test_sample_to_dev_full_in_a_fresh_interpreter_is_one_line(trained_out):
     assert lines[0].startswith("error: the samples could not be written to stdout (No space left on device)")
 
 
-EMITTER = """import sys, time
-from training.runtime import emit
-while time.time() < float(sys.argv[2]):  # both start writing at once
-    pass
-for i in range(20000):
-    emit(f"{sys.argv[1]} {i} " + "x" * 50)
-"""
+def emit_lines(tag: str, output, together) -> None:
+    """In a child of the warm interpreter: stdout on `output`, unbuffered as PYTHONUNBUFFERED makes it; once the
+    other child is ready too (`together`, a barrier), 20000 lines through emit."""
+    os.dup2(output.fileno(), 1)
+    output.close()
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    together.wait(60)
+    for i in range(20000):
+        emit(f"{tag} {i} " + "x" * 50)
 
 
-def test_lines_of_processes_sharing_an_output_stay_whole(tmp_path):
+def test_lines_of_processes_sharing_an_output_stay_whole(tmp_path, warm_interpreter):
     """Ranks and torchrun write to one output. Unbuffered (PYTHONUNBUFFERED, as in these tests and many launches),
     print writes a line's text and its newline apart, and another process's line can land between them; emit
     writes each line at once. Two processes, 20000 lines each at the same time, one file: every line is whole."""
-    start = f"{time.time() + 6}"  # after both have imported torch
+    together = warm_context().Barrier(2)
     with open(tmp_path / "out", "w") as shared:
-        runs = [
-            subprocess.Popen([sys.executable, "-c", EMITTER, tag, start], cwd=REPO, env=subprocess_env(), stdout=shared)
-            for tag in "AB"
-        ]
-        assert [run.wait(timeout=120) for run in runs] == [0, 0]
+        runs = []
+        for tag in "AB":
+            output = multiprocessing.connection.Connection(os.dup(shared.fileno()), readable=False)
+            runs.append(warm_context().Process(target=emit_lines, args=(tag, output, together)))
+            runs[-1].start()
+            output.close()
+        for run in runs:
+            run.join(120)
+            run.kill()  # if it ran past the timeout
+        assert [run.exitcode for run in runs] == [0, 0]
     lines = (tmp_path / "out").read_text().splitlines()
     assert len(lines) == 40000 and all(re.fullmatch(r"[AB] \d+ x{50}", line) for line in lines), lines[:20]

@@ -17,8 +17,6 @@ import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,7 +25,7 @@ import pytest
 import torch
 
 from errors import CheckpointError
-from helpers import REPO, file_size_limit, run_module, subprocess_env, tiny_config, tree_digest
+from helpers import file_size_limit, run_script, tiny_config, tree_digest, warm_context
 from storage import checkpoint
 from storage.checkpoint import capture_rng, claim_out_dir, restore_rng, save_checkpoint
 from weights.__main__ import main as weights_main
@@ -122,65 +120,44 @@ def test_a_folder_that_turns_read_only_mid_save_is_one_line(monkeypatch, tmp_pat
     assert iter_of(tmp_path / "ckpt.pt") == 1 and iter_of(tmp_path / "ckpt-0000002.pt") == 2
 
 
-KILL_HARNESS = """
-import os, sys, torch
-from storage.checkpoint import save_checkpoint
-state = torch.load(sys.argv[2], weights_only=True)
-state["padding"] = torch.ones(10_000_000)  # 40 MB: every step of a save lasts long enough to be caught
-print("ready", flush=True)
-for line in sys.stdin:  # each line: fork a writer that saves iterations from there on, until it is killed
-    first = int(line)
-    pid = os.fork()
-    if pid == 0:
-        for it in range(first, first + 1000):
-            save_checkpoint({**state, "iter_num": it}, sys.argv[1], it, 2, it % 2 == 0)
-        os._exit(0)
-    print(pid, flush=True)
-    os.waitpid(pid, 0)
-    print("reaped", flush=True)
-"""
+def save_iterations(out: Path, source: Path, first: int) -> None:
+    """In a child of the warm interpreter: the checkpoint at `source` saved as iterations first, first + 1, ...
+    until the child is killed; padded to 40 MB, so that every step of a save lasts long enough to be caught."""
+    state = torch.load(source, weights_only=True)
+    state["padding"] = torch.ones(10_000_000)
+    for it in range(first, first + 1000):
+        save_checkpoint({**state, "iter_num": it}, out, it, 2, it % 2 == 0)
+
 
 # Kill moments: while writing the numbered file, while copying it to best.pt, to ckpt.pt, and at a random time
 KILL_AT = (".ckpt-*.pt.tmp.", ".best.pt.tmp.", ".ckpt.pt.tmp.", None)  # + the writer's pid
 
 
-def test_kill_9_at_any_moment_of_a_save_leaves_loadable_checkpoints(tmp_path):
+def test_kill_9_at_any_moment_of_a_save_leaves_loadable_checkpoints(tmp_path, warm_interpreter):
     """kill -9 a saving process at each step of a save, and once at random: ckpt.pt and best.pt always load,
-    and the next save removes what the killed writer left. One interpreter forks every writer (cheap)."""
+    and the next save removes what the killed writer left. Every writer is forked from the warm interpreter
+    (cheap)."""
     out = tmp_path / "out"
     out.mkdir()
     save_checkpoint(small_state(1), out, 1, keep_last_k=2, is_best=True)
     shutil.copyfile(out / "ckpt.pt", tmp_path / "source.pt")
-    harness = subprocess.Popen(
-        [sys.executable, "-c", KILL_HARNESS, str(out), str(tmp_path / "source.pt")],
-        cwd=REPO,
-        env=subprocess_env(),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
     rng, caught = random.Random(0), []
-    try:
-        assert harness.stdout.readline() == "ready\n"
-        for round_, pattern in enumerate(KILL_AT):
-            harness.stdin.write(f"{100 * (round_ + 1)}\n")
-            harness.stdin.flush()
-            writer = int(harness.stdout.readline())
+    for round_, pattern in enumerate(KILL_AT):
+        writer = warm_context().Process(target=save_iterations, args=(out, tmp_path / "source.pt", 100 * (round_ + 1)))
+        writer.start()
+        try:
             deadline = time.monotonic() + 60
-            if pattern is None:
-                time.sleep(rng.uniform(0.05, 0.5))
-            else:
-                while not [p for p in out.glob(f"{pattern}{writer}") if p.stat().st_size > 0]:
-                    assert time.monotonic() < deadline, f"the writer never wrote {pattern}"
-                    time.sleep(0.001)
-            os.kill(writer, signal.SIGKILL)
-            assert harness.stdout.readline() == "reaped\n"
-            caught.append(leftovers(out))
-            for name in ("ckpt.pt", "best.pt", *(p.name for p in out.glob("ckpt-*.pt"))):
-                load_checkpoint(out / name)  # raises if any file is torn
-    finally:
-        harness.kill()
-        harness.wait()
+            while not [p for p in out.glob(f"{pattern or '.*.tmp.'}{writer.pid}") if p.stat().st_size > 0]:
+                assert time.monotonic() < deadline, f"the writer never wrote {pattern}"
+                time.sleep(0.001)
+            if pattern is None:  # once it has started saving
+                time.sleep(rng.uniform(0.0, 0.5))
+        finally:
+            os.kill(writer.pid, signal.SIGKILL)
+            writer.join()
+        caught.append(leftovers(out))
+        for name in ("ckpt.pt", "best.pt", *(p.name for p in out.glob("ckpt-*.pt"))):
+            load_checkpoint(out / name)  # raises if any file is torn
     assert any(caught), "no kill landed mid-save: the test proved nothing"
     save_checkpoint(small_state(2), out, 2, keep_last_k=2, is_best=False)
     assert leftovers(out) == []  # the next save cleans up after the killed writers
@@ -587,12 +564,13 @@ def weights_cli(capsys, *argv: str) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def test_export_cli(trained_out, tmp_path):
-    """`python -m weights safetensors OUT_DIR FILE`, a real interpreter: an out_dir means its ckpt.pt."""
+def test_export_cli(trained_out, tmp_path, warm_interpreter):
+    """`python -m weights safetensors OUT_DIR FILE`, a process of its own (forked from the warm interpreter): an
+    out_dir means its ckpt.pt."""
     from safetensors.torch import load_file
 
     out = tmp_path / "model.safetensors"
-    result = run_module("weights", ["safetensors", str(trained_out), str(out)], timeout=60)
+    result = run_script("-m", ["weights", "safetensors", str(trained_out), str(out)], timeout=60, warm=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"wrote {out}\n" and "Traceback" not in result.stderr, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]  # no temporary file left
