@@ -1,23 +1,5 @@
-"""Time every attention backend of model.py on the same inputs: forward, forward+backward, memory, error.
-
-    python -m bench.attention                     # H100 grid: D 64/128, T 512..32768, bf16, causal
-    python -m bench.attention --docs              # also document-masked cells (~4 documents per row)
-    python -m bench.attention --docs-only         # only those (-> <card>-attention-docs.json)
-    python -m bench.attention --dtype float16 --budget 0
-    python -m bench.attention --quick             # tiny CPU run (seconds), what tests/e2e/test_bench.py runs
-
-Every cell (head dim, sequence length, documents or not) gets fresh random inputs with the same number of
-tokens per call (batch = tokens // T, at least 1) and H = 16 heads for both head dims (so H*D is 1024 or
-2048), so the work per call, B*T^2 = tokens*T, grows linearly in T. Each backend runs through the very
-function the model calls (model.BACKENDS[name].kernel / sdpa_attention(kernel=...)); `auto` is what
-model.resolve picks for training here, from the card's table (config/attention_auto.json; not timed at
-setup). A backend that cannot run a cell records why ('OOM', the resolver's reason, or the exception's
-first line) in `status`; cells the --budget leaves no time for say so too.
-
-    python -m bench.attention fit RESULTS.json [--write]   # auto's flash-attn-4 lengths from a results file
-
-`fit` (bench/attention_fit.py) turns such a file into the card's entry of config/attention_auto.json.
-"""
+"""`python -m bench.attention`: every attention backend of model.py on the same inputs (forward, forward+backward,
+memory, error), and `fit`: auto's flash-attn-4 lengths from such a file. bench/README.md says how to run it."""
 
 from __future__ import annotations
 
@@ -33,7 +15,7 @@ import torch
 
 from bench.attention_measure import Cell, measure_cell, skipped_cell
 from bench.grid import BenchParser, Grid, dispatch, number, run_grid
-from bench.report import Column, plot_lines
+from bench.report import plot_lines
 
 SDPA_VARIANTS = ("sdpa:auto", "sdpa:flash", "sdpa:cudnn", "sdpa:efficient", "sdpa:math")
 ALL_BACKENDS = ("manual", *SDPA_VARIANTS, "flex_attention", "flash_attn_2", "flash_attn_3", "flash_attn_4", "auto")
@@ -71,22 +53,10 @@ def progress_line(row: dict) -> str:
     )
 
 
-COLUMNS = [
-    Column("backend", "backend"),
-    Column("resolved", "runs"),
-    Column("head_dim", "D"),
-    Column("seq_len", "T"),
-    Column("batch_size", "B"),
-    Column("docs", "docs"),
-    Column("dtype", "dtype"),
-    Column("fwd_ms", "fwd ms", "{:.3f}"),
-    Column("fwd_bwd_ms", "fwd+bwd ms", "{:.3f}"),
-    Column("fwd_tflops", "fwd TF/s", "{:.3g}"),
-    Column("fwd_bwd_tflops", "fwd+bwd TF/s", "{:.3g}"),
-    Column("peak_mem_mib", "mem MiB", "{:.0f}"),
-    Column("max_err", "max err", "{:.1e}"),
-    Column("status", "status"),
-]
+COLUMNS = (
+    "backend resolved head_dim seq_len batch_size docs dtype fwd_ms fwd_bwd_ms fwd_tflops fwd_bwd_tflops "
+    "peak_mem_mib max_err status"
+).split()
 
 
 def plot(rows: list[dict], path: Path):

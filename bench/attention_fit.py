@@ -1,15 +1,5 @@
-"""`python -m bench.attention fit`: from an attention results file, the sequence lengths from which `auto` puts
-flash-attn-4 first on that card.
-
-    python -m bench.attention fit bench/results/h100-attention.json           # print the card's fitted entry
-    python -m bench.attention fit bench/results/h100-attention.json --write   # and store it in the table
-
-For each (masking, head dim) in the file: the shortest measured T from which flash_attn_4's fwd+bwd time
-beats what auto runs without it (sdpa:auto for causal cells, flex_attention for document cells) at that T
-and at every longer measured T. The table keys a card by its compute capability (the results header's
-`capability`, e.g. sm90) and a head dim by the largest it covers (64, 256); maskings the file does not hold
-keep their earlier entries. The table is data: model code reads it, and nothing rewrites source files.
-"""
+"""`python -m bench.attention fit`: the lengths from which auto puts flash-attn-4 first on a card, from an
+attention results file (bench/README.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""One cell of `python -m bench.attention` measured: fresh random inputs and their float32 reference, each
-backend's first calls (error, memory; compiles happen there), CUDA graphs of its calls where they fit, and the
-timings, interleaved over the cell's backends in rounds (kernels.timing.median_ms).
-"""
+"""One cell of `python -m bench.attention` measured: inputs, float32 reference, first calls, CUDA graphs, timings."""
 
 from __future__ import annotations
 

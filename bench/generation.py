@@ -1,25 +1,5 @@
-"""Generation for GPT-2 124M shapes (random weights): speed per attention backend and KV cache, where a decode
-step's time goes (profile), and what a default sampling step costs per decode variant (probe).
-
-    python -m bench.generation                      # CUDA, bf16: batch 1 and 32, prompt 128 and 2048, 256 new tokens
-    python -m bench.generation --budget 0           # the whole grid, however long it takes
-    python -m bench.generation --caches paged --mixed   # prompts of mixed lengths in each batch, per cache
-    python -m bench.generation --quick              # tiny CPU model, a few tokens: seconds
-    python -m bench.generation profile [--quick]    # torch.profiler over steady decoding, kernels by kind
-    python -m bench.generation probe                # a default sampling step per decode variant (CUDA)
-
-Each row runs generation.stream greedily on random prompts, the same way sample.py generates: prefill time
-is the time to the first token (the whole prompt read), decode time the rest; tok/s counts tokens of the whole
-batch. A short untimed run of the same shapes comes first (flex_attention and torch.compile compile there, CUDA
-graphs are captured). `compile` rows run the static decode step under torch.compile(mode="reduce-overhead").
-A backend that falls back is not timed under its name. With `transformers` importable (and not --quick), a peer
-row runs Hugging Face's GPT2LMHeadModel.generate with a static cache on the same weights. --slide rows decode 3
-windows past block_size at batch 1, as sample.py runs a long sample.
-
-Rows, most wanted first, so a --budget cut drops the least wanted: every backend with the contiguous and the
-paged cache at each shape; then compiled decoding (--compile-backends, default auto); then the Hugging Face
-peer; then no cache (the whole context every step, as nanoGPT generates); then the slide rows.
-"""
+"""`python -m bench.generation`: prefill and decode speed per attention backend and KV cache for GPT-2 124M
+shapes; its modes profile and probe. bench/README.md says how to run each."""
 
 from __future__ import annotations
 
@@ -37,7 +17,7 @@ import torch
 
 import generation
 from bench.grid import BenchParser, Grid, dispatch, fresh_row, number, run_grid
-from bench.report import GPT2_VOCAB, Column, model_shape, plot_lines
+from bench.report import GPT2_VOCAB, model_shape, plot_lines
 from generation.loop import decode_step_for, generation_attention
 from kernels.timing import timed
 from model import GPT, GPTConfig
@@ -286,24 +266,10 @@ def progress_line(row: dict) -> str:
     )
 
 
-COLUMNS = [
-    Column("backend", "backend"),
-    Column("resolved", "runs"),
-    Column("cache", "cache"),
-    Column("compile", "compile"),
-    Column("batch_size", "B"),
-    Column("prompts", "prompt"),
-    Column("new_tokens", "new"),
-    Column("slide", "slide"),
-    Column("dtype", "dtype"),
-    Column("prefill_ms", "prefill ms", "{:.1f}"),
-    Column("prefill_tok_s", "prefill tok/s", "{:,.0f}"),
-    Column("decode_ms_per_token", "decode ms/step", "{:.2f}"),
-    Column("decode_tok_s", "decode tok/s", "{:,.0f}"),
-    Column("peak_mem_mib", "peak MiB", "{:,.0f}"),
-    Column("warmup_s", "warm-up s", "{:.1f}"),
-    Column("status", "status"),
-]
+COLUMNS = (
+    "backend resolved cache compile batch_size prompts new_tokens slide dtype prefill_ms prefill_tok_s "
+    "decode_ms_per_token decode_tok_s peak_mem_mib warmup_s status"
+).split()
 
 
 def plot(rows: list[dict], path: Path):

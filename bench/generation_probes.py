@@ -1,18 +1,4 @@
-"""`python -m bench.generation profile` and `probe`: where a decode step's time goes.
-
-profile: after a warm-up stream (compiles, records CUDA graphs) and the first tokens of the profiled one,
-`--tokens` decode steps are recorded, eager and (on CUDA) compiled; <card>-profile-generate.md has wall time
-per token, GPU busy time per token by kernel kind, the top kernels, and the host ops that take the most CPU
-time. GPU busy time well under the wall time means decoding waits on the host (Python, launches), which CUDA
-graphs are meant to remove.
-
-probe: GPT-2 124M (random weights) at batch 1, 500 tokens after a one-token prompt, temperature 0.8, top-k 200,
-timed per decode variant (a CUDA graph or not, each decode kernel, compiled, float32 weights under autocast or
-bfloat16 weights), with a profiler's per-kernel GPU time for two of them. Prints a line per variant and writes
-<out>/sampling-probe.json. bench/results/h100-sampling-probe-{1,2,3}.{json,log} are three runs of it as the
-decode step changed (the variants of each are in its log; the first two before the draw moved into the CUDA
-graph).
-"""
+"""`python -m bench.generation profile` and `probe`: where a decode step's time goes (bench/README.md)."""
 
 from __future__ import annotations
 
@@ -63,7 +49,9 @@ def profile_decoding(gpt: GPT, args, device: torch.device, compile: bool) -> lis
 
 
 def profile(argv=None) -> int:
-    parser = mode_parser("generation", "profile", __doc__)
+    parser = mode_parser(
+        "generation", "profile", "torch.profiler over steady decoding: GPU time by kernel kind, host ops"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny model on CPU")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--top", type=int, default=15, help="rows of each top table (15)")
@@ -118,7 +106,7 @@ def probe_variant(name: str, model: GPT, autocast: bool, profile_it=False, tempe
 
 
 def probe(argv=None) -> int:
-    parser = mode_parser("generation", "probe", __doc__)
+    parser = mode_parser("generation", "probe", "a default sampling step's tok/s per decode variant (CUDA)")
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -1,8 +1,5 @@
-"""The grid runner of the attention, train and generate benches: the command line they share, their cases run
-in order under a wall-clock budget with one progress line a row, and the results written (bench.report).
-Each bench keeps its own cases and measurement (timed through kernels.timing); what they share to measure is
-here too: a failure recorded as the row's status, the GPU freed between rows, a call captured in a CUDA graph.
-"""
+"""The grid runner of the attention, train and generate benches: their shared command line, cases run in order
+under a wall-clock budget, failures recorded as a row's status, and the results written (bench.report)."""
 
 from __future__ import annotations
 
@@ -17,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from bench.report import DEFAULT_OUT, Column, save_results
+from bench.report import DEFAULT_OUT, save_results
 from data.common import OneLineParser
 from kernels.timing import timed
 
@@ -66,13 +63,9 @@ def dispatch(argv, default: Callable[[list[str]], int], **modes: Callable[[list[
     return default(argv)
 
 
-def mode_parser(tool: str, mode: str, doc: str) -> OneLineParser:
-    """The command line of `python -m bench.TOOL MODE`, described by the paragraph of doc that starts "MODE:" (or
-    doc's first)."""
-    paragraphs = doc.split("\n\n")
-    description = next((p for p in paragraphs if p.startswith(f"{mode}:")), paragraphs[0])
-    formatter = argparse.RawDescriptionHelpFormatter
-    return OneLineParser(prog=f"python -m bench.{tool} {mode}", description=description, formatter_class=formatter)
+def mode_parser(tool: str, mode: str, description: str) -> OneLineParser:
+    """The command line of `python -m bench.TOOL MODE`."""
+    return OneLineParser(prog=f"python -m bench.{tool} {mode}", description=description)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -88,7 +81,7 @@ class Grid:
     measure: Callable[[object], list[dict]]
     skipped: Callable[[object, str], list[dict]]
     progress: Callable[[dict], str]
-    columns: Sequence[Column]
+    columns: Sequence[str]
     plot: Callable[[list[dict], Path], None] | None = None
     finish: Callable[[list[dict]], None] | None = None
 

@@ -1,7 +1,5 @@
-"""train.py as a subprocess, the one way the multi-GPU, two-node and train_step compare/curves benches run it:
-its command (plain or under torchrun), a run to its end, to a logged iteration or to a timeout (and then
-nothing it started is left running), and its iter lines parsed.
-"""
+"""train.py as a subprocess: its command (plain or under torchrun), a run to its end, to a logged iteration or
+to a timeout (nothing it started left running), and its iter lines parsed."""
 
 from __future__ import annotations
 

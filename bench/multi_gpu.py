@@ -1,30 +1,5 @@
-"""How train.py scales over the GPUs of one host: the same global batch on 1, 2 and 4 GPUs, per-GPU tokens/s and
-the scaling against one GPU (1.0 = perfect); optionally GPT-2 XL (1.5B) under FSDP, the largest model that
-trains under DDP and under FSDP, and context parallelism (one step phase by phase: python -m bench.train_step
-phases under torchrun).
-
-    python -m bench.multi_gpu                  # GPT-2 124M, T=1024, micro-batch 16, DDP on 1 2 4 GPUs
-    python -m bench.multi_gpu --gpus 1 2 4 8
-    python -m bench.multi_gpu --fsdp           # also GPT-2 XL (48 layers, width 1600) under FSDP, same GPU counts
-    python -m bench.multi_gpu --skip-ddp --fsdp --fsdp-model gpt2-6.7B --gpus 4 --micro-batch 8
-                                               # a 6.7B GPT-2 (width 4096, 32 layers) under FSDP, micro-batch 4
-    python -m bench.multi_gpu --largest        # also the deepest width-1600 GPT that trains, DDP and FSDP
-    python -m bench.multi_gpu --quick          # CPU, gloo, a tiny model on 1 and 2 processes: checks the script
-    python -m bench.multi_gpu --skip-ddp --gpus 1 2 --context 262144 --context-check 8192
-                                               # context parallelism: T on 1 GPU, 2T split over 2; losses at 8192
-    python -m bench.multi_gpu --gpus 1 2 --variant overlap:--ddp_graph_split=true,--ddp_bucket_cap_mb=25
-                                               # other DDP settings, scaled by the same 1-GPU run
-    python -m bench.multi_gpu --skip-ddp --fsdp --gpus 1 2 --accum 2 --variant mb16:--batch_size=16
-                                               # GPT-2 XL under FSDP, also at micro-batch 16 (same tokens a step)
-
-Each run is train.py itself under torchrun (--log_interval=10: a log line waits for the GPU); its figures are
-train.py's own iter lines (bench.launch.parse_log_line) after the first --warmup iterations, medians over the
-rest; a run is stopped once it logs its last iteration, before its checkpoint. Every run has the same tokens per
-optimizer step: gradient_accumulation_steps = (GPUs of the largest run) x --accum, split over the GPUs. The data
-is a char corpus of this repo's sources with GPT-2's vocabulary size (no download), as many copies as a run's
-sequence length needs: runs at one T read the same tokens, whatever else the bench runs beside them.
-NCCL_NVLS_ENABLE=0 in every launched process. Results: bench/results/<card>-ddp.{json,md,png}.
-"""
+"""`python -m bench.multi_gpu`: train.py under torchrun on 1, 2, 4 GPUs (DDP, FSDP, the largest model, context
+parallelism), its own log lines read. bench/README.md says how to run it."""
 
 from __future__ import annotations
 
@@ -44,7 +19,7 @@ from pathlib import Path
 import torch
 
 from bench import launch
-from bench.report import DEFAULT_OUT, GPT2_124M, GPT2_VOCAB, TINY, Column, plot_series, results_header, write_results
+from bench.report import DEFAULT_OUT, GPT2_124M, GPT2_VOCAB, TINY, plot_series, results_header, write_results
 from data.common import OneLineParser
 from training.parallel import PARALLELISMS
 
@@ -54,26 +29,10 @@ FSDP_MODELS = {  # --fsdp-model: GPT-2 XL, or a GPT-2 of width 4096 and 32 layer
     "gpt2-6.7B": {"n_layer": 32, "n_head": 32, "n_embd": 4096},
 }
 LARGEST_LAYERS = (48, 96, 192, 384, 768)  # width 1600: about 1.5B, 3B, 6B, 12B, 24B parameters
-COLUMNS = [
-    Column("run", "run"),
-    Column("model", "model"),
-    Column("settings", "train.py settings"),
-    Column("params_m", "params (M)", "{:,.0f}"),
-    Column("gpus", "GPUs"),
-    Column("block_size", "T"),
-    Column("micro_steps_per_gpu", "micro-steps / GPU"),
-    Column("tokens_per_step", "tokens / step", "{:,}"),
-    Column("ms_per_iter", "ms / iter", "{:.1f}"),
-    Column("tokens_per_sec", "tok/s", "{:,.0f}"),
-    Column("tokens_per_sec_per_gpu", "tok/s per GPU", "{:,.0f}"),
-    Column("scaling", "scaling vs 1 GPU", "{:.3f}"),
-    Column("mfu", "MFU", "{:.1%}"),
-    Column("mfu_vs_1gpu", "MFU vs 1 GPU", "{:.2f}"),
-    Column("loss_vs_1gpu", "loss - 1 GPU's", "{:+.4f}"),
-    Column("loss_gaps", "each iter's loss - 1 GPU's"),
-    Column("mem_gib", "mem GiB", "{:.1f}"),
-    Column("status", "status"),
-]
+COLUMNS = (
+    "run model settings params_m gpus block_size micro_steps_per_gpu tokens_per_step ms_per_iter "
+    "tokens_per_sec tokens_per_sec_per_gpu scaling mfu mfu_vs_1gpu loss_vs_1gpu loss_gaps mem_gib status"
+).split()
 
 
 def params_millions(shape: dict, vocab_size: int | None, block_size: int) -> float:

@@ -1,15 +1,4 @@
-"""bench/README.md's tables, made from results files.
-
-    python -m bench.readme_table                             # table of h100-attention.json -> bench/README.md
-    python -m bench.readme_table RESULTS.json --docs         # the document-masked table
-    python -m bench.readme_table --train A.json B.json       # the train-step table of bench.train_step files
-    python -m bench.readme_table RESULTS.json --readme X.md  # write into another file's markers
-
-bench/README.md keeps each table between markers such as `<!-- bench:attention:start -->` and
-`<!-- bench:attention:end -->` (also `attention-docs` and `train`); only that part is replaced, and without
-the file or its markers the table is only printed. tests/unit/test_readme_table.py checks that those tables are
-what their results files give, and the attention targets on those files.
-"""
+"""`python -m bench.readme_table`: bench/README.md's tables, written between their markers from results files."""
 
 from __future__ import annotations
 

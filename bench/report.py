@@ -1,9 +1,5 @@
-"""What every bench writes, and how: the model shapes the benches run, the card's name, the results header,
-and the JSON, markdown table and plot of a run's rows.
-
-Each bench writes three files under its --out folder, named after the card so results from several GPUs
-can sit side by side:  <card>-<name>.json (header + rows), <card>-<name>.md (a table), <card>-<name>.png.
-"""
+"""What every bench writes: the model shapes, the card's name, the results header, and a run's rows as
+<card>-<name>.json, .md (a table) and .png under --out."""
 
 from __future__ import annotations
 
@@ -97,40 +93,25 @@ def results_header(name: str, device: torch.device, **extra) -> dict:
 # Writing results: JSON, markdown table, plot
 
 
-class Column:
-    """One markdown column: the row key, its title and how to print a value."""
-
-    def __init__(self, key: str, title: str, fmt: str = "{}"):
-        self.key, self.title, self.fmt = key, title, fmt
-
-    def cell(self, row: dict) -> str:
-        value = row.get(self.key)
-        if value is None:
-            return "–"
-        if isinstance(value, float) and not math.isfinite(value):
-            return str(value)
-        return self.fmt.format(value)
+def cell(value) -> str:
+    """A markdown cell: '–' for none, large numbers with thousands separators, small ones to 3 digits."""
+    if value is None:
+        return "–"
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+    return str(value).replace("|", "/")
 
 
-def markdown_table(rows: Iterable[dict], columns: Sequence[Column]) -> str:
-    lines = ["| " + " | ".join(c.title for c in columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        lines.append("| " + " | ".join(c.cell(row).replace("|", "/") for c in columns) + " |")
-    return "\n".join(lines)
+def markdown_table(rows: Iterable[dict], columns: Sequence[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows])
 
 
 def results_stem(out_dir: Path, name: str, card: str | None = None) -> Path:
     return Path(out_dir) / f"{card or card_slug()}-{name}"
 
 
-def write_results(
-    out_dir,
-    name: str,
-    header: dict,
-    rows: list[dict],
-    columns: Sequence[Column],
-    plot: Callable[[list[dict], Path], None] | None = None,
-) -> list[Path]:
+def write_results(out_dir, name: str, header: dict, rows: list[dict], columns: Sequence[str], plot=None) -> list[Path]:
     """<card>-<name>.json, .md and (when `plot` is given) .png under out_dir; returns the paths written."""
     stem = results_stem(out_dir, name, header.get("card"))
     stem.parent.mkdir(parents=True, exist_ok=True)
@@ -138,20 +119,15 @@ def write_results(
     json_path.write_text(json.dumps({"header": header, "rows": rows}, indent=1, default=str) + "\n")
     title = f"# {name}: {header['device_name']}, torch {header['torch']}, {header['date']}\n\n"
     notes = "".join(f"- {k}: {v}\n" for k, v in header.get("notes", {}).items())
-    md_path.write_text(
-        title + (notes + "\n" if notes else "") + markdown_table(rows, columns) + f"\n\n`{header['command']}`\n"
-    )
-    paths = [json_path, md_path]
-    if plot is not None:
-        png_path = stem.parent / f"{stem.name}.png"
-        plot(rows, png_path)
-        paths.append(png_path)
-    return paths
+    table = markdown_table(rows, columns)
+    md_path.write_text(title + (notes + "\n" if notes else "") + table + f"\n\n`{header['command']}`\n")
+    if plot is None:
+        return [json_path, md_path]
+    plot(rows, stem.parent / f"{stem.name}.png")
+    return [json_path, md_path, stem.parent / f"{stem.name}.png"]
 
 
-def save_results(
-    out_dir, name: str, device: torch.device, rows: list[dict], columns: Sequence[Column], plot=None, **fields
-) -> dict:
+def save_results(out_dir, name: str, device: torch.device, rows: list[dict], columns, plot=None, **fields) -> dict:
     """The results writer of every bench: results_header(name, device, **fields) and the rows written by
     write_results, each path printed. Returns the header."""
     header = results_header(name, device, **fields)

@@ -1,31 +1,4 @@
-"""`python -m bench.train_step phases` and `context`: parts of a training step measured alone.
-
-phases: where one optimizer step's time goes under DDP and under FSDP: train.py's own model, optimizer and
-GradScaler (train.build_train_state), GPT-2 124M at T=1024, micro-batch 16, one micro-step per rank; each phase
-timed on every rank with a barrier before it and a sync after (host ms: launching it; wall ms: until the GPU is
-done; rank 0's, and the slowest rank's step by step: the one a gradient reduction waits for). Forward+backward
-runs twice, with the gradient reduction and without it (no_sync), to tell the reduction from the compute. The
-last row is train.py's own train_step, the whole step without syncs between its phases.
-
-    torchrun --standalone --nproc_per_node=4 -m bench.train_step phases ddp fsdp
-    python -m bench.train_step phases --name step-phases-1gpu ddp                  # one GPU, no DDP: the reference
-    torchrun --standalone --nproc_per_node=2 -m bench.train_step phases --quick ddp fsdp   # CPU, gloo, tiny model
-
-Results: bench/results/<card>-step-phases.{json,md,png}. Run with NCCL_NVLS_ENABLE=0 on multi-GPU hosts.
-
-context: context parallelism's attention kernels on one device: one rank's two chunks of a sequence split over N
-ranks (training/context.py), each chunk against the keys up to its end, forward and backward, per chunk kernel.
-
-    python -m bench.train_step context              # CUDA, bf16, T=32768 split over 2 ranks, rank 0, 12 heads of 64
-    python -m bench.train_step context --T 131072 --ranks 4 --rank 1
-    python -m bench.train_step context --quick      # CPU, float64, T=256: checks the script
-
-No process group: the keys are made as if gathered. Every kernel's output and q, k, v gradients are compared with
-the reference kernel (SDPA with a lower-right causal mask) run in float32 (float64 with --quick), and timed:
-median of about --repeats runs after warm-up runs (kernels.timing.median_ms: CUDA events on a GPU). TFLOP/s
-count the (query, key) pairs the rank computes, 4·D flops each forward and 2.5 times that backward. Results:
-bench/results/<card>-context.{json,md,png}.
-"""
+"""`python -m bench.train_step phases` and `context`: parts of a training step measured alone (bench/README.md)."""
 
 from __future__ import annotations
 
@@ -39,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from bench.grid import mode_parser
-from bench.report import DEFAULT_OUT, GPT2_VOCAB, Column, model_shape, plot_bars, save_results
+from bench.report import DEFAULT_OUT, GPT2_VOCAB, model_shape, plot_bars, save_results
 from bench.train_step import build_state, random_batches
 from kernels.timing import median_ms, timed
 from training.context import CHUNK_KERNELS, REFERENCE, attend_chunk, resolve_chunk_kernel
@@ -47,15 +20,7 @@ from training.context import CHUNK_KERNELS, REFERENCE, attend_chunk, resolve_chu
 # ----------------------------------------------------------------------------------------------
 # phases
 
-PHASE_COLUMNS = [
-    Column("parallelism", "parallelism"),
-    Column("ranks", "ranks"),
-    Column("phase", "phase"),
-    Column("host_ms", "host ms", "{:.2f}"),
-    Column("wall_ms", "wall ms", "{:.2f}"),
-    Column("slowest_ms", "slowest rank's wall ms", "{:.2f}"),
-    Column("rank_wall_ms", "wall ms by rank"),
-]
+PHASE_COLUMNS = "parallelism ranks phase host_ms wall_ms slowest_ms rank_wall_ms".split()
 PHASES = (
     "forward+backward (with its gradient reduction)",
     "forward+backward without reduction (no_sync)",
@@ -131,7 +96,7 @@ def plot_phases(rows: list[dict], path: Path) -> None:
 
 
 def phases(argv=None) -> int:
-    parser = mode_parser("train_step", "phases", __doc__)
+    parser = mode_parser("train_step", "phases", "one optimizer step phase by phase, DDP and FSDP (under torchrun)")
     parser.add_argument("parallelism", nargs="+", choices=("ddp", "fsdp"))
     parser.add_argument("--steps", type=int, default=20, help="steps per parallelism; the first quarter is left out")
     parser.add_argument("--quick", action="store_true", help="CPU, gloo, a tiny model: checks the script")
@@ -167,14 +132,7 @@ def phases(argv=None) -> int:
 # ----------------------------------------------------------------------------------------------
 # context
 
-CONTEXT_COLUMNS = [
-    Column("kernel", "kernel"),
-    Column("used", "runs as"),
-    Column("max_rel_err", "largest rel. error vs reference", "{:.1e}"),
-    Column("status", "status"),
-    Column("ms", "ms fwd+bwd", "{:.2f}"),
-    Column("tflops", "TFLOP/s", "{:.1f}"),
-]
+CONTEXT_COLUMNS = "kernel used max_rel_err status ms tflops".split()
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-5, torch.float64: 1e-10}
 
 
@@ -227,7 +185,9 @@ def plot_chunks(rows: list[dict], path) -> None:
 
 
 def context_args(argv=None) -> argparse.Namespace:
-    parser = mode_parser("train_step", "context", __doc__)
+    parser = mode_parser(
+        "train_step", "context", "context parallelism's chunk kernels on one device, against the reference"
+    )
     parser.add_argument("--T", type=int, default=32768, help="the whole sequence's length (32768)")
     parser.add_argument("--ranks", type=int, default=2, help="ranks the sequence is split over (2)")
     parser.add_argument("--rank", type=int, default=0, help="the rank measured (0: the first and last chunks)")

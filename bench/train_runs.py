@@ -1,27 +1,5 @@
-"""`python -m bench.train_step compare` and `curves`: train.py itself, as a user runs it (a subprocess, through
-bench.launch), its own log lines read.
-
-compare: train.py once per attention backend, and a table of each run's last log line.
-
-    python -m bench.train_step compare -- config/train_gpt2.py --batch_size=16   # arguments go to every train.py run
-    python -m bench.train_step compare --backends auto sdpa flex_attention -- config/train_gpt2.py
-
-Each run: python train.py --max_iters=100 --log_interval=25 (no evaluation until the end, checkpoints in a
-temporary folder that is removed), then your arguments (so they win, e.g. --max_iters=200), then
---attention_backend=X. The last log line covers the last 25 steps, so compile time is left out. Prints a
-markdown table and writes <out>/<card>-compare_backends.{md,json}; the logs stay in a temporary folder named at
-the end. --keep-rows keeps the rows of other backends from that card's earlier file (to re-run one backend, or
-to split the backends over several runs on the same card).
-
-curves: the same model from the same seed with different switches, and their loss curves compared.
-
-    python -m bench.train_step curves               # GPT-2 124M on Shakespeare (GPT-2 BPE), 300 iterations
-    python -m bench.train_step curves --quick       # tiny char model on CPU: seconds
-
-Each run is train.py with --log_interval=1, so the curves are what a user would see: the plain path (nanoGPT's
-step: SDPA, full logits), the default (every speed switch on), and the plain path again from another seed: the
-gap between the two seeds is the run-to-run noise the default's gap is read against.
-"""
+"""`python -m bench.train_step compare` and `curves`: train.py itself run as a user runs it, its log lines read
+(bench/README.md)."""
 
 from __future__ import annotations
 
@@ -42,7 +20,6 @@ from bench.grid import mode_parser
 from bench.report import (
     DEFAULT_OUT,
     TINY,
-    Column,
     bench_device,
     plot_series,
     results_header,
@@ -63,17 +40,7 @@ def train_log(settings: Sequence[str]) -> launch.Run:
 
 BACKENDS = ("auto", "sdpa", "flash_attn_2", "flex_attention", "manual")
 COMPARE_SETTINGS = ["--max_iters=100", "--log_interval=25", "--eval_interval=1000000"]  # the caller's win
-COMPARE_COLUMNS = [
-    Column("backend", "backend"),
-    Column("runs", "runs"),
-    Column("iter", "iter"),
-    Column("loss", "loss", "{:.4f}"),
-    Column("ms_per_iter", "ms/iter", "{:.1f}"),
-    Column("tokens_per_sec", "tok/s", "{:,.0f}"),
-    Column("mfu", "MFU", "{:.1%}"),
-    Column("mem_gib", "mem GiB", "{:.1f}"),
-    Column("status", "status"),
-]
+COMPARE_COLUMNS = "backend runs iter loss ms_per_iter tokens_per_sec mfu mem_gib status".split()
 
 
 def compare_row(backend: str, log_text: str, exit_code: int) -> dict:
@@ -111,7 +78,7 @@ def tabulate_compare_logs(logs: Path, out: Path, backends: Sequence[str], keep_r
 
 
 def compare(argv=None) -> int:
-    parser = mode_parser("train_step", "compare", __doc__)
+    parser = mode_parser("train_step", "compare", "train.py once per attention backend: its last log line each")
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), help=f"default {' '.join(BACKENDS)}")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
     parser.add_argument("--keep-rows", action="store_true", help="keep other backends' rows of the earlier file")
@@ -143,16 +110,7 @@ GPT2_SHAKESPEARE = [
     *launch.flags({"learning_rate": 6e-4, "min_lr": 6e-5, "warmup_iters": 30, "beta2": 0.95}),
 ]
 TINY_CHAR = ["--dataset=shakespeare_char", *launch.flags(TINY), "--block_size=32", "--batch_size=8", "--warmup_iters=3"]
-CURVE_COLUMNS = [
-    Column("run", "run"),
-    Column("seed", "seed"),
-    Column("switches", "switches"),
-    Column("first_loss", "first loss", "{:.4f}"),
-    Column("tail_loss", "mean loss, last third", "{:.4f}"),
-    Column("gap_vs_plain", "mean abs gap to plain, last third", "{:.4f}"),
-    Column("log_tokens_per_sec", "log tok/s (median)", "{:,.0f}"),
-    Column("log_mfu", "log MFU (median)", "{:.1%}"),
-]
+CURVE_COLUMNS = "run seed switches first_loss tail_loss gap_vs_plain log_tokens_per_sec log_mfu".split()
 
 
 def curve_row(run: str, seed: int, switches: list[str], log: list[dict], tail: int) -> dict:
@@ -186,7 +144,7 @@ def plot_curves(rows: list[dict], path: Path) -> None:
 
 
 def curves(argv=None) -> int:
-    parser = mode_parser("train_step", "curves", __doc__)
+    parser = mode_parser("train_step", "curves", "the loss curves of plain, default and plain from another seed")
     parser.add_argument("--quick", action="store_true", help="tiny char model on CPU, 30 iterations")
     parser.add_argument("--iters", type=int, default=None, help="iterations per run (default 300; --quick 30)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")

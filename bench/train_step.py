@@ -1,25 +1,5 @@
-"""train.py's training step: timed per attention backend, batch size and context length, or per switch set;
-profiled; phase by phase over several GPUs; context parallelism's chunk attention; and train.py itself per
-backend and per switch set (its own log lines, its loss curves).
-
-    python -m bench.train_step                  # H100 grid (compile on, as train.py does on CUDA), --budget 200 s
-    python -m bench.train_step --budget 0      # the whole grid, however long it takes
-    python -m bench.train_step --variants plain default --batch-sizes 16 32 --long-seq-lens   # per switch set
-    python -m bench.train_step --quick         # tiny CPU model, 2 steps, no compile: seconds
-    python -m bench.train_step profile --variants plain default     # torch.profiler, GPU kernels by kind
-    torchrun --standalone --nproc_per_node=4 -m bench.train_step phases ddp fsdp     # one step phase by phase
-    python -m bench.train_step context          # context parallelism's chunk kernels on one device
-    python -m bench.train_step compare -- config/train_gpt2.py --batch_size=16      # train.py per backend
-    python -m bench.train_step curves           # the loss curves of plain and default
-
-Each `python -m bench.train_step MODE --help` says more. The grid: each row builds a fresh training state with
-train.py's own functions (setup_runtime, build_model, build_train_state) and times train.py's train_step on
-synthetic random tokens (no dataset needed).
-
-Rows, most wanted first, so a --budget cut drops the least wanted: every backend at T=1024 batch 16; the
-long-context model (same GPT-2 at T=8192 and T=32768, batch 1); then batch 32 and 8 at T=1024. `manual`
-runs at T <= 1024 only: at T=8192 its (T, T) scores alone would need tens of GiB.
-"""
+"""`python -m bench.train_step`: train.py's training step timed per backend, batch size, context length or switch
+set; its modes profile, phases, context, compare and curves. bench/README.md says how to run each."""
 
 from __future__ import annotations
 
@@ -40,7 +20,7 @@ from pathlib import Path
 import torch
 
 from bench.grid import BenchParser, Grid, dispatch, fresh_row, mode_parser, number, profiled, run_grid
-from bench.report import DEFAULT_OUT, GPT2_VOCAB, Column, card_slug, model_shape, plot_lines, write_markdown
+from bench.report import DEFAULT_OUT, GPT2_VOCAB, card_slug, model_shape, plot_lines, write_markdown
 from kernels.timing import timed
 from train import TrainConfig, build_model, build_train_state, train_step
 from training.profiling import summarize
@@ -267,23 +247,10 @@ def progress_line(row: dict) -> str:
     )
 
 
-COLUMNS = [
-    Column("variant", "variant"),
-    Column("backend", "backend"),
-    Column("resolved", "runs"),
-    Column("seq_len", "T"),
-    Column("batch_size", "B"),
-    Column("dtype", "dtype"),
-    Column("compile", "compile"),
-    Column("ms_per_iter", "ms/iter", "{:.1f}"),
-    Column("tokens_per_sec", "tok/s", "{:,.0f}"),
-    Column("mfu", "MFU", "{:.1%}"),
-    Column("peak_mem_mib", "peak MiB", "{:,.0f}"),
-    Column("compile_s", "compile s", "{:.1f}"),
-    Column("loss", "loss", "{:.3f}"),
-    Column("vs_plain", "vs plain", "{:.2f}x"),
-    Column("status", "status"),
-]
+COLUMNS = (
+    "variant backend resolved seq_len batch_size dtype compile ms_per_iter tokens_per_sec mfu "
+    "peak_mem_mib compile_s loss vs_plain status"
+).split()
 
 
 def plot(rows: list[dict], path: Path):
@@ -410,11 +377,6 @@ def grid(argv=None) -> int:
 # ----------------------------------------------------------------------------------------------
 # profile: train.py's step per variant under torch.profiler
 
-PROFILE_DOC = """torch.profiler over train.py's train_step per variant (VARIANTS): after a compile step and warm-up,
-a few steps are recorded; <card>-profile-train.md has the step's wall time and its GPU time per kernel kind
-(matmul, attention, the fused pointwise/reduction kernels torch.compile generates, the optimizer, communication,
-copies), then the top kernels. GPU busy time well under the wall time means the step waits on the host."""
-
 
 def profile_variant(variant: str, args) -> str:
     case = Case(VARIANTS[variant].get("attention_backend", "auto"), args.seq_len, args.batch_size, variant)
@@ -436,7 +398,9 @@ def profile_lines(variant: str, state: TrainState, args) -> list[str]:
 
 
 def profile(argv=None) -> int:
-    parser = mode_parser("train_step", "profile", PROFILE_DOC)
+    parser = mode_parser(
+        "train_step", "profile", "torch.profiler over train.py's step per variant: GPU time by kernel kind"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny model on CPU, no compile")
     parser.add_argument("--variants", nargs="+", default=["plain", "default"], choices=VARIANTS)
     parser.add_argument("--batch-size", type=int, help="default 16 (--quick 4)")

@@ -245,7 +245,7 @@ def test_the_grid_runner_records_cases_past_the_budget_as_skipped_and_writes_the
         measure=measure,
         skipped=lambda case, reason: [{"case": case, "part": "a", "status": reason}],
         progress=lambda row: f"case {row['case']}{row['part']}: {row['status']}",
-        columns=[report.Column("case", "case"), report.Column("status", "status")],
+        columns=["case", "status"],
         finish=lambda rows: rows.append({"case": "all", "part": "", "status": f"{len(rows)} rows"}),
     )
     args = SimpleNamespace(quick=False, budget=0.01, name="grid-demo-6.7b", out=tmp_path)
