@@ -81,106 +81,50 @@ def plot(rows: list[dict], path: Path):
 # ----------------------------------------------------------------------------------------------
 
 
-QUICK = dict(
-    device="cpu",
-    dtype="float32",
-    head_dims=[64],
-    seq_lens=[64, 128],
-    tokens=256,
-    backends=list(QUICK_BACKENDS),
-    budget=0,
-    name="attention-quick",
-    warmup_ms=5,
-    rep_ms=20,
-    rounds=1,
-)
-FULL = dict(  # and device: cuda if there is one
-    dtype="bfloat16",
-    head_dims=[64, 128],
-    seq_lens=list(DEFAULT_SEQ_LENS),
-    tokens=16384,
-    backends=list(ALL_BACKENDS),
-    budget=240,
-    name=None,  # attention[-docs][-<dtype>], from the grid
-    warmup_ms=25,
-    rep_ms=100,
-    rounds=3,
-)
-
-
 def parse_args(argv=None):
-    full = {**FULL, "device": "cuda" if torch.cuda.is_available() else "cpu"}
     parser = BenchParser(
+        "attention",
         __doc__,
-        QUICK,
-        full,
         quick_help="tiny CPU run: T 64/128, D 64, float32, manual/sdpa/flex/auto (flex in one cell), with documents",
-        dtypes=("bfloat16", "float16", "float32"),
-        tool="attention",
         modes=("fit",),
+        device=("cuda" if torch.cuda.is_available() else "cpu", "cpu"),
+        dtype=("bfloat16", "float32"),
+        dtypes=("bfloat16", "float16", "float32"),
+        budget=(240, 0),
+        name=(None, "attention-quick"),  # None: attention[-docs][-<dtype>]
     )
-    add_grid_options(parser)
+    parser.option("--head-dims", [64, 128], [64], type=int, nargs="+", help="head dims D")
+    parser.option("--seq-lens", list(DEFAULT_SEQ_LENS), [64, 128], type=int, nargs="+", help="T, in this order")
+    parser.option("--tokens", 16384, 256, type=int, help="B*T per call (B >= 1)")
+    parser.option("--heads", 16, 16, type=int, help="attention heads H, for every head dim")
+    parser.option(
+        "--backends", list(ALL_BACKENDS), list(QUICK_BACKENDS), nargs="+", choices=ALL_BACKENDS, help="in order"
+    )
+    parser.option("--warmup-ms", 25, 5, type=float, help="do_bench warm-up per timing")
+    parser.option("--rep-ms", 100, 20, type=float, help="do_bench repetition time per timing")
+    parser.option("--rounds", 3, 1, type=int, help="timings per backend, interleaved over a cell's; median kept")
+    parser.add_argument("--docs", action="store_true", help="also every cell with document masks (~4 a row)")
+    parser.add_argument("--docs-only", action="store_true", help="only document-masked cells (name attention-docs)")
+    parser.add_argument("--timing", default="graph", choices=("graph", "eager"), help="CUDA: graph replays or eager")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.docs = True  # cheap on CPU, and it exercises the document path
+    args.docs = args.docs or args.quick  # cheap on CPU, and it exercises the document path
     if args.name is None:
-        args.name = (
-            "attention" + ("-docs" if args.docs_only else "") + ("" if args.dtype == "bfloat16" else f"-{args.dtype}")
-        )
+        dtype = "" if args.dtype == "bfloat16" else f"-{args.dtype}"
+        args.name = "attention" + ("-docs" if args.docs_only else "") + dtype
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     args.flex_cell = (args.head_dims[0], args.seq_lens[0], False)
     return args
 
 
-def add_grid_options(parser: BenchParser):
-    parser.add_argument("--head-dims", type=int, nargs="+", help="default 64 128")
-    parser.add_argument(
-        "--seq-lens", type=int, nargs="+", help="default 1024 4096 16384 512 2048 8192 32768 (in order)"
-    )
-    parser.add_argument("--tokens", type=int, help="B*T per call (default 16384; B >= 1)")
-    parser.add_argument("--heads", type=int, default=16, help="attention heads H, for every head dim (default 16)")
-    parser.add_argument(
-        "--docs", action="store_true", help="also every cell with document masks (~4 a row), after the causal ones"
-    )
-    parser.add_argument(
-        "--docs-only", action="store_true", help="only the document-masked cells (default name attention-docs)"
-    )
-    parser.add_argument("--backends", nargs="+", choices=ALL_BACKENDS, help="default: all")
-    parser.add_argument("--warmup-ms", type=float, help="do_bench warm-up per timing (default 25 ms)")
-    parser.add_argument("--rep-ms", type=float, help="do_bench repetition time per timing (default 100 ms)")
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        help="timings per backend, interleaved across the cell's backends; the median counts (default 3; --quick: 1)",
-    )
-    parser.add_argument(
-        "--timing",
-        default="graph",
-        choices=("graph", "eager"),
-        help="on CUDA, time replays of a CUDA graph of each call (default) or eager calls",
-    )
-
-
 def results_notes(args, device: torch.device) -> dict:
     graphs = args.timing == "graph" and device.type == "cuda"
     return {
         "shapes": f"B = max(1, {args.tokens} // T), H = {args.heads} for every D; {args.dtype} inputs (B, H, T, D)",
-        "timing": f"median over {args.rounds} rounds (every backend of a cell timed in turn, each round) "
-        "of the median of triton.testing.do_bench (CUDA events, L2 flushed before each run; host clock on CPU); "
-        + (
-            "each call captured in a CUDA graph and its replays timed, so host launch work is left out "
-            "(fwd_timing/fwd_bwd_timing say where capture failed and eager calls were timed); "
-            if graphs
-            else "eager calls; "
-        )
-        + "forward timed with autograd on, as in training; mask forms (dense, BlockMask, cu_seqlens) built before "
-        "timing, as the model builds them once per forward for all layers",
-        "flops": FLOP_CONVENTION,
-        "memory": "peak_mem_mib = max_memory_allocated during one fwd+bwd (mem_pass) minus what was "
-        "allocated before (inputs, grad_out, mask, reference)",
-        "error": "max_err = max |out - ref|, rel_err = ||out - ref|| / ||ref||; ref = float32 attention "
-        "on upcast inputs, computed in query-row chunks, no TF32",
+        "timing": f"median over {args.rounds} interleaved rounds of triton.testing.do_bench's median; "
+        + ("CUDA graph replays (fwd_timing/fwd_bwd_timing: where eager)" if graphs else "eager calls"),
+        "memory": "peak_mem_mib: max_memory_allocated in one fwd+bwd (mem_pass) minus what was allocated before",
+        "error": "max_err = max |out - ref|, rel_err = ||out - ref|| / ||ref||; ref: float32 on upcast inputs, no TF32",
     }
 
 

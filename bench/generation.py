@@ -286,61 +286,33 @@ def plot(rows: list[dict], path: Path):
     )
 
 
-QUICK = dict(
-    device="cpu",
-    dtype="float32",
-    backends=["sdpa", "manual"],
-    batch_sizes=[1, 3],
-    prompt_lens=[8],
-    new_tokens=4,
-    compile="false",
-    budget=0,
-    name="generate-quick",
-)
-FULL = dict(  # and on CUDA: device cuda, dtype bfloat16, compile true
-    device="cpu",
-    dtype="float32",
-    backends=list(BACKENDS),
-    batch_sizes=[1, 32],
-    prompt_lens=[128, 2048],
-    new_tokens=256,
-    compile="false",
-    budget=480,
-    name="generate",
-)
-
-
 def parse_args(argv=None):
-    on_cuda = dict(device="cuda", dtype="bfloat16", compile="true") if torch.cuda.is_available() else {}
+    cuda = torch.cuda.is_available()
     parser = BenchParser(
+        "generation",
         __doc__,
-        QUICK,
-        {**FULL, **on_cuda},
         quick_help="tiny CPU model, prompts of 8, 4 new tokens",
-        dtypes=("bfloat16", "float16", "float32"),
-        tool="generation",
         modes=("profile", "probe"),
+        device=("cuda" if cuda else "cpu", "cpu"),
+        dtype=("bfloat16" if cuda else "float32", "float32"),
+        dtypes=("bfloat16", "float16", "float32"),
+        budget=(480, 0),
+        name=("generate", "generate-quick"),
     )
-    parser.add_argument("--backends", nargs="+", help=f"default: {' '.join(BACKENDS)}")
+    parser.option("--backends", list(BACKENDS), ["sdpa", "manual"], nargs="+", help="attention backends")
     parser.add_argument("--caches", nargs="+", default=list(CACHES), choices=CACHES)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", help="default 1 32")
-    parser.add_argument("--prompt-lens", type=int, nargs="+", help="default 128 2048")
-    parser.add_argument("--new-tokens", type=int, help="default 256")
-    parser.add_argument("--compile", choices=("true", "false"), help="also compiled decode rows (default: on CUDA)")
+    parser.option("--batch-sizes", [1, 32], [1, 3], type=int, nargs="+", help="batch sizes")
+    parser.option("--prompt-lens", [128, 2048], [8], type=int, nargs="+", help="prompt lengths")
+    parser.option("--new-tokens", 256, 4, type=int, help="tokens generated")
+    parser.option(
+        "--compile", "true" if cuda else "false", "false", choices=("true", "false"), help="compiled rows too"
+    )
     parser.add_argument("--compile-backends", nargs="+", default=["auto"], help="backends of the compiled rows")
-    parser.add_argument(
-        "--hf", default="auto", choices=("auto", "off"), help="the transformers peer row (auto: if importable)"
-    )
-    parser.add_argument(
-        "--mixed", action="store_true", help="prompts of mixed lengths in each batch (1/16 of a prompt length up to it)"
-    )
+    parser.add_argument("--hf", default="auto", choices=("auto", "off"), help="the transformers peer (auto: if there)")
+    parser.add_argument("--mixed", action="store_true", help="prompts of 1/16 of a prompt length up to it per batch")
     parser.add_argument("--manual-max-prompt", type=int, default=2048, help="manual only up to this prompt length")
     parser.add_argument(
-        "--slide",
-        nargs="*",
-        default=["half", "exact"],
-        choices=("half", "exact"),
-        help="rows that decode 3 windows past block_size at batch 1, per slide mode (default: both; none: --slide)",
+        "--slide", nargs="*", default=["half", "exact"], choices=("half", "exact"), help="3 windows past block_size"
     )
     args = parser.parse_args(argv)
     args.compile = args.compile == "true"
@@ -349,23 +321,18 @@ def parse_args(argv=None):
 
 
 def header_fields(args, cases: list[Case]) -> dict:
-    shapes = model_settings(args.quick)
+    shapes, block_size = model_settings(args.quick), 64 if args.quick else 1024
     return {
         "model": shapes,
         "grid": {"cases": [vars(c) for c in cases], "dtype": args.dtype},
         "notes": {
             "model": ", ".join(f"{k}={v}" for k, v in shapes.items())
-            + f", random weights; block_size = max({64 if args.quick else 1024}, prompt + new), except the slide rows: "
-            f"block_size {64 if args.quick else 1024}, 3 windows of new tokens past it (slide half | exact)",
-            "generation": "generation.stream, greedy (temperature 0), random prompt ids; prefill = time to the "
-            "first token; decode = the remaining new tokens; tok/s counts the whole batch",
-            "warm-up": f"an untimed run of the same shapes stopped after {WARMUP_TOKENS} tokens first (compiles, "
-            "CUDA graph capture: warmup_s)",
-            "memory": "peak_mem_mib = torch.cuda.max_memory_allocated over the timed run; none on CPU",
-            "hf peer": "GPT2LMHeadModel.generate(cache_implementation='static') on the same weights; prefill = "
-            "one forward pass over the prompts, decode = the whole generate minus it"
+            + f", random weights; block_size = max({block_size}, prompt + new), except the slide rows'",
+            "generation": "generation.stream, greedy; prefill = time to the first token; decode = the rest; tok/s "
+            f"counts the whole batch; after an untimed run of {WARMUP_TOKENS} tokens (warmup_s)",
+            "hf peer": "GPT2LMHeadModel.generate(cache_implementation='static') on the same weights"
             if args.hf
-            else "not run (transformers not importable, or --quick / --hf off)",
+            else "not run",
         },
     }
 

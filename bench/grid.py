@@ -3,7 +3,6 @@ under a wall-clock budget, failures recorded as a row's status, and the results 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import sys
@@ -23,35 +22,31 @@ from kernels.timing import timed
 
 
 class BenchParser(OneLineParser):
-    """A grid bench's command line: the options every one has (--quick, --out, --device, --dtype, --budget,
-    --name), then the bench's own. An option left unset (None) takes its --quick or full-run default."""
+    """A grid bench's command line: --quick and --out, then options that each have a full-run default and a --quick
+    one (option()); --device, --dtype, --budget and --name are every bench's."""
 
-    def __init__(self, doc, quick, full, *, quick_help, dtypes: Sequence[str], tool=None, modes: Sequence[str] = ()):
-        prog = f"python -m bench.{tool}" if tool else None
-        epilog = f"modes: {prog} {' | '.join(modes)} (each with its own --help)" if modes else None
-        formatter = argparse.RawDescriptionHelpFormatter
-        super().__init__(prog=prog, description=doc.split("\n\n")[0], epilog=epilog, formatter_class=formatter)
-        self.defaults = {True: quick, False: full}
+    def __init__(self, tool: str, doc: str, *, quick_help: str, modes: Sequence[str] = (), **common: tuple):
+        epilog = f"modes: python -m bench.{tool} {' | '.join(modes)} (each with its own --help)" if modes else None
+        super().__init__(prog=f"python -m bench.{tool}", description=doc, epilog=epilog)
+        self.defaults: dict[str, tuple] = {}
         self.add_argument("--quick", action="store_true", help=quick_help)
         self.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
-        self.add_argument("--device", help=f"where it runs (default {full['device']}; --quick: {quick['device']})")
-        self.add_argument(
-            "--dtype", choices=dtypes, help=f"compute dtype (default {full['dtype']}; --quick: {quick['dtype']})"
-        )
-        self.add_argument(
-            "--budget",
-            type=float,
-            help=f"seconds for all cases; later ones are recorded as skipped (default {full['budget']:g}; 0: none)",
-        )
-        self.add_argument(
-            "--name", help=f"results name (default {full['name'] or 'from the grid'}; --quick: {quick['name']})"
-        )
+        self.option("--device", *common["device"], help="where it runs")
+        self.option("--dtype", *common["dtype"], choices=common["dtypes"], help="compute dtype")
+        self.option("--budget", *common["budget"], type=float, help="seconds for all cases, the rest skipped; 0: none")
+        self.option("--name", *common["name"], help="results name")
+
+    def option(self, flag: str, full, quick, help: str, **kwargs):
+        """--flag: `full` when left unset, `quick` with --quick."""
+        shown = [" ".join(map(str, v)) if isinstance(v, list) else v for v in (full, quick)]
+        said = f"default {shown[0]}" + (f"; --quick: {shown[1]}" if quick != full else "")
+        self.defaults[self.add_argument(flag, help=f"{help} ({said})", **kwargs).dest] = (full, quick)
 
     def parse_args(self, args=None, namespace=None):
         parsed = super().parse_args(args, namespace)
-        for key, value in self.defaults[parsed.quick].items():
+        for key, (full, quick) in self.defaults.items():
             if getattr(parsed, key) is None:
-                setattr(parsed, key, value)
+                setattr(parsed, key, quick if parsed.quick else full)
         return parsed
 
 

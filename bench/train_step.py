@@ -269,63 +269,27 @@ def plot(rows: list[dict], path: Path):
 # ----------------------------------------------------------------------------------------------
 
 
-QUICK = dict(
-    device="cpu",
-    dtype="auto",
-    batch_sizes=[4, 8],
-    long_seq_lens=[],
-    steps=2,
-    chunks=1,
-    warmup_steps=0,
-    budget=0,
-    name="train-quick",
-    compile="false",
-)
-FULL = dict(
-    device="auto",
-    dtype="auto",
-    batch_sizes=[16, 32, 8],
-    long_seq_lens=[8192, 32768],
-    steps=10,
-    chunks=3,
-    warmup_steps=2,
-    budget=200,
-    name="train",
-)
-
-
 def parse_args(argv=None):
     parser = BenchParser(
+        "train_step",
         __doc__,
-        QUICK,
-        FULL,
         quick_help="tiny CPU model, T=64, 2 steps, no compile",
-        dtypes=("auto", "bfloat16", "float16", "float32"),  # as train.py's (auto: bfloat16 on CUDA, else float32)
-        tool="train_step",
         modes=("profile", "phases", "context", "compare", "curves"),
+        device=("auto", "cpu"),
+        dtype=("auto", "auto"),  # as train.py's: bfloat16 on CUDA, else float32
+        dtypes=("auto", "bfloat16", "float16", "float32"),
+        budget=(200, 0),
+        name=("train", "train-quick"),
     )
-    parser.add_argument(
-        "--compile", choices=("true", "false"), help="torch.compile the model (default: as train.py, on for CUDA)"
-    )
+    parser.option("--compile", None, "false", choices=("true", "false"), help="torch.compile; None: as train.py")
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
-    parser.add_argument(
-        "--variants",
-        nargs="+",
-        choices=VARIANTS,
-        help="rows per switch set instead of per backend (e.g. plain default: their ratio is vs_plain)",
-    )
-    parser.add_argument(
-        "--batch-sizes", type=int, nargs="*", help="at T=1024; the first runs for every backend first (default 16 32 8)"
-    )
-    parser.add_argument(
-        "--long-seq-lens", type=int, nargs="*", help="long-context rows at batch 1 (default 8192 32768)"
-    )
-    parser.add_argument(
-        "--model", type=model_setting, nargs="*", default=[], help="model settings, e.g. n_embd=4096 n_head=32"
-    )
-    parser.add_argument("--steps", type=int, help="timed steps per chunk (default 10)")
-    parser.add_argument("--chunks", type=int, help="timed chunks; the median is kept (default 3)")
-    parser.add_argument("--warmup-steps", type=int, help="untimed steps after the first (default 2)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, help="rows per switch set instead of per backend")
+    parser.option("--batch-sizes", [16, 32, 8], [4, 8], type=int, nargs="*", help="at T=1024; the first runs first")
+    parser.option("--long-seq-lens", [8192, 32768], [], type=int, nargs="*", help="long-context rows at batch 1")
+    parser.add_argument("--model", type=model_setting, nargs="*", default=[], help="model settings, e.g. n_embd=4096")
+    parser.option("--steps", 10, 2, type=int, help="timed steps per chunk")
+    parser.option("--chunks", 3, 1, type=int, help="timed chunks; the median is kept")
+    parser.option("--warmup-steps", 2, 0, type=int, help="untimed steps after the first")
     args = parser.parse_args(argv)
     args.compile = None if args.compile is None else args.compile == "true"
     args.model = dict(args.model)
@@ -334,26 +298,22 @@ def parse_args(argv=None):
 
 def header_fields(args, cases: list[Case], dtype: torch.dtype) -> dict:
     model = model_settings(args.quick, args.model)
+    variants = {v: VARIANTS[v] for v in args.variants or ()}
     return {
         "model": model,
         "grid": {
             "backends": args.backends,
-            "variants": {v: VARIANTS[v] for v in args.variants or ()},
+            "variants": variants,
             "cases": [vars(c) for c in cases],
             "dtype": str(dtype),
         },
-        "flop_convention": "MFU = runtime.model_flops_utilization: model.flops_per_token(T) * tokens / time / "
-        "runtime.peak_flops_for(card): 6N + 12*L*H*D*T per token (PaLM, nanoGPT), dense bf16 datasheet peak",
+        "flop_convention": "MFU: model.flops_per_token(T) (6N + 12*L*H*D*T) * tokens / time / dense bf16 peak",
         "notes": {
             "model": ", ".join(f"{k}={v}" for k, v in model.items()),
-            "step": "train.py's train_step: autocast, GradScaler, grad clip 1.0, fused AdamW on CUDA, "
-            "torch.compile as train.py decides (--compile), synthetic random tokens",
-            "timing": f"first step timed alone (compile_s = first step - steady step); then {args.warmup_steps} "
-            f"untimed steps; ms_per_iter = median over {args.chunks} chunks of the mean of {args.steps} "
-            f"steps (host clock, synchronised at chunk ends); inductor's on-disk caches carry over "
-            f"between rows, so a row after a similar one compiles faster",
-            "memory": "peak_mem_mib = torch.cuda.max_memory_allocated over the row (weights, optimizer, "
-            "activations); none on CPU",
+            "step": "train.py's train_step on synthetic random tokens, torch.compile as train.py decides (--compile)",
+            "timing": f"first step alone (compile_s = first - steady step), {args.warmup_steps} untimed; ms_per_iter = "
+            f"median over {args.chunks} chunks of the mean of {args.steps} steps",
+            "memory": "peak_mem_mib = torch.cuda.max_memory_allocated over the row; none on CPU",
         },
     }
 

@@ -210,25 +210,17 @@ def test_every_bench_takes_its_models_from_one_place():
 
 
 def test_bench_parser_fills_what_is_left_unset_from_the_quick_or_the_full_defaults():
-    quick = dict(device="cpu", dtype="float32", budget=0, name="demo-quick", sizes=[1])
-    full = dict(device="cuda", dtype="bfloat16", budget=60, name="demo", sizes=[8, 16])
-
     def parse(*argv):
-        parser = grid.BenchParser("Demo bench.", quick, full, quick_help="tiny", dtypes=("bfloat16", "float32"))
-        parser.add_argument("--sizes", type=int, nargs="*")
+        common = dict(device=("cuda", "cpu"), dtype=("bfloat16", "float32"), budget=(60, 0), name=("demo", "demo-q"))
+        parser = grid.BenchParser("demo", "Demo bench.", quick_help="tiny", dtypes=("bfloat16", "float32"), **common)
+        parser.option("--sizes", [8, 16], [1], type=int, nargs="*", help="sizes")
         return parser.parse_args(list(argv))
 
     args = parse()
-    assert (args.device, args.dtype, args.budget, args.name, args.sizes, args.out) == (
-        "cuda",
-        "bfloat16",
-        60,
-        "demo",
-        [8, 16],
-        report.DEFAULT_OUT,
-    )
+    assert (args.device, args.dtype, args.budget, args.name, args.sizes) == ("cuda", "bfloat16", 60, "demo", [8, 16])
+    assert args.out == report.DEFAULT_OUT
     args = parse("--quick", "--budget", "5", "--sizes")
-    assert (args.device, args.dtype, args.budget, args.name, args.sizes) == ("cpu", "float32", 5, "demo-quick", [])
+    assert (args.device, args.dtype, args.budget, args.name, args.sizes) == ("cpu", "float32", 5, "demo-q", [])
 
 
 def test_the_grid_runner_records_cases_past_the_budget_as_skipped_and_writes_the_results(tmp_path, capsys):
