@@ -22,8 +22,8 @@ from kernels.timing import timed
 
 
 class BenchParser(OneLineParser):
-    """A grid bench's command line: --quick and --out, then options that each have a full-run default and a --quick
-    one (option()); --device, --dtype, --budget and --name are every bench's."""
+    """A bench's command line: --quick, --out and --name (a grid's also --device, --dtype, --budget), then options
+    that each have a full-run default and a --quick one (option())."""
 
     def __init__(self, tool: str, doc: str, *, quick_help: str, modes: Sequence[str] = (), **common: tuple):
         epilog = f"modes: python -m bench.{tool} {' | '.join(modes)} (each with its own --help)" if modes else None
@@ -31,10 +31,11 @@ class BenchParser(OneLineParser):
         self.defaults: dict[str, tuple] = {}
         self.add_argument("--quick", action="store_true", help=quick_help)
         self.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
-        self.option("--device", *common["device"], help="where it runs")
-        self.option("--dtype", *common["dtype"], choices=common["dtypes"], help="compute dtype")
-        self.option("--budget", *common["budget"], type=float, help="seconds for all cases, the rest skipped; 0: none")
         self.option("--name", *common["name"], help="results name")
+        if "device" in common:  # a grid's: multi_gpu has none of these
+            self.option("--device", *common["device"], help="where it runs")
+            self.option("--dtype", *common["dtype"], choices=common["dtypes"], help="compute dtype")
+            self.option("--budget", *common["budget"], type=float, help="seconds for all cases, the rest skipped")
 
     def option(self, flag: str, full, quick, help: str, **kwargs):
         """--flag: `full` when left unset, `quick` with --quick."""

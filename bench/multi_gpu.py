@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from bench import launch
-from bench.report import DEFAULT_OUT, GPT2_124M, GPT2_VOCAB, TINY, plot_series, results_header, write_results
-from data.common import OneLineParser
+from bench.grid import BenchParser
+from bench.report import GPT2_124M, GPT2_VOCAB, TINY, plot_series, results_header, write_results
 from training.parallel import PARALLELISMS
 
 GPT2_XL = {"n_layer": 48, "n_head": 25, "n_embd": 1600}
@@ -233,87 +233,35 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def parse_args(argv=None):
-    parser = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_options(parser)
+    quick_help = "CPU, gloo, tiny model: checks the script"
+    parser = BenchParser("multi_gpu", __doc__, quick_help=quick_help, name=("ddp", "ddp-quick"))
+    parser.option("--gpus", [1, 2, 4], [1, 2], type=int, nargs="+", help="GPU counts")
+    parser.option("--micro-batch", 16, 4, type=int, help="sequences per GPU and micro-step")
+    parser.add_argument("--accum", type=int, default=2, help="micro-steps per GPU on the largest GPU count (2)")
+    parser.option("--iters", 60, 6, type=int, help="iterations per run")
+    parser.option("--warmup", 20, 2, type=int, help="iterations left out of the medians")
+    parser.option("--log-interval", 10, 1, type=int, help="train.py's log_interval (a log line waits for the GPU)")
+    parser.add_argument("--fsdp", action="store_true", help="also --fsdp-model under FSDP on each GPU count")
+    parser.add_argument("--fsdp-model", choices=list(FSDP_MODELS), default="gpt2-xl-1.5B", help="(gpt2-xl-1.5B)")
+    parser.add_argument("--skip-ddp", action="store_true", help="leave out the DDP rows (e.g. only --fsdp)")
+    parser.add_argument("--context", type=int, nargs="+", default=[], metavar="T", help="T on 1 GPU, N x T over N")
+    parser.add_argument("--context-iters", type=int, default=6, help="steps per context run, the first 2 untimed")
+    parser.add_argument("--context-check", type=int, nargs="+", default=[], metavar="T", help="T on 1 GPU and on N")
+    parser.add_argument("--largest", action="store_true", help="also the deepest width-1600 GPT that trains")
+    parser.add_argument("--largest-layers", type=int, nargs="+", default=list(LARGEST_LAYERS), help="depths tried")
+    parser.add_argument("--largest-parallelism", nargs="+", choices=PARALLELISMS, default=list(PARALLELISMS))
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per train.py run (900)")
+    parser.add_argument("--work", type=Path, default=Path("out-bench-ddp"), help="folder for data and out_dirs")
+    variant_help = "rows with these train.py settings on each GPU count > 1, scaled by the family's 1-GPU run"
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:--key=value[,...]", help=variant_help)
+    parser.add_argument("--variant-gpus", type=int, nargs="+", help="GPU counts of the --variant rows (all > 1)")
+    parser.add_argument("extra", nargs="*", help="more train.py --key=value settings for every run (after --)")
     args = parser.parse_args(argv)
-    quick = args.quick
-    args.gpus = args.gpus or ([1, 2] if quick else [1, 2, 4])
-    args.micro_batch = args.micro_batch or (4 if quick else 16)
-    args.iters = args.iters or (6 if quick else 60)
-    args.warmup = args.warmup if args.warmup is not None else (2 if quick else 20)
-    args.log_interval = args.log_interval or (1 if quick else 10)
-    args.name = args.name or ("ddp-quick" if quick else "ddp")
-    args.block_size, args.vocab_size = (64, None) if quick else (1024, GPT2_VOCAB)  # quick: the corpus's vocabulary
+    args.block_size, args.vocab_size = (64, None) if args.quick else (1024, GPT2_VOCAB)  # quick: the corpus's
     args.variants = [parse_variant(text, parser) for text in args.variant]
     if args.variant_gpus and not set(args.variant_gpus) <= {g for g in args.gpus if g > 1}:
         parser.error(f"--variant-gpus {args.variant_gpus}: choose among --gpus above 1 ({args.gpus})")
     return args
-
-
-def add_options(parser: argparse.ArgumentParser):
-    parser.add_argument("--gpus", type=int, nargs="+", help="GPU counts (default 1 2 4; --quick 1 2)")
-    parser.add_argument("--micro-batch", type=int, help="sequences per GPU and micro-step (16)")
-    parser.add_argument("--accum", type=int, default=2, help="micro-steps per GPU on the largest GPU count (2)")
-    parser.add_argument("--iters", type=int, help="iterations per run (default 60; --quick 6)")
-    parser.add_argument("--warmup", type=int, help="iterations left out of the medians (20; quick 2)")
-    parser.add_argument(
-        "--log-interval",
-        type=int,
-        help="train.py's log_interval (default 10; --quick 1): each log line waits for the GPU, so 1 adds a host "
-        "sync to every step",
-    )
-    parser.add_argument("--fsdp", action="store_true", help="also GPT-2 XL under FSDP on each GPU count")
-    parser.add_argument(
-        "--fsdp-model", choices=list(FSDP_MODELS), default="gpt2-xl-1.5B", help="the --fsdp model (gpt2-xl-1.5B)"
-    )
-    parser.add_argument("--skip-ddp", action="store_true", help="leave out the DDP rows (e.g. only --fsdp)")
-    parser.add_argument(
-        "--context",
-        type=int,
-        nargs="+",
-        default=[],
-        metavar="T",
-        help="context parallelism: T on one GPU against N x T split over each of --gpus N",
-    )
-    parser.add_argument("--context-iters", type=int, default=6, help="steps per context run, the first 2 untimed")
-    parser.add_argument(
-        "--context-check", type=int, nargs="+", default=[], metavar="T", help="the same T on one GPU and split over N"
-    )
-    add_largest_options(parser)
-    parser.add_argument("--quick", action="store_true", help="CPU, gloo, tiny model: checks the script")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per train.py run (900)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
-    parser.add_argument("--work", type=Path, default=Path("out-bench-ddp"), help="folder for data and out_dirs")
-    parser.add_argument("--name", help="results name (default ddp; --quick ddp-quick)")
-    parser.add_argument(
-        "--variant",
-        action="append",
-        default=[],
-        metavar="NAME:--key=value[,--key=value]",
-        help="rows with these train.py settings (--batch_size keeps the tokens a step) on each GPU count > 1, for "
-        "each family run (DDP 124M; with --fsdp, GPT-2 XL), scaled by its plain 1-GPU run",
-    )
-    parser.add_argument("--variant-gpus", type=int, nargs="+", help="GPU counts of the --variant rows (all > 1)")
-    parser.add_argument("extra", nargs="*", help="more train.py --key=value settings for every run (after --)")
-
-
-def add_largest_options(parser: argparse.ArgumentParser):
-    parser.add_argument("--largest", action="store_true", help="also the deepest width-1600 GPT that trains")
-    parser.add_argument(
-        "--largest-layers",
-        type=int,
-        nargs="+",
-        default=list(LARGEST_LAYERS),
-        metavar="N",
-        help=f"the depths --largest tries, in order (default {' '.join(map(str, LARGEST_LAYERS))})",
-    )
-    parser.add_argument(
-        "--largest-parallelism",
-        nargs="+",
-        choices=PARALLELISMS,
-        default=list(PARALLELISMS),
-        help="which of them --largest probes (default both)",
-    )
 
 
 def variant_row(args, run: str, model: str, shape: dict, parallelism: str, gpus: int, micro_batch: int, settings):
@@ -346,21 +294,11 @@ def save(args, rows: list[dict], start: float) -> list[Path]:
         device,
         wall_s=round(time.perf_counter() - start, 1),
         notes={
-            "runs": "train.py under torchrun --standalone; iter lines after the first "
-            f"{args.warmup} of {args.iters} (one every {args.log_interval}), medians",
-            "global batch": f"gradient_accumulation_steps = {max(args.gpus)} x {args.accum} over all GPUs, "
-            f"micro-batch {args.micro_batch}",
+            "runs": f"train.py under torchrun --standalone; medians of the iter lines after the first {args.warmup}",
+            "global batch": f"gradient_accumulation_steps = {max(args.gpus)} x {args.accum}, micro-batch "
+            f"{args.micro_batch}; scaling: tok/s per GPU over one GPU's",
             "every run": " ".join(args.extra) or "-",
-            "scaling": "tok/s per GPU over that of the same run on one GPU (which trains unsharded, without DDP)",
             "environment": nccl_settings(),
-            "largest": "width 1600, 25 heads, micro-batch 1, 4 eager steps (2 timed); stops at the first failure"
-            if args.largest
-            else "-",
-            "context": f"batch 1, activation_checkpointing=block, {args.context_iters} steps (the first 2 untimed); "
-            "context T=t: t on one GPU, N x t split over N (context_parallel); context-check: t on both; "
-            "MFU vs 1 GPU: over the one-GPU row's of the same run"
-            if args.context or args.context_check
-            else "-",
         },
     )
     return write_results(args.out, args.name, header, rows, COLUMNS, plot)
