@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from bench.attention_measure import Cell, measure_cell, skipped_cell
-from bench.grid import BenchParser, Grid, dispatch, number, run_grid
+from bench.grid import BenchParser, Grid, dispatch, run_grid
 from bench.report import plot_lines
 
 SDPA_VARIANTS = ("sdpa:auto", "sdpa:flash", "sdpa:cudnn", "sdpa:efficient", "sdpa:math")
@@ -42,15 +42,6 @@ def cells_in_order(args) -> list[Cell]:
 def mask_kinds(args) -> tuple[bool, ...]:
     """The values of `docs` to run: causal only, documents only, or both (causal first)."""
     return (True,) if args.docs_only else (False, True) if args.docs else (False,)
-
-
-def progress_line(row: dict) -> str:
-    return (
-        f"D={row['head_dim']:<3} T={row['seq_len']:<5} docs={int(row['docs'])} {row['backend']:<15} "
-        f"fwd {number(row, 'fwd_ms', '{:.3f}'):>8} ms  fwd+bwd {number(row, 'fwd_bwd_ms', '{:.3f}'):>8} ms "
-        f"{number(row, 'fwd_bwd_tflops', '{:.0f}'):>4} TF/s  mem {number(row, 'peak_mem_mib', '{:.0f}'):>6} MiB  "
-        f"err {number(row, 'max_err', '{:.1e}')}  {row['status'] if row['status'] != 'ok' else ''}"
-    )
 
 
 COLUMNS = (
@@ -139,7 +130,7 @@ def grid(argv=None) -> int:
     cell_grid = Grid(
         measure=lambda cell: measure_cell(cell, args, device),
         skipped=lambda cell, reason: skipped_cell(cell, reason, args),
-        progress=progress_line,
+        progress="head_dim seq_len docs backend fwd_ms fwd_bwd_ms fwd_bwd_tflops peak_mem_mib max_err status".split(),
         columns=COLUMNS,
         plot=plot,
     )

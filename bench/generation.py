@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import generation
-from bench.grid import BenchParser, Grid, dispatch, fresh_row, number, run_grid
+from bench.grid import BenchParser, Grid, dispatch, fresh_row, run_grid
 from bench.report import GPT2_VOCAB, model_shape, plot_lines
 from generation.loop import decode_step_for, generation_attention
 from kernels.timing import timed
@@ -253,19 +253,6 @@ def hf_available() -> bool:
 # ----------------------------------------------------------------------------------------------
 
 
-def progress_line(row: dict) -> str:
-    slide = f" slide {row['slide']}" if row.get("slide") else ""
-    label = f"{row['backend']}{'+compile' if row['compile'] else ''}{slide}"
-    return (
-        f"B={row['batch_size']:<3} prompt={row['prompts']:<9} {label:<22} {row['cache']:<10} "
-        f"prefill {number(row, 'prefill_tok_s', '{:,.0f}'):>10} tok/s  "
-        f"decode {number(row, 'decode_tok_s', '{:,.0f}'):>9} tok/s "
-        f"({number(row, 'decode_ms_per_token', '{:.2f}')} ms/step)  "
-        f"mem {number(row, 'peak_mem_mib', '{:,.0f}'):>7} MiB  "
-        f"{row['status'] if row['status'] != 'ok' else ''}"
-    )
-
-
 COLUMNS = (
     "backend resolved cache compile batch_size prompts new_tokens slide dtype prefill_ms prefill_tok_s "
     "decode_ms_per_token decode_tok_s peak_mem_mib warmup_s status"
@@ -344,7 +331,7 @@ def speed(argv=None) -> int:
     grid = Grid(
         measure=lambda case: measure_case(case, args, device, dtype),
         skipped=lambda case, reason: [{**empty_row(case, dtype), "status": reason}],
-        progress=progress_line,
+        progress="batch_size prompts backend compile slide cache prefill_tok_s decode_tok_s status".split(),
         columns=COLUMNS,
         plot=plot,
     )

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from bench.report import DEFAULT_OUT, save_results
+from bench.report import DEFAULT_OUT, cell, save_results
 from data.common import OneLineParser
 from kernels.timing import timed
 
@@ -76,7 +76,7 @@ class Grid:
 
     measure: Callable[[object], list[dict]]
     skipped: Callable[[object, str], list[dict]]
-    progress: Callable[[dict], str]
+    progress: Sequence[str]  # the keys of a row's progress line
     columns: Sequence[str]
     plot: Callable[[list[dict], Path], None] | None = None
     finish: Callable[[list[dict]], None] | None = None
@@ -92,7 +92,7 @@ def run_grid(grid: Grid, cases: Iterable, args, device: torch.device, header: di
     for case in cases:
         for row in grid.skipped(case, budget.reason()) if budget.exhausted() else grid.measure(case):
             rows.append(row)
-            print(f"[{budget.elapsed():6.1f}s] {grid.progress(row)}", flush=True)
+            print(f"[{budget.elapsed():6.1f}s]", *(f"{key} {cell(row.get(key))}" for key in grid.progress), flush=True)
     if grid.finish is not None:
         grid.finish(rows)
     wall_s = round(budget.elapsed(), 1)
@@ -114,11 +114,6 @@ class Budget:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
-
-
-def number(row: dict, key: str, fmt: str) -> str:
-    """row[key] formatted for a progress line, '-' when there is none."""
-    return fmt.format(row[key]) if row.get(key) is not None else "-"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -107,13 +107,9 @@ def markdown_table(rows: Iterable[dict], columns: Sequence[str]) -> str:
     return "\n".join(lines + ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows])
 
 
-def results_stem(out_dir: Path, name: str, card: str | None = None) -> Path:
-    return Path(out_dir) / f"{card or card_slug()}-{name}"
-
-
 def write_results(out_dir, name: str, header: dict, rows: list[dict], columns: Sequence[str], plot=None) -> list[Path]:
     """<card>-<name>.json, .md and (when `plot` is given) .png under out_dir; returns the paths written."""
-    stem = results_stem(out_dir, name, header.get("card"))
+    stem = Path(out_dir) / f"{header['card']}-{name}"
     stem.parent.mkdir(parents=True, exist_ok=True)
     json_path, md_path = stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.md"  # names may hold dots
     json_path.write_text(json.dumps({"header": header, "rows": rows}, indent=1, default=str) + "\n")

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import statistics
@@ -23,7 +22,6 @@ from bench.report import (
     bench_device,
     plot_series,
     results_header,
-    results_stem,
     save_results,
     write_results,
 )
@@ -58,42 +56,24 @@ def compare_row(backend: str, log_text: str, exit_code: int) -> dict:
     return row
 
 
-def tabulate_compare_logs(logs: Path, out: Path, backends: Sequence[str], keep_rows: bool) -> list[Path]:
-    """The table from <logs>/<backend>.log and .rc: <card>-compare_backends.{json,md} under out. keep_rows: keep
-    the rows of other backends from that card's earlier file (to re-run one backend)."""
-    logs, out = Path(logs), Path(out)
-    rows = [
-        compare_row(b, (logs / f"{b}.log").read_text(errors="replace"), int((logs / f"{b}.rc").read_text()))
-        for b in backends
-    ]
-    notes = {"source": "last log line of `python train.py ... --attention_backend=X` per backend"}
-    header = results_header("compare_backends", bench_device(), logs=str(logs), notes=notes)
-    earlier_path = results_stem(out, "compare_backends", header["card"]).with_suffix(".json")
-    if keep_rows and earlier_path.exists():
-        earlier = json.loads(earlier_path.read_text())
-        if earlier["header"]["device_name"] == header["device_name"]:
-            rows = [r for r in earlier["rows"] if r["backend"] not in backends] + rows
-            header["kept_rows_from"] = {key: earlier["header"][key] for key in ("command", "date", "torch")}
-    return write_results(out, "compare_backends", header, rows, COMPARE_COLUMNS)
-
-
 def compare(argv=None) -> int:
     parser = mode_parser("train_step", "compare", "train.py once per attention backend: its last log line each")
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), help=f"default {' '.join(BACKENDS)}")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
-    parser.add_argument("--keep-rows", action="store_true", help="keep other backends' rows of the earlier file")
     parser.add_argument("train_args", nargs="*", help="train.py's config file and --key=value settings (after --)")
     args = parser.parse_args(argv)
-    logs = Path(tempfile.mkdtemp(prefix="compare_backends."))
-    for backend in args.backends:  # <logs>/<backend>.log (stdout and stderr) and .rc (its exit code)
+    logs, rows = Path(tempfile.mkdtemp(prefix="compare_backends.")), []
+    for backend in args.backends:  # <logs>/<backend>.log: stdout and stderr
         print(f"== {backend}", file=sys.stderr, flush=True)
         out_dir = logs / f"out-{backend}"
         run = train_log([*COMPARE_SETTINGS, f"--out_dir={out_dir}", *args.train_args, f"--attention_backend={backend}"])
         (logs / f"{backend}.log").write_text(run.output)
-        (logs / f"{backend}.rc").write_text(f"{run.code}\n")
         shutil.rmtree(out_dir, ignore_errors=True)  # the checkpoint of a 100-step run is not worth keeping
+        rows.append(compare_row(backend, run.output, run.code))
         print((run.output.splitlines() or [""])[-1], file=sys.stderr, flush=True)
-    paths = tabulate_compare_logs(logs, args.out, args.backends, args.keep_rows)
+    notes = {"source": "last log line of `python train.py ... --attention_backend=X` per backend"}
+    header = results_header("compare_backends", bench_device(), logs=str(logs), notes=notes)
+    paths = write_results(args.out, "compare_backends", header, rows, COMPARE_COLUMNS)
     print(paths[1].read_text())
     print("wrote " + ", ".join(map(str, paths)) + f"; logs in {logs}", file=sys.stderr)
     return 0

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench.grid import BenchParser, Grid, dispatch, fresh_row, mode_parser, number, profiled, run_grid
+from bench.grid import BenchParser, Grid, dispatch, fresh_row, mode_parser, profiled, run_grid
 from bench.report import DEFAULT_OUT, GPT2_VOCAB, card_slug, model_shape, plot_lines, write_markdown
 from kernels.timing import timed
 from train import TrainConfig, build_model, build_train_state, train_step
@@ -238,15 +238,6 @@ def add_ratios(rows: list[dict]) -> None:
             row["vs_plain"] = row["tokens_per_sec"] / base
 
 
-def progress_line(row: dict) -> str:
-    return (
-        f"T={row['seq_len']:<6} B={row['batch_size']:<3} {row['variant'] or row['backend']:<15} "
-        f"{number(row, 'ms_per_iter', '{:.1f}'):>7} ms  {number(row, 'tokens_per_sec', '{:,.0f}'):>10} tok/s  "
-        f"MFU {number(row, 'mfu', '{:.1%}'):>6}  mem {number(row, 'peak_mem_mib', '{:,.0f}'):>7} MiB  "
-        f"compile {number(row, 'compile_s', '{:.1f}'):>5} s  {row['status'] if row['status'] != 'ok' else ''}"
-    )
-
-
 COLUMNS = (
     "variant backend resolved seq_len batch_size dtype compile ms_per_iter tokens_per_sec mfu "
     "peak_mem_mib compile_s loss vs_plain status"
@@ -325,7 +316,7 @@ def grid(argv=None) -> int:
     step_grid = Grid(
         measure=lambda case: measure_case(case, args, probe.dtype),
         skipped=lambda case, reason: [{**empty_row(case, case_config(case, args), probe.dtype), "status": reason}],
-        progress=progress_line,
+        progress="seq_len batch_size variant backend ms_per_iter tokens_per_sec mfu peak_mem_mib status".split(),
         columns=COLUMNS,
         plot=plot,
         finish=add_ratios,
