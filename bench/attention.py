@@ -15,7 +15,7 @@ import torch
 
 from bench.attention_measure import Cell, measure_cell, skipped_cell
 from bench.grid import BenchParser, Grid, dispatch, run_grid
-from bench.report import plot_lines
+from bench.report import panels_by, plot
 
 SDPA_VARIANTS = ("sdpa:auto", "sdpa:flash", "sdpa:cudnn", "sdpa:efficient", "sdpa:math")
 ALL_BACKENDS = ("manual", *SDPA_VARIANTS, "flex_attention", "flash_attn_2", "flash_attn_3", "flash_attn_4", "auto")
@@ -50,22 +50,18 @@ COLUMNS = (
 ).split()
 
 
-def plot(rows: list[dict], path: Path):
-    def series(row):
-        return row["backend"] + (" +docs" if row["docs"] else "")
-
+def plot_cells(rows: list[dict], path: Path):
     y = "fwd_bwd_tflops" if any(r["fwd_bwd_tflops"] for r in rows) else "fwd_tflops"
-    masks = "causal, dashed: + document masks" if any(r["docs"] for r in rows) else "causal"
-    plot_lines(
+    title = f"attention, {rows[0]['dtype']}: fwd+bwd TF/s"
+    panels = panels_by(rows, "head_dim", y)
+    plot(
         rows,
         path,
         x="seq_len",
-        y=y,
-        y_label=y.replace("_tflops", "").replace("_", "+") + " TF/s",
-        panel="head_dim",
-        series=series,
-        title=f"attention, {rows[0]['dtype']}, {masks}",
-        dashed=lambda name: name.endswith("+docs"),
+        panels=panels,
+        series=lambda r: r["backend"] + " +docs" * r["docs"],
+        title=title,
+        log_x=True,
     )
 
 
@@ -132,7 +128,7 @@ def grid(argv=None) -> int:
         skipped=lambda cell, reason: skipped_cell(cell, reason, args),
         progress="head_dim seq_len docs backend fwd_ms fwd_bwd_ms fwd_bwd_tflops peak_mem_mib max_err status".split(),
         columns=COLUMNS,
-        plot=plot,
+        plot=plot_cells,
     )
     settings = {
         "backends": args.backends,

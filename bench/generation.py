@@ -17,7 +17,7 @@ import torch
 
 import generation
 from bench.grid import BenchParser, Grid, dispatch, fresh_row, run_grid
-from bench.report import GPT2_VOCAB, model_shape, plot_lines
+from bench.report import GPT2_VOCAB, model_shape, panels_by, plot
 from generation.loop import decode_step_for, generation_attention
 from kernels.timing import timed
 from model import GPT, GPTConfig
@@ -259,18 +259,12 @@ COLUMNS = (
 ).split()
 
 
-def plot(rows: list[dict], path: Path):
-    plot_lines(
-        rows,
-        path,
-        x="batch_size",
-        y="decode_tok_s",
-        y_label="decode tokens/s (whole batch)",
-        panel="prompt_len",
-        series=lambda r: f"{r['backend']}/{r['cache']}{'+compile' if r['compile'] else ''}",
-        title=f"generation, {rows[0]['dtype']}, {rows[0]['new_tokens']} new tokens",
-        dashed=lambda name: name.endswith("/none"),
-    )
+def plot_rows(rows: list[dict], path: Path):
+    def series(row):
+        return f"{row['backend']}/{row['cache']}{'+compile' if row['compile'] else ''}"
+
+    panels = panels_by(rows, "prompt_len", "decode_tok_s")
+    plot(rows, path, x="batch_size", panels=panels, series=series, title="generation: decode tok/s (whole batch)")
 
 
 def parse_args(argv=None):
@@ -333,7 +327,7 @@ def speed(argv=None) -> int:
         skipped=lambda case, reason: [{**empty_row(case, dtype), "status": reason}],
         progress="batch_size prompts backend compile slide cache prefill_tok_s decode_tok_s status".split(),
         columns=COLUMNS,
-        plot=plot,
+        plot=plot_rows,
     )
     run_grid(grid, cases, args, device, header_fields(args, cases))
     return 0

@@ -20,7 +20,7 @@ import torch
 
 from bench import launch
 from bench.grid import BenchParser
-from bench.report import GPT2_124M, GPT2_VOCAB, TINY, plot_series, results_header, write_results
+from bench.report import GPT2_124M, GPT2_VOCAB, TINY, plot, results_header, write_results
 from training.parallel import PARALLELISMS
 
 GPT2_XL = {"n_layer": 48, "n_head": 25, "n_embd": 1600}
@@ -222,14 +222,10 @@ def progress(row: dict) -> str:
     return f"{row['run']} {row['model']} on {row['gpus']}: {figures} ({row['wall_s']} s)"
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot_rows(rows: list[dict], path: Path) -> None:
     scaled = [r for r in rows if not r["run"].startswith(("ddp-", "fsdp-", "context"))]  # not largest, not context
-    panels = [
-        ("tokens_per_sec_per_gpu", "tokens/s per GPU", "throughput per GPU, same global batch"),
-        ("scaling", "per-GPU tok/s / one GPU's", "scaling (1.0 = perfect)"),
-    ]
-    measured = [r for r in scaled if r.get("tokens_per_sec")]
-    plot_series(measured, path, x="gpus", panels=panels, series=lambda r: f"{r['run']} {r['model']}", ratio="scaling")
+    panels = [("tok/s per GPU, same global batch", "tokens_per_sec_per_gpu", scaled), ("scaling", "scaling", scaled)]
+    plot(rows, path, x="gpus", panels=panels, series=lambda r: f"{r['run']} {r['model']}")
 
 
 def parse_args(argv=None):
@@ -301,7 +297,7 @@ def save(args, rows: list[dict], start: float) -> list[Path]:
             "environment": nccl_settings(),
         },
     )
-    return write_results(args.out, args.name, header, rows, COLUMNS, plot)
+    return write_results(args.out, args.name, header, rows, COLUMNS, plot_rows)
 
 
 def main(argv=None) -> int:

@@ -90,9 +90,8 @@ def time_phases(parallelism: str, runtime, steps: int, quick: bool) -> list[dict
 
 
 def plot_phases(rows: list[dict], path: Path) -> None:
-    title = "one optimizer step, phase by phase: wall ms (rank 0, median), hatched: host"
-    labels = dict(label="phase", value="wall_ms", inner="host_ms", group="parallelism")
-    plot_bars(rows, path, **labels, x_label="ms", title=title)
+    title = "one optimizer step, phase by phase: rank 0's wall ms (median)"
+    plot_bars(rows, path, label=lambda r: f"{r['parallelism']}: {r['phase']}", value="wall_ms", title=title)
 
 
 def phases(argv=None) -> int:
@@ -179,9 +178,8 @@ def measure_chunks(args, device: torch.device, dtype: torch.dtype) -> list[dict]
 
 
 def plot_chunks(rows: list[dict], path) -> None:
-    labelled = [{**row, "runs as": f"{row['kernel']} ({row['used']})"} for row in rows]
-    title = "context-parallel chunk attention, one rank"
-    plot_bars(labelled, path, label="runs as", value="tflops", x_label="TFLOP/s, forward + backward", title=title)
+    title = "context-parallel chunk attention, one rank: TFLOP/s, forward + backward"
+    plot_bars(rows, path, label=lambda r: f"{r['kernel']} ({r['used']})", value="tflops", title=title)
 
 
 def context_args(argv=None) -> argparse.Namespace:

@@ -20,7 +20,7 @@ from bench.report import (
     DEFAULT_OUT,
     TINY,
     bench_device,
-    plot_series,
+    plot,
     results_header,
     save_results,
     write_results,
@@ -115,12 +115,10 @@ def smoothed(values: list[float], width: int = 20) -> list[float]:
 
 def plot_curves(rows: list[dict], path: Path) -> None:
     points = [
-        {"run": row["run"], "iteration": i, "loss": loss}
-        for row in rows
-        for i, loss in enumerate(smoothed(row["losses"]), start=1)
+        {"run": r["run"], "iteration": i, "loss": loss} for r in rows for i, loss in enumerate(smoothed(r["losses"]))
     ]
-    panels = [("loss", "train loss (mean of the last 20)", "same model, same data")]
-    plot_series(points, path, x="iteration", panels=panels, series=lambda r: r["run"], marker=None)
+    panels = [("train loss (mean of the last 20)", "loss", points)]
+    plot(points, path, x="iteration", panels=panels, series=lambda r: r["run"], title="same model, same data")
 
 
 def curves(argv=None) -> int:

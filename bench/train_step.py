@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from bench.grid import BenchParser, Grid, dispatch, fresh_row, mode_parser, profiled, run_grid
-from bench.report import DEFAULT_OUT, GPT2_VOCAB, card_slug, model_shape, plot_lines, write_markdown
+from bench.report import DEFAULT_OUT, GPT2_VOCAB, card_slug, model_shape, panels_by, plot, write_markdown
 from kernels.timing import timed
 from train import TrainConfig, build_model, build_train_state, train_step
 from training.profiling import summarize
@@ -244,17 +244,9 @@ COLUMNS = (
 ).split()
 
 
-def plot(rows: list[dict], path: Path):
-    plot_lines(
-        rows,
-        path,
-        x="batch_size",
-        y="tokens_per_sec",
-        y_label="tokens/s",
-        panel="seq_len",
-        series=lambda r: r["variant"] or r["backend"],
-        title=f"train step, {rows[0]['dtype']}",
-    )
+def plot_rows(rows: list[dict], path: Path):
+    panels = panels_by(rows, "seq_len", "tokens_per_sec")
+    plot(rows, path, x="batch_size", panels=panels, series=lambda r: r["variant"] or r["backend"], title="train step")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -318,7 +310,7 @@ def grid(argv=None) -> int:
         skipped=lambda case, reason: [{**empty_row(case, case_config(case, args), probe.dtype), "status": reason}],
         progress="seq_len batch_size variant backend ms_per_iter tokens_per_sec mfu peak_mem_mib status".split(),
         columns=COLUMNS,
-        plot=plot,
+        plot=plot_rows,
         finish=add_ratios,
     )
     run_grid(step_grid, cases, args, probe.device, header_fields(args, cases, probe.dtype))
