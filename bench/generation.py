@@ -10,6 +10,7 @@ if __name__ == "__main__":  # before torch's seconds of importing: see as_comman
 
 import importlib.util
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,30 +182,13 @@ def rates(case: Case, prefill_s: float, decode_s: float) -> dict:
 
 
 def hf_model(gpt: GPT):
-    """transformers' GPT2LMHeadModel holding gpt's weights (its Conv1D stores Linear weights transposed)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """transformers' GPT2LMHeadModel holding gpt's weights, through python -m weights hf's export."""
+    from transformers import GPT2LMHeadModel
 
-    c = gpt.config
-    config = GPT2Config(
-        vocab_size=c.vocab_size,
-        n_positions=c.block_size,
-        n_embd=c.n_embd,
-        n_layer=c.n_layer,
-        n_head=c.n_head,
-        activation_function="gelu_new",
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=None,  # random weights, no tokenizer: nothing ends a sequence early
-        eos_token_id=None,
-    )
-    hf = GPT2LMHeadModel(config)
-    transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-    state = {k: v.t() if k.endswith(transposed) else v for k, v in gpt.state_dict().items()}
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    if unexpected or [k for k in missing if not k.endswith(".attn.bias") and not k.endswith(".attn.masked_bias")]:
-        raise RuntimeError(f"weights do not map onto GPT2LMHeadModel: missing {missing}, unexpected {unexpected}")
-    return hf
+    from weights.hf import export_hf
+
+    with tempfile.TemporaryDirectory() as folder:
+        return GPT2LMHeadModel.from_pretrained(export_hf(gpt, folder))
 
 
 def hf_peer(case: Case, args, device, dtype) -> dict:

@@ -59,14 +59,6 @@ class Case:
     variant: str = ""  # a key of VARIANTS: its switches apply over the backend
 
 
-def variant_cases(variants, batch_sizes, long_seq_lens, seq_len: int = 1024) -> list[Case]:
-    def backend(variant):
-        return VARIANTS[variant].get("attention_backend", "auto")
-
-    cases = [Case(backend(v), seq_len, bs, v) for bs in batch_sizes for v in variants]
-    return cases + [Case(backend(v), t, 1, v) for t in long_seq_lens for v in variants]
-
-
 def model_settings(quick: bool, model: dict | None = None) -> dict:
     """GPT-2 124M (or the tiny --quick model) as the step grid runs it: no bias, no dropout; `model` (--model)
     changes its settings, e.g. the width."""
@@ -86,22 +78,16 @@ def model_setting(text: str) -> tuple[str, object]:
 
 
 def cases_for(args) -> list[Case]:
-    if args.quick:  # T=64; the other batch sizes of --batch-sizes, no long context
-        if args.variants:
-            return variant_cases(args.variants, args.batch_sizes, [], seq_len=64)
-        return [Case(b, 64, bs) for bs in args.batch_sizes for b in args.backends]
+    """Most wanted first: each backend (or --variants switch set) at the first batch size, the long context at batch 1,
+    then the other batch sizes; --quick: T=64, no long context."""
+    seq_len, long_seq_lens = (64, []) if args.quick else (1024, args.long_seq_lens)
     if args.variants:
-        return variant_cases(args.variants, args.batch_sizes, args.long_seq_lens)
-    return default_cases(args.backends, args.batch_sizes, args.long_seq_lens)
-
-
-def default_cases(backends, batch_sizes, long_seq_lens) -> list[Case]:
-    """Most wanted first: all backends at the first batch size, the long context, then the other batches."""
-    first, *others = batch_sizes
-    cases = [Case(b, 1024, first) for b in backends]
-    cases += [Case(b, t, 1) for t in long_seq_lens for b in backends]
-    cases += [Case(b, 1024, bs) for bs in others for b in backends]
-    return cases
+        runs = [(VARIANTS[v].get("attention_backend", "auto"), v) for v in args.variants]
+    else:
+        runs = [(backend, "") for backend in args.backends]
+    cases = [Case(b, seq_len, size, v) for size in args.batch_sizes[:1] for b, v in runs]
+    cases += [Case(b, t, 1, v) for t in long_seq_lens for b, v in runs]
+    return cases + [Case(b, seq_len, size, v) for size in args.batch_sizes[1:] for b, v in runs]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,26 +132,15 @@ def random_batches(cfg: TrainConfig, device: torch.device, count: int = 4):
 
 
 def case_config(case: Case, args) -> TrainConfig:
-    settings = dict(
-        out_dir="bench-unused",
-        batch_size=case.batch_size,
-        block_size=case.seq_len,
-        attention_backend=case.backend,
-        compile=args.compile,
-        dtype=args.dtype,
-        device=args.device,
-        **model_settings(args.quick, args.model),
-    )
-    return TrainConfig(**{**settings, **VARIANTS.get(case.variant, {})})
+    shape = dict(batch_size=case.batch_size, block_size=case.seq_len, **model_settings(args.quick, args.model))
+    run = dict(attention_backend=case.backend, compile=args.compile, dtype=args.dtype, device=args.device)
+    return TrainConfig(**{"out_dir": "bench-unused", **shape, **run, **VARIANTS.get(case.variant, {})})  # variant wins
 
 
 def skip_reason(case: Case, cfg: TrainConfig) -> str:
-    if case.backend == "manual" and case.seq_len > MANUAL_MAX_SEQ_LEN:
+    if case.backend == "manual" and case.seq_len > MANUAL_MAX_SEQ_LEN:  # its (T, T) float32 scores per layer and head
         gib = cfg.n_layer * cfg.n_head * case.seq_len**2 * 4 / 2**30
-        return (
-            f"not run: manual keeps (T, T) float32 scores, {cfg.n_layer} layers x {cfg.n_head} heads = "
-            f"{gib:,.0f} GiB at T={case.seq_len}; measured at T <= {MANUAL_MAX_SEQ_LEN} only"
-        )
+        return f"not run: manual's (T, T) scores need {gib:,.0f} GiB at T={case.seq_len}"
     return ""
 
 
@@ -337,7 +312,7 @@ def profile_lines(variant: str, state: TrainState, args) -> list[str]:
         train_step(state)
     prof, wall_ms = profiled(device, args.steps, lambda: train_step(state))
     lines = [f"## {variant}: {state.attention.used}, T={args.seq_len}, batch {args.batch_size}", ""]
-    return lines + summarize(prof, args.steps, wall_ms, device.type == "cuda", args.top, "step")
+    return lines + summarize(prof, args.steps, wall_ms, device.type == "cuda", 25, "step")
 
 
 def profile(argv=None) -> int:
@@ -346,14 +321,10 @@ def profile(argv=None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="tiny model on CPU, no compile")
     parser.add_argument("--variants", nargs="+", default=["plain", "default"], choices=VARIANTS)
-    parser.add_argument("--batch-size", type=int, help="default 16 (--quick 4)")
-    parser.add_argument("--seq-len", type=int, help="default 1024 (--quick 64)")
     parser.add_argument("--steps", type=int, default=5, help="steps profiled (5)")
-    parser.add_argument("--top", type=int, default=25, help="rows of the top table (25)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
     args = parser.parse_args(argv)
-    args.batch_size = args.batch_size or (4 if args.quick else 16)
-    args.seq_len = args.seq_len or (64 if args.quick else 1024)
+    args.batch_size, args.seq_len = (4, 64) if args.quick else (16, 1024)
     args.device, args.compile, args.dtype = ("cpu", False, "auto") if args.quick else ("auto", None, "auto")
     args.model, name = {}, "profile-train" + ("-quick" if args.quick else "")
     sections = [profile_variant(variant, args) for variant in args.variants]
