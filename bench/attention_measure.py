@@ -222,15 +222,9 @@ def first_backward(m: Measurement, forward_backward, grads, device) -> str:
 
 
 def capture_graphs(measurements: list[Measurement], device: torch.device):
-    """Time graph replays instead of eager calls: a call made of many small launches is otherwise timed by
-    the host that launches it. What is timed is then the GPU's work alone, as in a training step whose host
-    runs ahead of the GPU; eager launch work is left out (flash-attn-4's Python launcher made its eager
-    fwd+bwd take 0.7-1.3 ms at any T <= 2048 on the H100, varying between rounds:
-    bench/results/h100-attention-eager.json).
-
-    A graph holds its memory until the cell ends. Backends are captured smallest first while their graphs
-    fit in GRAPH_MEMORY_SHARE of the card; the rest (those keeping (T, T) scores, whose long kernels leave
-    launch work no weight) and any run that cannot be captured are timed eagerly, and their rows say why."""
+    """Time graph replays instead of eager calls, so the host's launch work is left out, as in a training step
+    whose host runs ahead (bench/results/h100-attention-eager.json has the eager times). Graphs are captured smallest
+    backend first while they fit in GRAPH_MEMORY_SHARE of the card; the rest are timed eagerly, saying why."""
     room = GRAPH_MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory / 2**20
     for m in sorted(measurements, key=lambda m: m.row.get("peak_mem_mib") or 0):
         eager, need = dict(m.runs), 2 * (m.row.get("peak_mem_mib") or 0)  # a fwd graph and a fwd+bwd graph

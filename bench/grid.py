@@ -88,32 +88,22 @@ def run_grid(grid: Grid, cases: Iterable, args, device: torch.device, header: di
     `header`) and the rows. Returns (header, rows)."""
     if args.quick:
         torch.set_num_threads(1)  # a tiny model gains nothing from threads, and a shared CPU makes them crawl
-    budget, rows = Budget(args.budget), []
+    start, rows = time.perf_counter(), []
     for case in cases:
-        for row in grid.skipped(case, budget.reason()) if budget.exhausted() else grid.measure(case):
+        elapsed = time.perf_counter() - start
+        if 0 < args.budget < elapsed:
+            measured = grid.skipped(case, f"skipped: --budget {args.budget:g} s used up")
+        else:
+            measured = grid.measure(case)
+        for row in measured:
             rows.append(row)
-            print(f"[{budget.elapsed():6.1f}s]", *(f"{key} {cell(row.get(key))}" for key in grid.progress), flush=True)
+            stamp = f"[{time.perf_counter() - start:6.1f}s]"
+            print(stamp, *(f"{key} {cell(row.get(key))}" for key in grid.progress), flush=True)
     if grid.finish is not None:
         grid.finish(rows)
-    wall_s = round(budget.elapsed(), 1)
+    wall_s = round(time.perf_counter() - start, 1)
     header = save_results(args.out, args.name, device, rows, grid.columns, grid.plot, wall_s=wall_s, **header)
     return header, rows
-
-
-class Budget:
-    """Wall-clock allowance for a whole bench; cells after it runs out are recorded as skipped."""
-
-    def __init__(self, seconds: float):
-        self.seconds, self.start = seconds, time.perf_counter()
-
-    def exhausted(self) -> bool:
-        return self.seconds > 0 and time.perf_counter() - self.start > self.seconds
-
-    def reason(self) -> str:
-        return f"skipped: --budget {self.seconds:g} s used up"
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
 
 
 # ----------------------------------------------------------------------------------------------

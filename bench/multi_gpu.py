@@ -61,23 +61,11 @@ def run_settings(args, shape: dict, parallelism: str, micro_batch: int, accum_to
     return settings + args.extra
 
 
-def measure(
-    args,
-    run: str,
-    model: str,
-    shape: dict,
-    parallelism: str,
-    gpus: int,
-    micro_batch: int,
-    settings=(),
-    baseline=None,
-    warmup: int | None = None,
-    stop_at_iter: int | None = None,
-    block_size: int | None = None,
-    accum_total: int | None = None,
-) -> dict:
-    """One row: train.py under torchrun on `gpus` processes, its iter lines past `warmup` summed up. block_size
-    and accum_total (micro-steps over all GPUs): the run's own, else the bench's."""
+def measure(args, run, model, shape, parallelism, gpus, micro_batch, settings=(), baseline=None, **own) -> dict:
+    """One row: train.py under torchrun on `gpus` processes, its iter lines past the warmup summed up. `own`:
+    warmup, stop_at_iter, block_size and accum_total (micro-steps over all GPUs) of this run, else the bench's."""
+    warmup, stop_at_iter = own.get("warmup", args.warmup), own.get("stop_at_iter")
+    accum_total, block_size = own.get("accum_total"), own.get("block_size")
     accum_total = accum_total or max(args.gpus) * args.accum
     block_size = block_size or args.block_size
     row = {
@@ -104,7 +92,7 @@ def measure(
         row["model"] = f"{model} ({', '.join(shaped)})"
         counted = re.search(r"^parameters: ([\d.]+)M", result.output, re.M)
         row["params_m"] = float(counted.group(1)) if counted else None
-    return {**row, **figures(result, args.warmup if warmup is None else warmup, last_iter, gpus)}
+    return {**row, **figures(result, warmup, last_iter, gpus)}
 
 
 def figures(result: launch.Run, warmup: int, last_iter: int, gpus: int) -> dict:
