@@ -130,15 +130,8 @@ def grid(argv=None) -> int:
         columns=COLUMNS,
         plot=plot_cells,
     )
-    settings = {
-        "backends": args.backends,
-        "head_dims": args.head_dims,
-        "seq_lens": args.seq_lens,
-        "docs": list(mask_kinds(args)),
-        "dtype": args.dtype,
-        "tokens_per_call": args.tokens,
-        "heads": args.heads,
-    }
+    settings = {key: getattr(args, key) for key in ("backends", "head_dims", "seq_lens", "dtype", "heads")}
+    settings.update(docs=list(mask_kinds(args)), tokens_per_call=args.tokens)
     header = {"grid": settings, "flop_convention": FLOP_CONVENTION, "notes": results_notes(args, device)}
     header, rows = run_grid(cell_grid, cells_in_order(args), args, device, header)
     from bench.readme_table import backend_table

@@ -35,13 +35,8 @@ class Cell:
 
 def document_ids(batch: int, seq_len: int, generator: torch.Generator, n_docs: int = 4) -> torch.Tensor:
     """(batch, T) ids: each row cut at n_docs-1 random distinct points into documents of random lengths."""
-    rows = []
-    for _ in range(batch):
-        cuts = torch.randperm(seq_len - 1, generator=generator)[: n_docs - 1] + 1
-        starts = torch.zeros(seq_len, dtype=torch.int32)
-        starts[cuts] = 1
-        rows.append(starts.cumsum(0))
-    return torch.stack(rows)
+    cuts = torch.stack([torch.randperm(seq_len - 1, generator=generator)[: n_docs - 1] + 1 for _ in range(batch)])
+    return torch.zeros(batch, seq_len, dtype=torch.int32).scatter_(1, cuts, 1).cumsum(1)
 
 
 def make_inputs(cell: Cell, heads: int, tokens: int, device: torch.device):

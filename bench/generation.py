@@ -26,6 +26,7 @@ from model import GPT, GPTConfig
 BACKENDS = ("auto", "sdpa", "flash_attn_2", "flash_attn_3", "flex_attention", "manual")
 CACHES = ("contiguous", "paged", "none")
 WARMUP_TOKENS = 8
+MANUAL_MAX_PROMPT = 2048  # manual's (T, T) scores beyond it
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ def empty_row(case: Case, dtype: torch.dtype) -> dict:
 
 def measure_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     row = empty_row(case, dtype)
-    if case.backend == "manual" and case.prompt_len > args.manual_max_prompt:
+    if case.backend == "manual" and case.prompt_len > MANUAL_MAX_PROMPT:
         return [{**row, "status": f"not run: manual's (T, T) scores at prompt {case.prompt_len}"}]
     if case.backend == "paged_attention" and case.cache == "contiguous":
         return [{**row, "status": "not run: paged_attention is a paged cache (its paged row)"}]
@@ -275,7 +276,6 @@ def parse_args(argv=None):
     parser.add_argument("--compile-backends", nargs="+", default=["auto"], help="backends of the compiled rows")
     parser.add_argument("--hf", default="auto", choices=("auto", "off"), help="the transformers peer (auto: if there)")
     parser.add_argument("--mixed", action="store_true", help="prompts of 1/16 of a prompt length up to it per batch")
-    parser.add_argument("--manual-max-prompt", type=int, default=2048, help="manual only up to this prompt length")
     parser.add_argument(
         "--slide", nargs="*", default=["half", "exact"], choices=("half", "exact"), help="3 windows past block_size"
     )

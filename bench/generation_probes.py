@@ -53,20 +53,15 @@ def profile(argv=None) -> int:
         "generation", "profile", "torch.profiler over steady decoding: GPU time by kernel kind, host ops"
     )
     parser.add_argument("--quick", action="store_true", help="tiny model on CPU")
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--top", type=int, default=15, help="rows of each top table (15)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--cache", default="contiguous", choices=("contiguous", "paged"))
-    parser.add_argument("--backend", default="auto")
-    parser.add_argument("--skip", type=int, default=16, help="decode steps before the profile starts")
-    parser.add_argument("--tokens", type=int, default=64, help="decode steps profiled")
     args = parser.parse_args(argv)
+    args.batch_size, args.cache, args.top = 1, "contiguous", 15
+    args.prompt_len, args.skip, args.tokens = (4, 1, 2) if args.quick else (128, 16, 64)
     name = "profile-generate" + ("-quick" if args.quick else "")
     device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    config = GPTConfig(block_size=1024, attention_backend=args.backend, **model_settings(args.quick))
+    config = GPTConfig(block_size=1024, **model_settings(args.quick))
     gpt = GPT(config).to(device, dtype).eval()
     compiles = (False, True) if device.type == "cuda" else (False,)
     sections = ["\n".join(profile_decoding(gpt, args, device, compile)) + "\n" for compile in compiles]

@@ -127,15 +127,11 @@ class Launch:
             command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
 
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
     def wait(self, timeout: float | None = None, stop_at_iter: int | None = None) -> Run:
         """Its end; or, once it logs iteration stop_at_iter, it is stopped (exit code 0: a probe has its answer,
         and the final checkpoint of a model of billions of parameters is not worth its minutes); or past
         `timeout` seconds from now, killed (124). Either way nothing it started is left running."""
-        timer = threading.Timer(timeout, kill_tree, [self.pid]) if timeout is not None else None
+        timer = threading.Timer(timeout, kill_tree, [self.process.pid]) if timeout is not None else None
         if timer is not None:
             timer.start()
         lines, reached = [], False
@@ -145,10 +141,10 @@ class Launch:
                 parsed = parse_log_line(line) if stop_at_iter is not None else None
                 if parsed and parsed["iter"] >= stop_at_iter:
                     reached = True
-                    kill_tree(self.pid)
+                    kill_tree(self.process.pid)
                     break
         except BaseException:  # the bench itself stopped (Ctrl-C, SIGTERM): its runs stop too, saying where they were
-            kill_tree(self.pid)
+            kill_tree(self.process.pid)
             print("".join(f"  | {line}" for line in lines[-8:]), end="", file=sys.stderr)
             raise
         lines += self.process.stdout.readlines()

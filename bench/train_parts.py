@@ -189,16 +189,15 @@ def context_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--T", type=int, default=32768, help="the whole sequence's length (32768)")
     parser.add_argument("--ranks", type=int, default=2, help="ranks the sequence is split over (2)")
     parser.add_argument("--rank", type=int, default=0, help="the rank measured (0: the first and last chunks)")
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--kernels", nargs="+", default=list(CHUNK_KERNELS), choices=CHUNK_KERNELS)
     parser.add_argument("--repeats", type=int, default=10, help="about this many timed runs (10)")
     parser.add_argument("--quick", action="store_true", help="CPU, float64, T=256, 2 heads of 16")
     parser.add_argument("--out", default=DEFAULT_OUT, help="results folder (default bench/results)")
     parser.add_argument("--name", default="context")
     args = parser.parse_args(argv)
+    args.heads, args.head_dim = (2, 16) if args.quick else (12, 64)
     if args.quick:
-        args.T, args.heads, args.head_dim, args.repeats = 256, 2, 16, 2
+        args.T, args.repeats = 256, 2
     if not 0 <= args.rank < args.ranks or args.T % (2 * args.ranks):
         parser.error(f"--rank must be below --ranks ({args.ranks}) and --T a multiple of 2 x ranks; got {args.T}")
     return args
