@@ -144,14 +144,8 @@ def time_row(row: dict, case: Case, args, device: torch.device, dtype: torch.dty
     """The row's model built and its generation timed; the model goes when this returns (or raises)."""
     gpt = build_model(case, args, device, dtype)
     seq_len = case.prompt_len + case.new_tokens
-    need = gpt.attention_use(
-        device,
-        dtype,
-        training=False,
-        seq_len=seq_len,
-        kv_cache=case.cache,
-        decode_step=decode_step_for(device, case.cache, case.compile),
-    )
+    step = decode_step_for(device, case.cache, case.compile)
+    need = gpt.attention_use(device, dtype, training=False, seq_len=seq_len, kv_cache=case.cache, decode_step=step)
     resolution = generation_attention(gpt, need)[0].resolution
     row["resolved"] = resolution.used
     if case.backend != "auto" and resolution.used != case.backend:  # never time another under this name

@@ -20,7 +20,7 @@ import torch
 
 from bench import launch
 from bench.grid import BenchParser
-from bench.report import GPT2_124M, GPT2_VOCAB, TINY, plot, results_header, write_results
+from bench.report import GPT2_124M, GPT2_VOCAB, TINY, cell, plot, results_header, write_results
 from training.parallel import PARALLELISMS
 
 GPT2_XL = {"n_layer": 48, "n_head": 25, "n_embd": 1600}
@@ -171,14 +171,8 @@ def context_rows(args, on_row) -> None:
 
 # Whether a model fits, not how fast: a few eager steps (compiling a model of billions of parameters takes minutes);
 # the run is stopped once it logs its last step, before its checkpoint (weights and AdamW state: 16 bytes a parameter)
-PROBE_ITERS = 4
-PROBE = (
-    f"--max_iters={PROBE_ITERS}",
-    f"--lr_decay_iters={PROBE_ITERS}",
-    "--warmup_iters=1",
-    f"--eval_interval={PROBE_ITERS}",
-    "--log_interval=1",
-)
+PROBE_ITERS = 4  # PROBE's max_iters
+PROBE = launch.flags(dict(max_iters=4, lr_decay_iters=4, warmup_iters=1, eval_interval=4, log_interval=1))
 
 
 def largest(args, parallelism: str, on_row) -> None:
@@ -202,12 +196,8 @@ def nccl_settings() -> str:
 
 
 def progress(row: dict) -> str:
-    figures = (
-        f"{row['tokens_per_sec']:,.0f} tok/s, {row['tokens_per_sec_per_gpu']:,.0f} per GPU"
-        if row["status"] == "ok"
-        else row["status"]
-    )
-    return f"{row['run']} {row['model']} on {row['gpus']}: {figures} ({row['wall_s']} s)"
+    per_gpu = f"{cell(row.get('tokens_per_sec_per_gpu'))} tok/s per GPU"
+    return f"{row['run']} {row['model']} on {row['gpus']}: {row['status']}, {per_gpu} ({row['wall_s']} s)"
 
 
 def plot_rows(rows: list[dict], path: Path) -> None:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from bench.grid import mode_parser
-from bench.report import DEFAULT_OUT, GPT2_VOCAB, model_shape, plot_bars, save_results
+from bench.report import DEFAULT_OUT, GPT2_VOCAB, markdown_table, model_shape, plot_bars, save_results
 from bench.train_step import build_state, random_batches
 from kernels.timing import median_ms, timed
 from training.context import CHUNK_KERNELS, REFERENCE, attend_chunk, resolve_chunk_kernel
@@ -109,18 +109,9 @@ def phases(argv=None) -> int:
     runtime = setup_runtime(device, dtype, backend, ranks)
     rows = [row for p in args.parallelism for row in time_phases(p, runtime, args.steps, args.quick)]
     if runtime.master:
-        for row in rows:
-            print(
-                f"{row['parallelism']:5} {row['phase']:52} host {row['host_ms']:8.2f}  wall {row['wall_ms']:8.2f}  "
-                f"slowest rank {row['slowest_ms']:8.2f}  by rank {row['rank_wall_ms']}"
-            )
-        notes = {
-            "model": ", ".join(f"{key} {value}" for key, value in phase_model(args.quick).items())
-            + ", micro-batch 16, one micro-step per rank",
-            "phases": "each rank, a barrier before and a sync after each; medians over steps (host, wall: rank 0's; "
-            "slowest: of the slowest rank's wall time, step by step)",
-            "environment": "NCCL_NVLS_ENABLE=0",
-        }
+        print(markdown_table(rows, PHASE_COLUMNS))
+        model = ", ".join(f"{key} {value}" for key, value in phase_model(args.quick).items())
+        notes = {"model": f"{model}, micro-batch 16, one micro-step per rank", "environment": "NCCL_NVLS_ENABLE=0"}
         name = args.name or ("step-phases-quick" if args.quick else "step-phases")
         save_results(args.out, name, runtime.device, rows, PHASE_COLUMNS, plot_phases, notes=notes)
     if runtime.ddp:
