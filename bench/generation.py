@@ -188,23 +188,17 @@ def hf_model(gpt: GPT):
 
 def hf_peer(case: Case, args, device, dtype) -> dict:
     """The peer row: prefill = one forward pass over the prompts, decode = the whole generate minus it."""
-    gpt = build_model(
-        Case("sdpa", "none", False, case.batch_size, case.prompt_len, case.new_tokens), args, "cpu", dtype
-    )
-    hf = hf_model(gpt).to(device=device, dtype=dtype).eval()
-    ids = torch.stack(prompts_for(case, gpt.config.vocab_size, device))
-    mask = torch.ones_like(ids)
+    import transformers
 
-    def generate():  # the static cache is sized by max_new_tokens: warm-up and timed run share its shapes
-        hf.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=case.new_tokens,
-            min_new_tokens=case.new_tokens,
-            do_sample=False,
-            cache_implementation="static",
-            pad_token_id=0,
-        )
+    shapes = Case("sdpa", "none", False, case.batch_size, case.prompt_len, case.new_tokens)
+    hf = hf_model(build_model(shapes, args, "cpu", dtype)).to(device=device, dtype=dtype).eval()
+    ids = torch.stack(prompts_for(case, hf.config.vocab_size, device))
+    mask = torch.ones_like(ids)
+    # the static cache is sized by max_new_tokens: warm-up and timed run share its shapes
+    settings = dict(max_new_tokens=case.new_tokens, min_new_tokens=case.new_tokens, pad_token_id=0)
+
+    def generate():
+        hf.generate(ids, attention_mask=mask, do_sample=False, cache_implementation="static", **settings)
 
     def prefill():
         hf(ids, attention_mask=mask)
@@ -214,15 +208,9 @@ def hf_peer(case: Case, args, device, dtype) -> dict:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         first, whole = timed(prefill, device).wall_ms / 1e3, timed(generate, device).wall_ms / 1e3
-    import transformers
-
-    return {
-        "resolved": f"transformers {transformers.__version__}",
-        **rates(case, first, max(whole - first, 1e-9)),
-        "peak_mem_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
-        "warmup_s": warmup_s,
-        "status": "ok",
-    }
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    row = {"resolved": f"transformers {transformers.__version__}", "peak_mem_mib": peak, "warmup_s": warmup_s}
+    return {**row, **rates(case, first, max(whole - first, 1e-9)), "status": "ok"}
 
 
 def hf_available() -> bool:
