@@ -131,8 +131,8 @@ class Launch:
         """Its end; or, once it logs iteration stop_at_iter, it is stopped (exit code 0: a probe has its answer,
         and the final checkpoint of a model of billions of parameters is not worth its minutes); or past
         `timeout` seconds from now, killed (124). Either way nothing it started is left running."""
-        timer = threading.Timer(timeout, kill_tree, [self.process.pid]) if timeout is not None else None
-        if timer is not None:
+        timer = threading.Timer(timeout or 0, kill_tree, [self.process.pid])
+        if timeout is not None:
             timer.start()
         lines, reached = [], False
         try:
@@ -149,9 +149,8 @@ class Launch:
             raise
         lines += self.process.stdout.readlines()
         self.process.wait()
-        timed_out = timer is not None and not timer.is_alive() and not reached
-        if timer is not None:
-            timer.cancel()
+        timed_out = timeout is not None and not timer.is_alive() and not reached
+        timer.cancel()
         code = 0 if reached else 124 if timed_out else self.process.returncode
         output = "".join(lines) + (f"\ntimed out after {timeout} s" if timed_out else "")
         return Run(code, output, time.perf_counter() - self.start)

@@ -302,12 +302,9 @@ def main(argv=None) -> int:
             on_row(measure(args, parallelism, model, shape, parallelism, gpus, micro_batch[model]))
     for parallelism, model, shape in runs:
         for name, settings in args.variants:
+            run = f"{parallelism} {name}"
             for gpus in args.variant_gpus or [g for g in args.gpus if g > 1]:
-                on_row(
-                    variant_row(
-                        args, f"{parallelism} {name}", model, shape, parallelism, gpus, micro_batch[model], settings
-                    )
-                )
+                on_row(variant_row(args, run, model, shape, parallelism, gpus, micro_batch[model], settings))
     if args.largest:
         for parallelism in args.largest_parallelism:
             largest(args, parallelism, on_row)
