@@ -160,13 +160,8 @@ def context_rows(args, on_row) -> None:
     for run, t, gpus, block_size in runs:
         steps = (f"--max_iters={args.context_iters + 1}", f"--lr_decay_iters={args.context_iters + 1}")
         settings = (*CONTEXT, *steps, *([f"--context_parallel={gpus}"] if gpus > 1 else []))
-        name = f"{run} T={t}"
-        on_row(
-            measure(
-                args, name, model, shape, "ddp", gpus, 1, settings,
-                warmup=2, stop_at_iter=args.context_iters, block_size=block_size, accum_total=1,
-            )
-        )  # fmt: skip
+        own = dict(warmup=2, stop_at_iter=args.context_iters, block_size=block_size, accum_total=1)
+        on_row(measure(args, f"{run} T={t}", model, shape, "ddp", gpus, 1, settings, **own))
 
 
 # Whether a model fits, not how fast: a few eager steps (compiling a model of billions of parameters takes minutes);

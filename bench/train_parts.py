@@ -142,8 +142,8 @@ def rank_inputs(args, dtype: torch.dtype, device: torch.device):
 def chunk_step(kernel: str, q, k, v, grad, chunks) -> tuple[torch.Tensor, ...]:
     """Both chunks' attention (as ContextShard.attend runs it), then the gradients of q, k and v."""
     length = q.size(2) // 2
-    seen = [(q[:, :, i * length : (i + 1) * length], k[:, :, : (c + 1) * length], v[:, :, : (c + 1) * length])
-            for i, c in enumerate(chunks)]  # fmt: skip
+    queries = [q[:, :, i * length : (i + 1) * length] for i in range(len(chunks))]
+    seen = [(query, k[:, :, : (c + 1) * length], v[:, :, : (c + 1) * length]) for query, c in zip(queries, chunks)]
     out = torch.cat([attend_chunk(*chunk, kernel) for chunk in seen], dim=2)
     return (out, *torch.autograd.grad(out, (q, k, v), grad.to(out.dtype)))
 
