@@ -52,17 +52,12 @@ COLUMNS = (
 
 def plot_cells(rows: list[dict], path: Path):
     y = "fwd_bwd_tflops" if any(r["fwd_bwd_tflops"] for r in rows) else "fwd_tflops"
-    title = f"attention, {rows[0]['dtype']}: fwd+bwd TF/s"
-    panels = panels_by(rows, "head_dim", y)
-    plot(
-        rows,
-        path,
-        x="seq_len",
-        panels=panels,
-        series=lambda r: r["backend"] + " +docs" * r["docs"],
-        title=title,
-        log_x=True,
-    )
+    panels, title = panels_by(rows, "head_dim", y), f"attention, {rows[0]['dtype']}: {y}"
+    plot(rows, path, x="seq_len", panels=panels, series=backend_and_mask, title=title, log_x=True)
+
+
+def backend_and_mask(row: dict) -> str:
+    return row["backend"] + (" +docs" if row["docs"] else "")
 
 
 # ----------------------------------------------------------------------------------------------

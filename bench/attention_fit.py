@@ -62,18 +62,14 @@ def main(argv=None) -> int:
         card = results["header"]["capability"]
         fitted = fit(results)
     except OSError as error:
-        print(f"error: {args.results}: {error.strerror or error}", file=sys.stderr)
-        return 2
+        return fail(f"{args.results}: {error.strerror or error}")
     except (ValueError, KeyError, TypeError) as error:
         what = f"no {error} field" if isinstance(error, KeyError) else str(error).splitlines()[0]
-        print(
-            f"error: {args.results} is not an attention results file ({what}); make one with python -m bench.attention",
-            file=sys.stderr,
+        return fail(
+            f"{args.results} is not an attention results file ({what}); make one with python -m bench.attention"
         )
-        return 2
     if not card or not card.startswith("sm"):
-        print(f"error: {args.results} is not from a CUDA card (capability {card!r})", file=sys.stderr)
-        return 2
+        return fail(f"{args.results} is not from a CUDA card (capability {card!r})")
     device_name = results["header"].get("device_name", card)
     source = f"fitted by python -m bench.attention fit from {args.results.name} ({device_name})"
     table = json.loads(args.table.read_text()) if args.table.exists() else {}
@@ -84,3 +80,9 @@ def main(argv=None) -> int:
             tmp.write_text(json.dumps(table, indent=1) + "\n")
         print(f"wrote {args.table}")
     return 0
+
+
+def fail(message: str) -> int:
+    """The tool's one error line; its exit code."""
+    print(f"error: {message}", file=sys.stderr)
+    return 2

@@ -256,15 +256,10 @@ def parse_args(argv=None):
 
 def header_fields(args, cases: list[Case], dtype: torch.dtype) -> dict:
     model = model_settings(args.quick, args.model)
-    variants = {v: VARIANTS[v] for v in args.variants or ()}
+    variants, case_fields = {v: VARIANTS[v] for v in args.variants or ()}, [vars(case) for case in cases]
     return {
         "model": model,
-        "grid": {
-            "backends": args.backends,
-            "variants": variants,
-            "cases": [vars(c) for c in cases],
-            "dtype": str(dtype),
-        },
+        "grid": {"backends": args.backends, "variants": variants, "cases": case_fields, "dtype": str(dtype)},
         "flop_convention": "MFU: model.flops_per_token(T) (6N + 12*L*H*D*T) * tokens / time / dense bf16 peak",
         "notes": {
             "model": ", ".join(f"{k}={v}" for k, v in model.items()),
