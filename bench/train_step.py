@@ -329,10 +329,10 @@ def profile(argv=None) -> int:
 
 
 def main(argv=None) -> int:
-    from bench import train_parts, train_runs
+    from bench import train_parts as parts
 
-    modes = dict(profile=profile, phases=train_parts.phases, context=train_parts.context)
-    return dispatch(argv, grid, **modes, compare=train_runs.compare, curves=train_runs.curves)
+    modes = dict(phases=parts.phases, context=parts.context, compare=parts.compare, curves=parts.curves)
+    return dispatch(argv, grid, profile=profile, **modes)
 
 
 if __name__ == "__main__":

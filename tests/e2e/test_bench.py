@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import grid, launch, readme_table, report, train_parts, train_runs, train_step
+from bench import grid, launch, readme_table, report, train_parts, train_step
 from bench.launch import parse_log_line
 from bench.report import card_slug
 from helpers import REPO as ROOT
@@ -383,7 +383,7 @@ def test_compare_backends_tabulates_each_backends_last_log_line(runs):
 
 
 def test_compare_row_records_a_failed_run_with_its_last_line():
-    row = train_runs.compare_row("flash_attn_2", "INFO: attention backend: sdpa\nerror: no such thing\n", 2)
+    row = train_parts.compare_row("flash_attn_2", "INFO: attention backend: sdpa\nerror: no such thing\n", 2)
     assert row == {"backend": "flash_attn_2", "runs": "sdpa", "status": "exit 2: error: no such thing"}
 
 
