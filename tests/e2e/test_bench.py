@@ -392,7 +392,7 @@ def test_graphs_go_to_the_smallest_backends_and_a_failed_capture_times_eagerly(m
     a backend past that, or whose capture fails, keeps its eager runs and says why in its row."""
     from types import SimpleNamespace
 
-    from bench import attention_measure
+    from bench import attention
 
     captured = []
 
@@ -402,12 +402,12 @@ def test_graphs_go_to_the_smallest_backends_and_a_failed_capture_times_eagerly(m
         captured.append(fn)
         return SimpleNamespace(replay=f"replay {fn}")
 
-    monkeypatch.setattr(attention_measure, "cuda_graph", fake_graph)
+    monkeypatch.setattr(attention, "cuda_graph", fake_graph)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=100 * 2**30))
 
     def measurement(name, mib, fn=None):
         runs = {"fwd": (fn or f"{name} fwd", ()), "fwd_bwd": (fn or f"{name} fwd_bwd", ())}
-        return attention_measure.Measurement({"backend": name, "peak_mem_mib": mib}, runs, {}, {})
+        return attention.Measurement({"backend": name, "peak_mem_mib": mib}, runs, {}, {})
 
     ms = [
         measurement("manual", 20_000),
@@ -415,7 +415,7 @@ def test_graphs_go_to_the_smallest_backends_and_a_failed_capture_times_eagerly(m
         measurement("broken", 100, "breaks"),
         measurement("flex", 5_000),
     ]
-    attention_measure.capture_graphs(ms, torch.device("cuda"))
+    attention.capture_graphs(ms, torch.device("cuda"))
     manual, sdpa, broken, flex = ms
     assert captured == ["sdpa fwd", "sdpa fwd_bwd", "flex fwd", "flex fwd_bwd"]
     assert sdpa.runs["fwd"] == ("replay sdpa fwd", ()) and sdpa.row["fwd_bwd_timing"] == "cuda graph"
