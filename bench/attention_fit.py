@@ -1,15 +1,5 @@
-"""`python -m bench.attention fit`: from an attention results file, the sequence lengths from which `auto` puts
-flash-attn-4 first on that card.
-
-    python -m bench.attention fit bench/results/h100-attention.json           # print the card's fitted entry
-    python -m bench.attention fit bench/results/h100-attention.json --write   # and store it in the table
-
-For each (masking, head dim) in the file: the shortest measured T from which flash_attn_4's fwd+bwd time
-beats what auto runs without it (sdpa:auto for causal cells, flex_attention for document cells) at that T
-and at every longer measured T. The table keys a card by its compute capability (the results header's
-`capability`, e.g. sm90) and a head dim by the largest it covers (64, 256); maskings the file does not hold
-keep their earlier entries. The table is data: model code reads it, and nothing rewrites source files.
-"""
+"""`python -m bench.attention fit`: the lengths from which auto puts flash-attn-4 first on a card, from an
+attention results file (bench/README.md)."""
 
 from __future__ import annotations
 
@@ -72,18 +62,14 @@ def main(argv=None) -> int:
         card = results["header"]["capability"]
         fitted = fit(results)
     except OSError as error:
-        print(f"error: {args.results}: {error.strerror or error}", file=sys.stderr)
-        return 2
+        return fail(f"{args.results}: {error.strerror or error}")
     except (ValueError, KeyError, TypeError) as error:
         what = f"no {error} field" if isinstance(error, KeyError) else str(error).splitlines()[0]
-        print(
-            f"error: {args.results} is not an attention results file ({what}); make one with python -m bench.attention",
-            file=sys.stderr,
+        return fail(
+            f"{args.results} is not an attention results file ({what}); make one with python -m bench.attention"
         )
-        return 2
     if not card or not card.startswith("sm"):
-        print(f"error: {args.results} is not from a CUDA card (capability {card!r})", file=sys.stderr)
-        return 2
+        return fail(f"{args.results} is not from a CUDA card (capability {card!r})")
     device_name = results["header"].get("device_name", card)
     source = f"fitted by python -m bench.attention fit from {args.results.name} ({device_name})"
     table = json.loads(args.table.read_text()) if args.table.exists() else {}
@@ -94,3 +80,9 @@ def main(argv=None) -> int:
             tmp.write_text(json.dumps(table, indent=1) + "\n")
         print(f"wrote {args.table}")
     return 0
+
+
+def fail(message: str) -> int:
+    """The tool's one error line; its exit code."""
+    print(f"error: {message}", file=sys.stderr)
+    return 2

@@ -1,25 +1,5 @@
-"""Generation for GPT-2 124M shapes (random weights): speed per attention backend and KV cache, where a decode
-step's time goes (profile), and what a default sampling step costs per decode variant (probe).
-
-    python -m bench.generation                      # CUDA, bf16: batch 1 and 32, prompt 128 and 2048, 256 new tokens
-    python -m bench.generation --budget 0           # the whole grid, however long it takes
-    python -m bench.generation --caches paged --mixed   # prompts of mixed lengths in each batch, per cache
-    python -m bench.generation --quick              # tiny CPU model, a few tokens: seconds
-    python -m bench.generation profile [--quick]    # torch.profiler over steady decoding, kernels by kind
-    python -m bench.generation probe                # a default sampling step per decode variant (CUDA)
-
-Each row runs generation.stream greedily on random prompts, the same way sample.py generates: prefill time
-is the time to the first token (the whole prompt read), decode time the rest; tok/s counts tokens of the whole
-batch. A short untimed run of the same shapes comes first (flex_attention and torch.compile compile there, CUDA
-graphs are captured). `compile` rows run the static decode step under torch.compile(mode="reduce-overhead").
-A backend that falls back is not timed under its name. With `transformers` importable (and not --quick), a peer
-row runs Hugging Face's GPT2LMHeadModel.generate with a static cache on the same weights. --slide rows decode 3
-windows past block_size at batch 1, as sample.py runs a long sample.
-
-Rows, most wanted first, so a --budget cut drops the least wanted: every backend with the contiguous and the
-paged cache at each shape; then compiled decoding (--compile-backends, default auto); then the Hugging Face
-peer; then no cache (the whole context every step, as nanoGPT generates); then the slide rows.
-"""
+"""`python -m bench.generation`: prefill and decode speed per attention backend and KV cache for GPT-2 124M
+shapes; its modes profile and probe. bench/README.md says how to run each."""
 
 from __future__ import annotations
 
@@ -28,23 +8,28 @@ from errors import as_command
 if __name__ == "__main__":  # before torch's seconds of importing: see as_command
     as_command()
 
+import contextlib
 import importlib.util
+import json
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 import generation
-from bench.grid import BenchParser, Grid, dispatch, fresh_row, number, run_grid
-from bench.report import GPT2_VOCAB, Column, model_shape, plot_lines
+from bench.grid import BenchParser, Grid, dispatch, fresh_row, mode_parser, profiled, run_grid
+from bench.report import DEFAULT_OUT, GPT2_124M, GPT2_VOCAB, card_slug, model_shape, panels_by, plot, write_markdown
 from generation.loop import decode_step_for, generation_attention
 from kernels.timing import timed
 from model import GPT, GPTConfig
+from training.profiling import summarize, top_table
 
 BACKENDS = ("auto", "sdpa", "flash_attn_2", "flash_attn_3", "flex_attention", "manual")
 CACHES = ("contiguous", "paged", "none")
 WARMUP_TOKENS = 8
+MANUAL_MAX_PROMPT = 2048  # manual's (T, T) scores beyond it
 
 
 @dataclass(frozen=True)
@@ -146,7 +131,7 @@ def empty_row(case: Case, dtype: torch.dtype) -> dict:
 
 def measure_case(case: Case, args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     row = empty_row(case, dtype)
-    if case.backend == "manual" and case.prompt_len > args.manual_max_prompt:
+    if case.backend == "manual" and case.prompt_len > MANUAL_MAX_PROMPT:
         return [{**row, "status": f"not run: manual's (T, T) scores at prompt {case.prompt_len}"}]
     if case.backend == "paged_attention" and case.cache == "contiguous":
         return [{**row, "status": "not run: paged_attention is a paged cache (its paged row)"}]
@@ -162,14 +147,8 @@ def time_row(row: dict, case: Case, args, device: torch.device, dtype: torch.dty
     """The row's model built and its generation timed; the model goes when this returns (or raises)."""
     gpt = build_model(case, args, device, dtype)
     seq_len = case.prompt_len + case.new_tokens
-    need = gpt.attention_use(
-        device,
-        dtype,
-        training=False,
-        seq_len=seq_len,
-        kv_cache=case.cache,
-        decode_step=decode_step_for(device, case.cache, case.compile),
-    )
+    step = decode_step_for(device, case.cache, case.compile)
+    need = gpt.attention_use(device, dtype, training=False, seq_len=seq_len, kv_cache=case.cache, decode_step=step)
     resolution = generation_attention(gpt, need)[0].resolution
     row["resolved"] = resolution.used
     if case.backend != "auto" and resolution.used != case.backend:  # never time another under this name
@@ -201,51 +180,28 @@ def rates(case: Case, prefill_s: float, decode_s: float) -> dict:
 
 
 def hf_model(gpt: GPT):
-    """transformers' GPT2LMHeadModel holding gpt's weights (its Conv1D stores Linear weights transposed)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """transformers' GPT2LMHeadModel holding gpt's weights, through python -m weights hf's export."""
+    from transformers import GPT2LMHeadModel
 
-    c = gpt.config
-    config = GPT2Config(
-        vocab_size=c.vocab_size,
-        n_positions=c.block_size,
-        n_embd=c.n_embd,
-        n_layer=c.n_layer,
-        n_head=c.n_head,
-        activation_function="gelu_new",
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=None,  # random weights, no tokenizer: nothing ends a sequence early
-        eos_token_id=None,
-    )
-    hf = GPT2LMHeadModel(config)
-    transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-    state = {k: v.t() if k.endswith(transposed) else v for k, v in gpt.state_dict().items()}
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    if unexpected or [k for k in missing if not k.endswith(".attn.bias") and not k.endswith(".attn.masked_bias")]:
-        raise RuntimeError(f"weights do not map onto GPT2LMHeadModel: missing {missing}, unexpected {unexpected}")
-    return hf
+    from weights.hf import export_hf
+
+    with tempfile.TemporaryDirectory() as folder:
+        return GPT2LMHeadModel.from_pretrained(export_hf(gpt, folder))
 
 
 def hf_peer(case: Case, args, device, dtype) -> dict:
     """The peer row: prefill = one forward pass over the prompts, decode = the whole generate minus it."""
-    gpt = build_model(
-        Case("sdpa", "none", False, case.batch_size, case.prompt_len, case.new_tokens), args, "cpu", dtype
-    )
-    hf = hf_model(gpt).to(device=device, dtype=dtype).eval()
-    ids = torch.stack(prompts_for(case, gpt.config.vocab_size, device))
-    mask = torch.ones_like(ids)
+    import transformers
 
-    def generate():  # the static cache is sized by max_new_tokens: warm-up and timed run share its shapes
-        hf.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=case.new_tokens,
-            min_new_tokens=case.new_tokens,
-            do_sample=False,
-            cache_implementation="static",
-            pad_token_id=0,
-        )
+    shapes = Case("sdpa", "none", False, case.batch_size, case.prompt_len, case.new_tokens)
+    hf = hf_model(build_model(shapes, args, "cpu", dtype)).to(device=device, dtype=dtype).eval()
+    ids = torch.stack(prompts_for(case, hf.config.vocab_size, device))
+    mask = torch.ones_like(ids)
+    # the static cache is sized by max_new_tokens: warm-up and timed run share its shapes
+    settings = dict(max_new_tokens=case.new_tokens, min_new_tokens=case.new_tokens, pad_token_id=0)
+
+    def generate():
+        hf.generate(ids, attention_mask=mask, do_sample=False, cache_implementation="static", **settings)
 
     def prefill():
         hf(ids, attention_mask=mask)
@@ -255,15 +211,9 @@ def hf_peer(case: Case, args, device, dtype) -> dict:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         first, whole = timed(prefill, device).wall_ms / 1e3, timed(generate, device).wall_ms / 1e3
-    import transformers
-
-    return {
-        "resolved": f"transformers {transformers.__version__}",
-        **rates(case, first, max(whole - first, 1e-9)),
-        "peak_mem_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
-        "warmup_s": warmup_s,
-        "status": "ok",
-    }
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    row = {"resolved": f"transformers {transformers.__version__}", "peak_mem_mib": peak, "warmup_s": warmup_s}
+    return {**row, **rates(case, first, max(whole - first, 1e-9)), "status": "ok"}
 
 
 def hf_available() -> bool:
@@ -273,108 +223,46 @@ def hf_available() -> bool:
 # ----------------------------------------------------------------------------------------------
 
 
-def progress_line(row: dict) -> str:
-    slide = f" slide {row['slide']}" if row.get("slide") else ""
-    label = f"{row['backend']}{'+compile' if row['compile'] else ''}{slide}"
-    return (
-        f"B={row['batch_size']:<3} prompt={row['prompts']:<9} {label:<22} {row['cache']:<10} "
-        f"prefill {number(row, 'prefill_tok_s', '{:,.0f}'):>10} tok/s  "
-        f"decode {number(row, 'decode_tok_s', '{:,.0f}'):>9} tok/s "
-        f"({number(row, 'decode_ms_per_token', '{:.2f}')} ms/step)  "
-        f"mem {number(row, 'peak_mem_mib', '{:,.0f}'):>7} MiB  "
-        f"{row['status'] if row['status'] != 'ok' else ''}"
-    )
+COLUMNS = (
+    "backend resolved cache compile batch_size prompts new_tokens slide dtype prefill_ms prefill_tok_s "
+    "decode_ms_per_token decode_tok_s peak_mem_mib warmup_s status"
+).split()
 
 
-COLUMNS = [
-    Column("backend", "backend"),
-    Column("resolved", "runs"),
-    Column("cache", "cache"),
-    Column("compile", "compile"),
-    Column("batch_size", "B"),
-    Column("prompts", "prompt"),
-    Column("new_tokens", "new"),
-    Column("slide", "slide"),
-    Column("dtype", "dtype"),
-    Column("prefill_ms", "prefill ms", "{:.1f}"),
-    Column("prefill_tok_s", "prefill tok/s", "{:,.0f}"),
-    Column("decode_ms_per_token", "decode ms/step", "{:.2f}"),
-    Column("decode_tok_s", "decode tok/s", "{:,.0f}"),
-    Column("peak_mem_mib", "peak MiB", "{:,.0f}"),
-    Column("warmup_s", "warm-up s", "{:.1f}"),
-    Column("status", "status"),
-]
+def plot_rows(rows: list[dict], path: Path):
+    def series(row):
+        return f"{row['backend']}/{row['cache']}{'+compile' if row['compile'] else ''}"
 
-
-def plot(rows: list[dict], path: Path):
-    plot_lines(
-        rows,
-        path,
-        x="batch_size",
-        y="decode_tok_s",
-        y_label="decode tokens/s (whole batch)",
-        panel="prompt_len",
-        series=lambda r: f"{r['backend']}/{r['cache']}{'+compile' if r['compile'] else ''}",
-        title=f"generation, {rows[0]['dtype']}, {rows[0]['new_tokens']} new tokens",
-        dashed=lambda name: name.endswith("/none"),
-    )
-
-
-QUICK = dict(
-    device="cpu",
-    dtype="float32",
-    backends=["sdpa", "manual"],
-    batch_sizes=[1, 3],
-    prompt_lens=[8],
-    new_tokens=4,
-    compile="false",
-    budget=0,
-    name="generate-quick",
-)
-FULL = dict(  # and on CUDA: device cuda, dtype bfloat16, compile true
-    device="cpu",
-    dtype="float32",
-    backends=list(BACKENDS),
-    batch_sizes=[1, 32],
-    prompt_lens=[128, 2048],
-    new_tokens=256,
-    compile="false",
-    budget=480,
-    name="generate",
-)
+    panels = panels_by(rows, "prompt_len", "decode_tok_s")
+    plot(rows, path, x="batch_size", panels=panels, series=series, title="generation: decode tok/s (whole batch)")
 
 
 def parse_args(argv=None):
-    on_cuda = dict(device="cuda", dtype="bfloat16", compile="true") if torch.cuda.is_available() else {}
+    cuda = torch.cuda.is_available()
     parser = BenchParser(
+        "generation",
         __doc__,
-        QUICK,
-        {**FULL, **on_cuda},
         quick_help="tiny CPU model, prompts of 8, 4 new tokens",
-        dtypes=("bfloat16", "float16", "float32"),
-        tool="generation",
         modes=("profile", "probe"),
+        device=("cuda" if cuda else "cpu", "cpu"),
+        dtype=("bfloat16" if cuda else "float32", "float32"),
+        dtypes=("bfloat16", "float16", "float32"),
+        budget=(480, 0),
+        name=("generate", "generate-quick"),
     )
-    parser.add_argument("--backends", nargs="+", help=f"default: {' '.join(BACKENDS)}")
+    parser.option("--backends", list(BACKENDS), ["sdpa", "manual"], nargs="+", help="attention backends")
     parser.add_argument("--caches", nargs="+", default=list(CACHES), choices=CACHES)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", help="default 1 32")
-    parser.add_argument("--prompt-lens", type=int, nargs="+", help="default 128 2048")
-    parser.add_argument("--new-tokens", type=int, help="default 256")
-    parser.add_argument("--compile", choices=("true", "false"), help="also compiled decode rows (default: on CUDA)")
+    parser.option("--batch-sizes", [1, 32], [1, 3], type=int, nargs="+", help="batch sizes")
+    parser.option("--prompt-lens", [128, 2048], [8], type=int, nargs="+", help="prompt lengths")
+    parser.option("--new-tokens", 256, 4, type=int, help="tokens generated")
+    parser.option(
+        "--compile", "true" if cuda else "false", "false", choices=("true", "false"), help="compiled rows too"
+    )
     parser.add_argument("--compile-backends", nargs="+", default=["auto"], help="backends of the compiled rows")
+    parser.add_argument("--hf", default="auto", choices=("auto", "off"), help="the transformers peer (auto: if there)")
+    parser.add_argument("--mixed", action="store_true", help="prompts of 1/16 of a prompt length up to it per batch")
     parser.add_argument(
-        "--hf", default="auto", choices=("auto", "off"), help="the transformers peer row (auto: if importable)"
-    )
-    parser.add_argument(
-        "--mixed", action="store_true", help="prompts of mixed lengths in each batch (1/16 of a prompt length up to it)"
-    )
-    parser.add_argument("--manual-max-prompt", type=int, default=2048, help="manual only up to this prompt length")
-    parser.add_argument(
-        "--slide",
-        nargs="*",
-        default=["half", "exact"],
-        choices=("half", "exact"),
-        help="rows that decode 3 windows past block_size at batch 1, per slide mode (default: both; none: --slide)",
+        "--slide", nargs="*", default=["half", "exact"], choices=("half", "exact"), help="3 windows past block_size"
     )
     args = parser.parse_args(argv)
     args.compile = args.compile == "true"
@@ -383,23 +271,18 @@ def parse_args(argv=None):
 
 
 def header_fields(args, cases: list[Case]) -> dict:
-    shapes = model_settings(args.quick)
+    shapes, block_size = model_settings(args.quick), 64 if args.quick else 1024
     return {
         "model": shapes,
         "grid": {"cases": [vars(c) for c in cases], "dtype": args.dtype},
         "notes": {
             "model": ", ".join(f"{k}={v}" for k, v in shapes.items())
-            + f", random weights; block_size = max({64 if args.quick else 1024}, prompt + new), except the slide rows: "
-            f"block_size {64 if args.quick else 1024}, 3 windows of new tokens past it (slide half | exact)",
-            "generation": "generation.stream, greedy (temperature 0), random prompt ids; prefill = time to the "
-            "first token; decode = the remaining new tokens; tok/s counts the whole batch",
-            "warm-up": f"an untimed run of the same shapes stopped after {WARMUP_TOKENS} tokens first (compiles, "
-            "CUDA graph capture: warmup_s)",
-            "memory": "peak_mem_mib = torch.cuda.max_memory_allocated over the timed run; none on CPU",
-            "hf peer": "GPT2LMHeadModel.generate(cache_implementation='static') on the same weights; prefill = "
-            "one forward pass over the prompts, decode = the whole generate minus it"
+            + f", random weights; block_size = max({block_size}, prompt + new), except the slide rows'",
+            "generation": "generation.stream, greedy; prefill = time to the first token; decode = the rest; tok/s "
+            f"counts the whole batch; after an untimed run of {WARMUP_TOKENS} tokens (warmup_s)",
+            "hf peer": "GPT2LMHeadModel.generate(cache_implementation='static') on the same weights"
             if args.hf
-            else "not run (transformers not importable, or --quick / --hf off)",
+            else "not run",
         },
     }
 
@@ -411,18 +294,130 @@ def speed(argv=None) -> int:
     grid = Grid(
         measure=lambda case: measure_case(case, args, device, dtype),
         skipped=lambda case, reason: [{**empty_row(case, dtype), "status": reason}],
-        progress=progress_line,
+        progress="batch_size prompts backend compile slide cache prefill_tok_s decode_tok_s status".split(),
         columns=COLUMNS,
-        plot=plot,
+        plot=plot_rows,
     )
     run_grid(grid, cases, args, device, header_fields(args, cases))
     return 0
 
 
-def main(argv=None) -> int:
-    from bench import generation_probes
+# ----------------------------------------------------------------------------------------------
+# profile and probe: where a decode step's time goes
 
-    return dispatch(argv, speed, profile=generation_probes.profile, probe=generation_probes.probe)
+PROMPT, NEW_TOKENS, PROFILED_STEPS = 15496, 500, 20  # "Hello"
+
+
+# ----------------------------------------------------------------------------------------------
+# profile: steady decoding, eager and compiled
+
+
+def profile_decoding(gpt: GPT, args, device: torch.device, compile: bool) -> list[str]:
+    generator = torch.Generator().manual_seed(0)
+    prompts = list(torch.randint(gpt.config.vocab_size, (args.batch_size, args.prompt_len), generator=generator))
+    prompts = [p.to(device) for p in prompts]
+
+    def stream():
+        new_tokens = args.skip + args.tokens
+        return generation.stream(gpt, prompts, new_tokens, temperature=0, kv_cache=args.cache, compile=compile)
+
+    for _ in stream():  # compile, record graphs
+        pass
+    tokens = stream()
+    for _ in range(args.skip):  # prefill and the first decode steps stay out of the profile
+        next(tokens)
+    prof, wall_ms = profiled(device, args.tokens, lambda: next(tokens))
+    tokens.close()
+    lines = [f"## {'compiled' if compile else 'eager'}, {args.cache} cache", ""]
+    lines += summarize(prof, args.tokens, wall_ms, device.type == "cuda", args.top, "token")
+    host = [e for e in prof.key_averages() if e.device_type.name == "CPU"]
+    top = top_table("host ops (self CPU)", host, lambda e: e.self_cpu_time_total, args.tokens, args.top, "token")
+    return lines + [""] + top
+
+
+def profile(argv=None) -> int:
+    parser = mode_parser(
+        "generation", "profile", "torch.profiler over steady decoding: GPU time by kernel kind, host ops"
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny model on CPU")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
+    args = parser.parse_args(argv)
+    args.batch_size, args.cache, args.top = 1, "contiguous", 15
+    args.prompt_len, args.skip, args.tokens = (4, 1, 2) if args.quick else (128, 16, 64)
+    name = "profile-generate" + ("-quick" if args.quick else "")
+    device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=1024, **model_settings(args.quick))
+    gpt = GPT(config).to(device, dtype).eval()
+    compiles = (False, True) if device.type == "cuda" else (False,)
+    sections = ["\n".join(profile_decoding(gpt, args, device, compile)) + "\n" for compile in compiles]
+    card = card_slug() if device.type == "cuda" else "cpu"
+    title = (
+        f"# {name} on {card} (torch {torch.__version__}): batch {args.batch_size}, prompt {args.prompt_len}, "
+        f"greedy, {args.tokens} tokens profiled after {args.skip}\n\n"
+    )
+    return write_markdown(args.out / f"{card}-{name}.md", title + "\n".join(sections))
+
+
+# ----------------------------------------------------------------------------------------------
+# probe: a default sampling step per decode variant
+
+
+def probe_variant(name: str, model: GPT, autocast: bool, profile_it=False, temperature=0.8, **options) -> dict:
+    """Decode tokens/s after the prefill and the first decode step (the warm-up), which are timed apart."""
+    device = torch.device("cuda")
+    context = torch.autocast("cuda", torch.bfloat16) if autocast else contextlib.nullcontext()
+    with context:
+        steps = generation.stream(
+            model, [torch.tensor([PROMPT], device=device)], NEW_TOKENS, temperature, 200, vocab_size=50257, **options
+        )
+        prefill_ms, warmup_ms = (timed(lambda: next(steps), device).wall_ms for _ in range(2))
+
+        def rest() -> int:  # a profiled variant's time includes the profiler's steps, its count does not
+            if profile_it:
+                prof, wall_ms = profiled(device, PROFILED_STEPS, lambda: next(steps))
+                print(f"--- profile {name}")
+                print("\n".join(summarize(prof, PROFILED_STEPS, wall_ms, True, 12, "step")))
+            return sum(1 for _ in steps)
+
+        decoded = timed(rest, device)
+    rate = decoded.result / (decoded.wall_ms / 1e3)
+    print(f"{name:50s} {rate:8.0f} tok/s  {1000 / rate:6.3f} ms  warm-up {warmup_ms / 1e3:.2f}s", flush=True)
+    return dict(name=name, tok_s=rate, ms=1000 / rate, warmup_s=warmup_ms / 1e3, prefill_s=prefill_ms / 1e3)
+
+
+def probe(argv=None) -> int:
+    parser = mode_parser("generation", "probe", "a default sampling step's tok/s per decode variant (CUDA)")
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: the sampling probe times CUDA graphs on a CUDA GPU, and this machine has none", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    config = dict(GPT2_124M, vocab_size=50257, block_size=1024)  # the HF folder's vocabulary, unpadded
+    gpt = GPT(GPTConfig(**config)).to("cuda").eval()
+    rows = [
+        probe_variant("default: graph with the draw, auto", gpt, True),
+        probe_variant("graph, auto, greedy", gpt, True, temperature=0),
+        probe_variant("graph, auto (profiled)", gpt, True, profile_it=True),
+    ]
+    for backend in ("sdpa", "manual", "flex_attention"):
+        gpt.config.attention_backend = backend
+        rows.append(probe_variant(f"graph, {backend}", gpt, True))
+    gpt.config.attention_backend = "auto"
+    rows.append(probe_variant("eager, auto", gpt, True, cuda_graph=False))
+    rows.append(probe_variant("compiled, auto", gpt, True, cuda_graph=False, compile=True))
+    half = GPT(GPTConfig(**config)).to("cuda").eval().to(torch.bfloat16)
+    rows.append(probe_variant("graph, auto, bf16 weights no autocast", half, False))
+    rows.append(probe_variant("graph, auto, bf16 weights no autocast (profiled)", half, False, profile_it=True))
+    summary = dict(card=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows)
+    (Path(args.out) / "sampling-probe.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return 0
+
+
+def main(argv=None) -> int:
+    return dispatch(argv, speed, profile=profile, probe=probe)
 
 
 if __name__ == "__main__":

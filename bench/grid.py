@@ -1,12 +1,8 @@
-"""The grid runner of the attention, train and generate benches: the command line they share, their cases run
-in order under a wall-clock budget with one progress line a row, and the results written (bench.report).
-Each bench keeps its own cases and measurement (timed through kernels.timing); what they share to measure is
-here too: a failure recorded as the row's status, the GPU freed between rows, a call captured in a CUDA graph.
-"""
+"""The grid runner of the attention, train and generate benches: their shared command line, cases run in order
+under a wall-clock budget, failures recorded as a row's status, and the results written (bench.report)."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import sys
@@ -17,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from bench.report import DEFAULT_OUT, Column, save_results
+from bench.report import DEFAULT_OUT, cell, save_results
 from data.common import OneLineParser
 from kernels.timing import timed
 
@@ -26,35 +22,32 @@ from kernels.timing import timed
 
 
 class BenchParser(OneLineParser):
-    """A grid bench's command line: the options every one has (--quick, --out, --device, --dtype, --budget,
-    --name), then the bench's own. An option left unset (None) takes its --quick or full-run default."""
+    """A bench's command line: --quick, --out and --name (a grid's also --device, --dtype, --budget), then options
+    that each have a full-run default and a --quick one (option())."""
 
-    def __init__(self, doc, quick, full, *, quick_help, dtypes: Sequence[str], tool=None, modes: Sequence[str] = ()):
-        prog = f"python -m bench.{tool}" if tool else None
-        epilog = f"modes: {prog} {' | '.join(modes)} (each with its own --help)" if modes else None
-        formatter = argparse.RawDescriptionHelpFormatter
-        super().__init__(prog=prog, description=doc.split("\n\n")[0], epilog=epilog, formatter_class=formatter)
-        self.defaults = {True: quick, False: full}
+    def __init__(self, tool: str, doc: str, *, quick_help: str, modes: Sequence[str] = (), **common: tuple):
+        epilog = f"modes: python -m bench.{tool} {' | '.join(modes)} (each with its own --help)" if modes else None
+        super().__init__(prog=f"python -m bench.{tool}", description=doc, epilog=epilog)
+        self.defaults: dict[str, tuple] = {}
         self.add_argument("--quick", action="store_true", help=quick_help)
         self.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
-        self.add_argument("--device", help=f"where it runs (default {full['device']}; --quick: {quick['device']})")
-        self.add_argument(
-            "--dtype", choices=dtypes, help=f"compute dtype (default {full['dtype']}; --quick: {quick['dtype']})"
-        )
-        self.add_argument(
-            "--budget",
-            type=float,
-            help=f"seconds for all cases; later ones are recorded as skipped (default {full['budget']:g}; 0: none)",
-        )
-        self.add_argument(
-            "--name", help=f"results name (default {full['name'] or 'from the grid'}; --quick: {quick['name']})"
-        )
+        self.option("--name", *common["name"], help="results name")
+        if "device" in common:  # a grid's: multi_gpu has none of these
+            self.option("--device", *common["device"], help="where it runs")
+            self.option("--dtype", *common["dtype"], choices=common["dtypes"], help="compute dtype")
+            self.option("--budget", *common["budget"], type=float, help="seconds for all cases, the rest skipped")
+
+    def option(self, flag: str, full, quick, help: str, **kwargs):
+        """--flag: `full` when left unset, `quick` with --quick."""
+        shown = [" ".join(map(str, v)) if isinstance(v, list) else v for v in (full, quick)]
+        said = f"default {shown[0]}" + (f"; --quick: {shown[1]}" if quick != full else "")
+        self.defaults[self.add_argument(flag, help=f"{help} ({said})", **kwargs).dest] = (full, quick)
 
     def parse_args(self, args=None, namespace=None):
         parsed = super().parse_args(args, namespace)
-        for key, value in self.defaults[parsed.quick].items():
+        for key, (full, quick) in self.defaults.items():
             if getattr(parsed, key) is None:
-                setattr(parsed, key, value)
+                setattr(parsed, key, quick if parsed.quick else full)
         return parsed
 
 
@@ -66,13 +59,9 @@ def dispatch(argv, default: Callable[[list[str]], int], **modes: Callable[[list[
     return default(argv)
 
 
-def mode_parser(tool: str, mode: str, doc: str) -> OneLineParser:
-    """The command line of `python -m bench.TOOL MODE`, described by the paragraph of doc that starts "MODE:" (or
-    doc's first)."""
-    paragraphs = doc.split("\n\n")
-    description = next((p for p in paragraphs if p.startswith(f"{mode}:")), paragraphs[0])
-    formatter = argparse.RawDescriptionHelpFormatter
-    return OneLineParser(prog=f"python -m bench.{tool} {mode}", description=description, formatter_class=formatter)
+def mode_parser(tool: str, mode: str, description: str) -> OneLineParser:
+    """The command line of `python -m bench.TOOL MODE`."""
+    return OneLineParser(prog=f"python -m bench.{tool} {mode}", description=description)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -87,8 +76,8 @@ class Grid:
 
     measure: Callable[[object], list[dict]]
     skipped: Callable[[object, str], list[dict]]
-    progress: Callable[[dict], str]
-    columns: Sequence[Column]
+    progress: Sequence[str]  # the keys of a row's progress line
+    columns: Sequence[str]
     plot: Callable[[list[dict], Path], None] | None = None
     finish: Callable[[list[dict]], None] | None = None
 
@@ -99,37 +88,22 @@ def run_grid(grid: Grid, cases: Iterable, args, device: torch.device, header: di
     `header`) and the rows. Returns (header, rows)."""
     if args.quick:
         torch.set_num_threads(1)  # a tiny model gains nothing from threads, and a shared CPU makes them crawl
-    budget, rows = Budget(args.budget), []
+    start, rows = time.perf_counter(), []
     for case in cases:
-        for row in grid.skipped(case, budget.reason()) if budget.exhausted() else grid.measure(case):
+        elapsed = time.perf_counter() - start
+        if 0 < args.budget < elapsed:
+            measured = grid.skipped(case, f"skipped: --budget {args.budget:g} s used up")
+        else:
+            measured = grid.measure(case)
+        for row in measured:
             rows.append(row)
-            print(f"[{budget.elapsed():6.1f}s] {grid.progress(row)}", flush=True)
+            stamp = f"[{time.perf_counter() - start:6.1f}s]"
+            print(stamp, *(f"{key} {cell(row.get(key))}" for key in grid.progress), flush=True)
     if grid.finish is not None:
         grid.finish(rows)
-    wall_s = round(budget.elapsed(), 1)
+    wall_s = round(time.perf_counter() - start, 1)
     header = save_results(args.out, args.name, device, rows, grid.columns, grid.plot, wall_s=wall_s, **header)
     return header, rows
-
-
-class Budget:
-    """Wall-clock allowance for a whole bench; cells after it runs out are recorded as skipped."""
-
-    def __init__(self, seconds: float):
-        self.seconds, self.start = seconds, time.perf_counter()
-
-    def exhausted(self) -> bool:
-        return self.seconds > 0 and time.perf_counter() - self.start > self.seconds
-
-    def reason(self) -> str:
-        return f"skipped: --budget {self.seconds:g} s used up"
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
-
-
-def number(row: dict, key: str, fmt: str) -> str:
-    """row[key] formatted for a progress line, '-' when there is none."""
-    return fmt.format(row[key]) if row.get(key) is not None else "-"
 
 
 # ----------------------------------------------------------------------------------------------

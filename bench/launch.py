@@ -1,7 +1,5 @@
-"""train.py as a subprocess, the one way the multi-GPU, two-node and train_step compare/curves benches run it:
-its command (plain or under torchrun), a run to its end, to a logged iteration or to a timeout (and then
-nothing it started is left running), and its iter lines parsed.
-"""
+"""train.py as a subprocess: its command (plain or under torchrun), a run to its end, to a logged iteration or
+to a timeout (nothing it started left running), and its iter lines parsed."""
 
 from __future__ import annotations
 
@@ -129,16 +127,12 @@ class Launch:
             command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
 
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
     def wait(self, timeout: float | None = None, stop_at_iter: int | None = None) -> Run:
         """Its end; or, once it logs iteration stop_at_iter, it is stopped (exit code 0: a probe has its answer,
         and the final checkpoint of a model of billions of parameters is not worth its minutes); or past
         `timeout` seconds from now, killed (124). Either way nothing it started is left running."""
-        timer = threading.Timer(timeout, kill_tree, [self.pid]) if timeout is not None else None
-        if timer is not None:
+        timer = threading.Timer(timeout or 0, kill_tree, [self.process.pid])
+        if timeout is not None:
             timer.start()
         lines, reached = [], False
         try:
@@ -147,17 +141,16 @@ class Launch:
                 parsed = parse_log_line(line) if stop_at_iter is not None else None
                 if parsed and parsed["iter"] >= stop_at_iter:
                     reached = True
-                    kill_tree(self.pid)
+                    kill_tree(self.process.pid)
                     break
         except BaseException:  # the bench itself stopped (Ctrl-C, SIGTERM): its runs stop too, saying where they were
-            kill_tree(self.pid)
+            kill_tree(self.process.pid)
             print("".join(f"  | {line}" for line in lines[-8:]), end="", file=sys.stderr)
             raise
         lines += self.process.stdout.readlines()
         self.process.wait()
-        timed_out = timer is not None and not timer.is_alive() and not reached
-        if timer is not None:
-            timer.cancel()
+        timed_out = timeout is not None and not timer.is_alive() and not reached
+        timer.cancel()
         code = 0 if reached else 124 if timed_out else self.process.returncode
         output = "".join(lines) + (f"\ntimed out after {timeout} s" if timed_out else "")
         return Run(code, output, time.perf_counter() - self.start)

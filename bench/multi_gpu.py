@@ -1,30 +1,5 @@
-"""How train.py scales over the GPUs of one host: the same global batch on 1, 2 and 4 GPUs, per-GPU tokens/s and
-the scaling against one GPU (1.0 = perfect); optionally GPT-2 XL (1.5B) under FSDP, the largest model that
-trains under DDP and under FSDP, and context parallelism (one step phase by phase: python -m bench.train_step
-phases under torchrun).
-
-    python -m bench.multi_gpu                  # GPT-2 124M, T=1024, micro-batch 16, DDP on 1 2 4 GPUs
-    python -m bench.multi_gpu --gpus 1 2 4 8
-    python -m bench.multi_gpu --fsdp           # also GPT-2 XL (48 layers, width 1600) under FSDP, same GPU counts
-    python -m bench.multi_gpu --skip-ddp --fsdp --fsdp-model gpt2-6.7B --gpus 4 --micro-batch 8
-                                               # a 6.7B GPT-2 (width 4096, 32 layers) under FSDP, micro-batch 4
-    python -m bench.multi_gpu --largest        # also the deepest width-1600 GPT that trains, DDP and FSDP
-    python -m bench.multi_gpu --quick          # CPU, gloo, a tiny model on 1 and 2 processes: checks the script
-    python -m bench.multi_gpu --skip-ddp --gpus 1 2 --context 262144 --context-check 8192
-                                               # context parallelism: T on 1 GPU, 2T split over 2; losses at 8192
-    python -m bench.multi_gpu --gpus 1 2 --variant overlap:--ddp_graph_split=true,--ddp_bucket_cap_mb=25
-                                               # other DDP settings, scaled by the same 1-GPU run
-    python -m bench.multi_gpu --skip-ddp --fsdp --gpus 1 2 --accum 2 --variant mb16:--batch_size=16
-                                               # GPT-2 XL under FSDP, also at micro-batch 16 (same tokens a step)
-
-Each run is train.py itself under torchrun (--log_interval=10: a log line waits for the GPU); its figures are
-train.py's own iter lines (bench.launch.parse_log_line) after the first --warmup iterations, medians over the
-rest; a run is stopped once it logs its last iteration, before its checkpoint. Every run has the same tokens per
-optimizer step: gradient_accumulation_steps = (GPUs of the largest run) x --accum, split over the GPUs. The data
-is a char corpus of this repo's sources with GPT-2's vocabulary size (no download), as many copies as a run's
-sequence length needs: runs at one T read the same tokens, whatever else the bench runs beside them.
-NCCL_NVLS_ENABLE=0 in every launched process. Results: bench/results/<card>-ddp.{json,md,png}.
-"""
+"""`python -m bench.multi_gpu`: train.py under torchrun on 1, 2, 4 GPUs (DDP, FSDP, the largest model, context
+parallelism), its own log lines read. bench/README.md says how to run it."""
 
 from __future__ import annotations
 
@@ -44,8 +19,8 @@ from pathlib import Path
 import torch
 
 from bench import launch
-from bench.report import DEFAULT_OUT, GPT2_124M, GPT2_VOCAB, TINY, Column, plot_series, results_header, write_results
-from data.common import OneLineParser
+from bench.grid import BenchParser
+from bench.report import GPT2_124M, GPT2_VOCAB, TINY, cell, plot, results_header, write_results
 from training.parallel import PARALLELISMS
 
 GPT2_XL = {"n_layer": 48, "n_head": 25, "n_embd": 1600}
@@ -54,26 +29,10 @@ FSDP_MODELS = {  # --fsdp-model: GPT-2 XL, or a GPT-2 of width 4096 and 32 layer
     "gpt2-6.7B": {"n_layer": 32, "n_head": 32, "n_embd": 4096},
 }
 LARGEST_LAYERS = (48, 96, 192, 384, 768)  # width 1600: about 1.5B, 3B, 6B, 12B, 24B parameters
-COLUMNS = [
-    Column("run", "run"),
-    Column("model", "model"),
-    Column("settings", "train.py settings"),
-    Column("params_m", "params (M)", "{:,.0f}"),
-    Column("gpus", "GPUs"),
-    Column("block_size", "T"),
-    Column("micro_steps_per_gpu", "micro-steps / GPU"),
-    Column("tokens_per_step", "tokens / step", "{:,}"),
-    Column("ms_per_iter", "ms / iter", "{:.1f}"),
-    Column("tokens_per_sec", "tok/s", "{:,.0f}"),
-    Column("tokens_per_sec_per_gpu", "tok/s per GPU", "{:,.0f}"),
-    Column("scaling", "scaling vs 1 GPU", "{:.3f}"),
-    Column("mfu", "MFU", "{:.1%}"),
-    Column("mfu_vs_1gpu", "MFU vs 1 GPU", "{:.2f}"),
-    Column("loss_vs_1gpu", "loss - 1 GPU's", "{:+.4f}"),
-    Column("loss_gaps", "each iter's loss - 1 GPU's"),
-    Column("mem_gib", "mem GiB", "{:.1f}"),
-    Column("status", "status"),
-]
+COLUMNS = (
+    "run model settings params_m gpus block_size micro_steps_per_gpu tokens_per_step ms_per_iter "
+    "tokens_per_sec tokens_per_sec_per_gpu scaling mfu mfu_vs_1gpu loss_vs_1gpu loss_gaps mem_gib status"
+).split()
 
 
 def params_millions(shape: dict, vocab_size: int | None, block_size: int) -> float:
@@ -102,23 +61,11 @@ def run_settings(args, shape: dict, parallelism: str, micro_batch: int, accum_to
     return settings + args.extra
 
 
-def measure(
-    args,
-    run: str,
-    model: str,
-    shape: dict,
-    parallelism: str,
-    gpus: int,
-    micro_batch: int,
-    settings=(),
-    baseline=None,
-    warmup: int | None = None,
-    stop_at_iter: int | None = None,
-    block_size: int | None = None,
-    accum_total: int | None = None,
-) -> dict:
-    """One row: train.py under torchrun on `gpus` processes, its iter lines past `warmup` summed up. block_size
-    and accum_total (micro-steps over all GPUs): the run's own, else the bench's."""
+def measure(args, run, model, shape, parallelism, gpus, micro_batch, settings=(), baseline=None, **own) -> dict:
+    """One row: train.py under torchrun on `gpus` processes, its iter lines past the warmup summed up. `own`:
+    warmup, stop_at_iter, block_size and accum_total (micro-steps over all GPUs) of this run, else the bench's."""
+    warmup, stop_at_iter = own.get("warmup", args.warmup), own.get("stop_at_iter")
+    accum_total, block_size = own.get("accum_total"), own.get("block_size")
     accum_total = accum_total or max(args.gpus) * args.accum
     block_size = block_size or args.block_size
     row = {
@@ -145,7 +92,7 @@ def measure(
         row["model"] = f"{model} ({', '.join(shaped)})"
         counted = re.search(r"^parameters: ([\d.]+)M", result.output, re.M)
         row["params_m"] = float(counted.group(1)) if counted else None
-    return {**row, **figures(result, args.warmup if warmup is None else warmup, last_iter, gpus)}
+    return {**row, **figures(result, warmup, last_iter, gpus)}
 
 
 def figures(result: launch.Run, warmup: int, last_iter: int, gpus: int) -> dict:
@@ -213,25 +160,14 @@ def context_rows(args, on_row) -> None:
     for run, t, gpus, block_size in runs:
         steps = (f"--max_iters={args.context_iters + 1}", f"--lr_decay_iters={args.context_iters + 1}")
         settings = (*CONTEXT, *steps, *([f"--context_parallel={gpus}"] if gpus > 1 else []))
-        name = f"{run} T={t}"
-        on_row(
-            measure(
-                args, name, model, shape, "ddp", gpus, 1, settings,
-                warmup=2, stop_at_iter=args.context_iters, block_size=block_size, accum_total=1,
-            )
-        )  # fmt: skip
+        own = dict(warmup=2, stop_at_iter=args.context_iters, block_size=block_size, accum_total=1)
+        on_row(measure(args, f"{run} T={t}", model, shape, "ddp", gpus, 1, settings, **own))
 
 
 # Whether a model fits, not how fast: a few eager steps (compiling a model of billions of parameters takes minutes);
 # the run is stopped once it logs its last step, before its checkpoint (weights and AdamW state: 16 bytes a parameter)
-PROBE_ITERS = 4
-PROBE = (
-    f"--max_iters={PROBE_ITERS}",
-    f"--lr_decay_iters={PROBE_ITERS}",
-    "--warmup_iters=1",
-    f"--eval_interval={PROBE_ITERS}",
-    "--log_interval=1",
-)
+PROBE_ITERS = 4  # PROBE's max_iters
+PROBE = launch.flags(dict(max_iters=4, lr_decay_iters=4, warmup_iters=1, eval_interval=4, log_interval=1))
 
 
 def largest(args, parallelism: str, on_row) -> None:
@@ -255,106 +191,46 @@ def nccl_settings() -> str:
 
 
 def progress(row: dict) -> str:
-    figures = (
-        f"{row['tokens_per_sec']:,.0f} tok/s, {row['tokens_per_sec_per_gpu']:,.0f} per GPU"
-        if row["status"] == "ok"
-        else row["status"]
-    )
-    return f"{row['run']} {row['model']} on {row['gpus']}: {figures} ({row['wall_s']} s)"
+    per_gpu = f"{cell(row.get('tokens_per_sec_per_gpu'))} tok/s per GPU"
+    return f"{row['run']} {row['model']} on {row['gpus']}: {row['status']}, {per_gpu} ({row['wall_s']} s)"
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot_rows(rows: list[dict], path: Path) -> None:
     scaled = [r for r in rows if not r["run"].startswith(("ddp-", "fsdp-", "context"))]  # not largest, not context
-    panels = [
-        ("tokens_per_sec_per_gpu", "tokens/s per GPU", "throughput per GPU, same global batch"),
-        ("scaling", "per-GPU tok/s / one GPU's", "scaling (1.0 = perfect)"),
-    ]
-    measured = [r for r in scaled if r.get("tokens_per_sec")]
-    plot_series(measured, path, x="gpus", panels=panels, series=lambda r: f"{r['run']} {r['model']}", ratio="scaling")
+    panels = [("tok/s per GPU, same global batch", "tokens_per_sec_per_gpu", scaled), ("scaling", "scaling", scaled)]
+    plot(rows, path, x="gpus", panels=panels, series=lambda r: f"{r['run']} {r['model']}")
 
 
 def parse_args(argv=None):
-    parser = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_options(parser)
+    quick_help = "CPU, gloo, tiny model: checks the script"
+    parser = BenchParser("multi_gpu", __doc__, quick_help=quick_help, name=("ddp", "ddp-quick"))
+    parser.option("--gpus", [1, 2, 4], [1, 2], type=int, nargs="+", help="GPU counts")
+    parser.option("--micro-batch", 16, 4, type=int, help="sequences per GPU and micro-step")
+    parser.add_argument("--accum", type=int, default=2, help="micro-steps per GPU on the largest GPU count (2)")
+    parser.option("--iters", 60, 6, type=int, help="iterations per run")
+    parser.option("--warmup", 20, 2, type=int, help="iterations left out of the medians")
+    parser.option("--log-interval", 10, 1, type=int, help="train.py's log_interval (a log line waits for the GPU)")
+    parser.add_argument("--fsdp", action="store_true", help="also --fsdp-model under FSDP on each GPU count")
+    parser.add_argument("--fsdp-model", choices=list(FSDP_MODELS), default="gpt2-xl-1.5B", help="(gpt2-xl-1.5B)")
+    parser.add_argument("--skip-ddp", action="store_true", help="leave out the DDP rows (e.g. only --fsdp)")
+    parser.add_argument("--context", type=int, nargs="+", default=[], metavar="T", help="T on 1 GPU, N x T over N")
+    parser.add_argument("--context-iters", type=int, default=6, help="steps per context run, the first 2 untimed")
+    parser.add_argument("--context-check", type=int, nargs="+", default=[], metavar="T", help="T on 1 GPU and on N")
+    parser.add_argument("--largest", action="store_true", help="also the deepest width-1600 GPT that trains")
+    parser.add_argument("--largest-layers", type=int, nargs="+", default=list(LARGEST_LAYERS), help="depths tried")
+    parser.add_argument("--largest-parallelism", nargs="+", choices=PARALLELISMS, default=list(PARALLELISMS))
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per train.py run (900)")
+    parser.add_argument("--work", type=Path, default=Path("out-bench-ddp"), help="folder for data and out_dirs")
+    variant_help = "rows with these train.py settings on each GPU count > 1, scaled by the family's 1-GPU run"
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:--key=value[,...]", help=variant_help)
+    parser.add_argument("--variant-gpus", type=int, nargs="+", help="GPU counts of the --variant rows (all > 1)")
+    parser.add_argument("extra", nargs="*", help="more train.py --key=value settings for every run (after --)")
     args = parser.parse_args(argv)
-    quick = args.quick
-    args.gpus = args.gpus or ([1, 2] if quick else [1, 2, 4])
-    args.micro_batch = args.micro_batch or (4 if quick else 16)
-    args.iters = args.iters or (6 if quick else 60)
-    args.warmup = args.warmup if args.warmup is not None else (2 if quick else 20)
-    args.log_interval = args.log_interval or (1 if quick else 10)
-    args.name = args.name or ("ddp-quick" if quick else "ddp")
-    args.block_size, args.vocab_size = (64, None) if quick else (1024, GPT2_VOCAB)  # quick: the corpus's vocabulary
+    args.block_size, args.vocab_size = (64, None) if args.quick else (1024, GPT2_VOCAB)  # quick: the corpus's
     args.variants = [parse_variant(text, parser) for text in args.variant]
     if args.variant_gpus and not set(args.variant_gpus) <= {g for g in args.gpus if g > 1}:
         parser.error(f"--variant-gpus {args.variant_gpus}: choose among --gpus above 1 ({args.gpus})")
     return args
-
-
-def add_options(parser: argparse.ArgumentParser):
-    parser.add_argument("--gpus", type=int, nargs="+", help="GPU counts (default 1 2 4; --quick 1 2)")
-    parser.add_argument("--micro-batch", type=int, help="sequences per GPU and micro-step (16)")
-    parser.add_argument("--accum", type=int, default=2, help="micro-steps per GPU on the largest GPU count (2)")
-    parser.add_argument("--iters", type=int, help="iterations per run (default 60; --quick 6)")
-    parser.add_argument("--warmup", type=int, help="iterations left out of the medians (20; quick 2)")
-    parser.add_argument(
-        "--log-interval",
-        type=int,
-        help="train.py's log_interval (default 10; --quick 1): each log line waits for the GPU, so 1 adds a host "
-        "sync to every step",
-    )
-    parser.add_argument("--fsdp", action="store_true", help="also GPT-2 XL under FSDP on each GPU count")
-    parser.add_argument(
-        "--fsdp-model", choices=list(FSDP_MODELS), default="gpt2-xl-1.5B", help="the --fsdp model (gpt2-xl-1.5B)"
-    )
-    parser.add_argument("--skip-ddp", action="store_true", help="leave out the DDP rows (e.g. only --fsdp)")
-    parser.add_argument(
-        "--context",
-        type=int,
-        nargs="+",
-        default=[],
-        metavar="T",
-        help="context parallelism: T on one GPU against N x T split over each of --gpus N",
-    )
-    parser.add_argument("--context-iters", type=int, default=6, help="steps per context run, the first 2 untimed")
-    parser.add_argument(
-        "--context-check", type=int, nargs="+", default=[], metavar="T", help="the same T on one GPU and split over N"
-    )
-    add_largest_options(parser)
-    parser.add_argument("--quick", action="store_true", help="CPU, gloo, tiny model: checks the script")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per train.py run (900)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
-    parser.add_argument("--work", type=Path, default=Path("out-bench-ddp"), help="folder for data and out_dirs")
-    parser.add_argument("--name", help="results name (default ddp; --quick ddp-quick)")
-    parser.add_argument(
-        "--variant",
-        action="append",
-        default=[],
-        metavar="NAME:--key=value[,--key=value]",
-        help="rows with these train.py settings (--batch_size keeps the tokens a step) on each GPU count > 1, for "
-        "each family run (DDP 124M; with --fsdp, GPT-2 XL), scaled by its plain 1-GPU run",
-    )
-    parser.add_argument("--variant-gpus", type=int, nargs="+", help="GPU counts of the --variant rows (all > 1)")
-    parser.add_argument("extra", nargs="*", help="more train.py --key=value settings for every run (after --)")
-
-
-def add_largest_options(parser: argparse.ArgumentParser):
-    parser.add_argument("--largest", action="store_true", help="also the deepest width-1600 GPT that trains")
-    parser.add_argument(
-        "--largest-layers",
-        type=int,
-        nargs="+",
-        default=list(LARGEST_LAYERS),
-        metavar="N",
-        help=f"the depths --largest tries, in order (default {' '.join(map(str, LARGEST_LAYERS))})",
-    )
-    parser.add_argument(
-        "--largest-parallelism",
-        nargs="+",
-        choices=PARALLELISMS,
-        default=list(PARALLELISMS),
-        help="which of them --largest probes (default both)",
-    )
 
 
 def variant_row(args, run: str, model: str, shape: dict, parallelism: str, gpus: int, micro_batch: int, settings):
@@ -387,24 +263,14 @@ def save(args, rows: list[dict], start: float) -> list[Path]:
         device,
         wall_s=round(time.perf_counter() - start, 1),
         notes={
-            "runs": "train.py under torchrun --standalone; iter lines after the first "
-            f"{args.warmup} of {args.iters} (one every {args.log_interval}), medians",
-            "global batch": f"gradient_accumulation_steps = {max(args.gpus)} x {args.accum} over all GPUs, "
-            f"micro-batch {args.micro_batch}",
+            "runs": f"train.py under torchrun --standalone; medians of the iter lines after the first {args.warmup}",
+            "global batch": f"gradient_accumulation_steps = {max(args.gpus)} x {args.accum}, micro-batch "
+            f"{args.micro_batch}; scaling: tok/s per GPU over one GPU's",
             "every run": " ".join(args.extra) or "-",
-            "scaling": "tok/s per GPU over that of the same run on one GPU (which trains unsharded, without DDP)",
             "environment": nccl_settings(),
-            "largest": "width 1600, 25 heads, micro-batch 1, 4 eager steps (2 timed); stops at the first failure"
-            if args.largest
-            else "-",
-            "context": f"batch 1, activation_checkpointing=block, {args.context_iters} steps (the first 2 untimed); "
-            "context T=t: t on one GPU, N x t split over N (context_parallel); context-check: t on both; "
-            "MFU vs 1 GPU: over the one-GPU row's of the same run"
-            if args.context or args.context_check
-            else "-",
         },
     )
-    return write_results(args.out, args.name, header, rows, COLUMNS, plot)
+    return write_results(args.out, args.name, header, rows, COLUMNS, plot_rows)
 
 
 def main(argv=None) -> int:
@@ -431,12 +297,9 @@ def main(argv=None) -> int:
             on_row(measure(args, parallelism, model, shape, parallelism, gpus, micro_batch[model]))
     for parallelism, model, shape in runs:
         for name, settings in args.variants:
+            run = f"{parallelism} {name}"
             for gpus in args.variant_gpus or [g for g in args.gpus if g > 1]:
-                on_row(
-                    variant_row(
-                        args, f"{parallelism} {name}", model, shape, parallelism, gpus, micro_batch[model], settings
-                    )
-                )
+                on_row(variant_row(args, run, model, shape, parallelism, gpus, micro_batch[model], settings))
     if args.largest:
         for parallelism in args.largest_parallelism:
             largest(args, parallelism, on_row)

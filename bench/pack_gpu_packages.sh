@@ -1,12 +1,8 @@
 #!/usr/bin/env bash
-# Pack flash-attn 2 and flash-attn-4 (with its CuTe DSL libraries) for a GPU machine without network, on a
-# machine with network:
-#   bash bench/pack_gpu_packages.sh FLASH_ATTN_2_WHEEL
-# FLASH_ATTN_2_WHEEL: a flash-attn 2 wheel built for the GPU machine's torch, CUDA and Python (flash-attn's
-# release wheels, or `pip wheel flash-attn --no-build-isolation` on a machine with that torch and CUDA).
-# The result is one xz tarball of a site folder, ~84 MB, split in halves under .stage-a/ and .stage-b/ (each
-# under 64 MiB, for transfers that limit a file's size) with its SHA256SUMS. Copy both folders into the repo
-# on the GPU machine; bench/run_gpu.sh joins, checks and unpacks them there.
+# flash-attn 2 and flash-attn-4 (with its CuTe DSL libraries) for a GPU machine without network, packed on a machine
+# with network into .stage-a/ and .stage-b/ (halves of one xz tarball of a site folder, each under 64 MiB, with its
+# SHA256SUMS), which bench/run_gpu.sh joins and unpacks there. bench/README.md says more.
+#   bash bench/pack_gpu_packages.sh FLASH_ATTN_2_WHEEL   # a wheel built for the GPU machine's torch, CUDA, Python
 set -euo pipefail
 flash_attn_2=${1:?usage: bash bench/pack_gpu_packages.sh FLASH_ATTN_2_WHEEL}
 [ -f "$flash_attn_2" ] || { echo "error: no file $flash_attn_2" >&2; exit 2; }

@@ -1,15 +1,4 @@
-"""bench/README.md's tables, made from results files.
-
-    python -m bench.readme_table                             # table of h100-attention.json -> bench/README.md
-    python -m bench.readme_table RESULTS.json --docs         # the document-masked table
-    python -m bench.readme_table --train A.json B.json       # the train-step table of bench.train_step files
-    python -m bench.readme_table RESULTS.json --readme X.md  # write into another file's markers
-
-bench/README.md keeps each table between markers such as `<!-- bench:attention:start -->` and
-`<!-- bench:attention:end -->` (also `attention-docs` and `train`); only that part is replaced, and without
-the file or its markers the table is only printed. tests/unit/test_readme_table.py checks that those tables are
-what their results files give, and the attention targets on those files.
-"""
+"""`python -m bench.readme_table`: bench/README.md's tables, written between their markers from results files."""
 
 from __future__ import annotations
 
@@ -18,8 +7,8 @@ from errors import as_command
 if __name__ == "__main__":  # before torch's seconds of importing: see as_command
     as_command()
 
-import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -138,72 +127,30 @@ def train_table(results_list: list[dict], sources: list[str]) -> str:
 def update_readme(readme: Path, table: str, docs: bool = False, train: bool = False) -> bool:
     """Replace what is between the markers, each a line of its own (a marker quoted in a sentence is not
     one); False (and the file untouched) when there are no markers."""
-    if not readme.is_file():
-        return False
-    start_marker, end_marker = markers(docs, train)
-    text = readme.read_text()
-    start = re.search(f"^{re.escape(start_marker)}$", text, re.MULTILINE)
-    end = re.search(f"^{re.escape(end_marker)}$", text, re.MULTILINE)
-    if start is None or end is None or end.start() < start.end():
-        return False
-    readme.write_text(text[: start.end()] + "\n" + table + "\n" + text[end.start() :])
-    return True
-
-
-# ----------------------------------------------------------------------------------------------
-
-
-def repo_relative(path: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(REPO_ROOT))
-    except ValueError:
-        return str(path)
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = OneLineParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "results",
-        nargs="*",
-        type=Path,
-        default=[DEFAULT_RESULTS],
-        help="results JSON of bench.attention (default bench/results/h100-attention.json), "
-        "or with --train one or more of bench.train_step",
-    )
-    parser.add_argument(
-        "--readme", type=Path, default=DEFAULT_README, help="file whose markers get the table (bench/README.md)"
-    )
-    parser.add_argument(
-        "--seq-lens",
-        type=int,
-        nargs="+",
-        default=list(README_SEQ_LENS),
-        help="seq lens shown (default 1024 4096 16384)",
-    )
-    parser.add_argument("--docs", action="store_true", help="table of the document-masked rows instead")
-    parser.add_argument("--train", action="store_true", help="table of bench.train_step results instead")
-    parser.add_argument("--dtype", default=None, help="dtype of the rows shown (default the file's)")
-    return parser.parse_args(argv)
+    start, end = (re.escape(marker) for marker in markers(docs, train))
+    text = readme.read_text() if readme.is_file() else ""
+    new, found = re.subn(f"(?ms)^({start})$.*?^({end})$", lambda m: f"{m[1]}\n{table}\n{m[2]}", text, count=1)
+    if found:
+        readme.write_text(new)
+    return bool(found)
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    parser = OneLineParser(prog="python -m bench.readme_table", description=__doc__)
+    parser.add_argument("results", nargs="*", type=Path, default=[DEFAULT_RESULTS], help="results JSON files")
+    parser.add_argument("--docs", action="store_true", help="the document-masked table")
+    parser.add_argument("--train", action="store_true", help="the train-step table, of bench.train_step files")
+    args = parser.parse_args(argv)
     missing = [str(path) for path in args.results if not path.is_file()]
     if missing:
         print(f"error: no results file {', '.join(missing)}; run the bench first", file=sys.stderr)
         return 2
     loaded = [json.loads(path.read_text()) for path in args.results]
-    sources = [repo_relative(path) for path in args.results]
-    if args.train:
-        table = train_table(loaded, sources)
-    else:
-        table = backend_table(loaded[0], args.seq_lens, args.docs, args.dtype, sources[0])
+    sources = [os.path.relpath(path.resolve(), REPO_ROOT) for path in args.results]
+    table = train_table(loaded, sources) if args.train else backend_table(loaded[0], docs=args.docs, source=sources[0])
     print(table)
-    start_marker, end_marker = markers(args.docs, args.train)
-    if update_readme(args.readme, table, args.docs, args.train):
-        print(f"updated {args.readme} between {start_marker} and {end_marker}", file=sys.stderr)
-    else:
-        print(f"({args.readme} has no {start_marker} ... {end_marker} markers: printed only)", file=sys.stderr)
+    if not update_readme(DEFAULT_README, table, args.docs, args.train):
+        print(f"({DEFAULT_README} has no {markers(args.docs, args.train)[0]} markers: printed only)", file=sys.stderr)
     return 0
 
 

@@ -1,9 +1,5 @@
-"""What every bench writes, and how: the model shapes the benches run, the card's name, the results header,
-and the JSON, markdown table and plot of a run's rows.
-
-Each bench writes three files under its --out folder, named after the card so results from several GPUs
-can sit side by side:  <card>-<name>.json (header + rows), <card>-<name>.md (a table), <card>-<name>.png.
-"""
+"""What every bench writes: the model shapes, the card's name, the results header, and a run's rows as
+<card>-<name>.json, .md (a table) and .png under --out."""
 
 from __future__ import annotations
 
@@ -97,61 +93,37 @@ def results_header(name: str, device: torch.device, **extra) -> dict:
 # Writing results: JSON, markdown table, plot
 
 
-class Column:
-    """One markdown column: the row key, its title and how to print a value."""
-
-    def __init__(self, key: str, title: str, fmt: str = "{}"):
-        self.key, self.title, self.fmt = key, title, fmt
-
-    def cell(self, row: dict) -> str:
-        value = row.get(self.key)
-        if value is None:
-            return "–"
-        if isinstance(value, float) and not math.isfinite(value):
-            return str(value)
-        return self.fmt.format(value)
+def cell(value) -> str:
+    """A markdown cell: '–' for none, large numbers with thousands separators, small ones to 3 digits."""
+    if value is None:
+        return "–"
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+    return str(value).replace("|", "/")
 
 
-def markdown_table(rows: Iterable[dict], columns: Sequence[Column]) -> str:
-    lines = ["| " + " | ".join(c.title for c in columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        lines.append("| " + " | ".join(c.cell(row).replace("|", "/") for c in columns) + " |")
-    return "\n".join(lines)
+def markdown_table(rows: Iterable[dict], columns: Sequence[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows])
 
 
-def results_stem(out_dir: Path, name: str, card: str | None = None) -> Path:
-    return Path(out_dir) / f"{card or card_slug()}-{name}"
-
-
-def write_results(
-    out_dir,
-    name: str,
-    header: dict,
-    rows: list[dict],
-    columns: Sequence[Column],
-    plot: Callable[[list[dict], Path], None] | None = None,
-) -> list[Path]:
+def write_results(out_dir, name: str, header: dict, rows: list[dict], columns: Sequence[str], plot=None) -> list[Path]:
     """<card>-<name>.json, .md and (when `plot` is given) .png under out_dir; returns the paths written."""
-    stem = results_stem(out_dir, name, header.get("card"))
+    stem = Path(out_dir) / f"{header['card']}-{name}"
     stem.parent.mkdir(parents=True, exist_ok=True)
     json_path, md_path = stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.md"  # names may hold dots
     json_path.write_text(json.dumps({"header": header, "rows": rows}, indent=1, default=str) + "\n")
     title = f"# {name}: {header['device_name']}, torch {header['torch']}, {header['date']}\n\n"
     notes = "".join(f"- {k}: {v}\n" for k, v in header.get("notes", {}).items())
-    md_path.write_text(
-        title + (notes + "\n" if notes else "") + markdown_table(rows, columns) + f"\n\n`{header['command']}`\n"
-    )
-    paths = [json_path, md_path]
-    if plot is not None:
-        png_path = stem.parent / f"{stem.name}.png"
-        plot(rows, png_path)
-        paths.append(png_path)
-    return paths
+    table = markdown_table(rows, columns)
+    md_path.write_text(title + (notes + "\n" if notes else "") + table + f"\n\n`{header['command']}`\n")
+    if plot is None:
+        return [json_path, md_path]
+    plot(rows, stem.parent / f"{stem.name}.png")
+    return [json_path, md_path, stem.parent / f"{stem.name}.png"]
 
 
-def save_results(
-    out_dir, name: str, device: torch.device, rows: list[dict], columns: Sequence[Column], plot=None, **fields
-) -> dict:
+def save_results(out_dir, name: str, device: torch.device, rows: list[dict], columns, plot=None, **fields) -> dict:
     """The results writer of every bench: results_header(name, device, **fields) and the rows written by
     write_results, each path printed. Returns the header."""
     header = results_header(name, device, **fields)
@@ -179,112 +151,43 @@ def pyplot():
     return plt
 
 
-def plot_lines(
-    rows: list[dict],
-    path: Path,
-    *,
-    x: str,
-    y: str,
-    y_label: str,
-    panel: str,
-    series: Callable[[dict], str],
-    memory: str = "peak_mem_mib",
-    title: str = "",
-    dashed: Callable[[str], bool] = lambda name: False,
-):
-    """Left: one panel per value of `panel` with y against x, one line per series. Right: memory against x
-    on a log scale, all panels together (line style tells the panels apart)."""
-    plt = pyplot()
-    panels = sorted({r[panel] for r in rows})
-    names = list(dict.fromkeys(series(r) for r in rows))
-    colors = {n: plt.cm.tab20(i % 20) for i, n in enumerate(names)}
-    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(5.5 * (len(panels) + 1), 4.5), squeeze=False)
-    axes = axes[0]
-
-    def points(value, name, key):  # (xs, ys) of one series in one panel, where key has a positive number
-        mine = [r for r in rows if r[panel] == value and series(r) == name]
-        pts = sorted((r[x], r[key]) for r in mine if isinstance(r.get(key), (int, float)) and r[key] > 0)
-        return [p[0] for p in pts], [p[1] for p in pts]
-
-    for ax, value in zip(axes, panels):
-        for name in names:
-            xs, ys = points(value, name, y)
-            if xs:
-                ax.plot(xs, ys, "--" if dashed(name) else "-", marker="o", color=colors[name], label=name)
-        ax.set(title=f"{panel} = {value}", xlabel=x, ylabel=y_label)
-        ax.set_xscale("log", base=2)
-        ax.grid(alpha=0.3)
-    for style, value in zip(["-", "--", ":", "-."] * len(panels), panels):
-        for name in names:
-            xs, ys = points(value, name, memory)
-            if xs:
-                axes[-1].plot(xs, ys, style, marker=".", color=colors[name], label=f"{name} ({panel}={value})")
-    _memory_axes(axes[-1], x)
-    _save_figure(plt, fig, axes[0], title, path)
-
-
-def plot_series(rows: list[dict], path: Path, *, x: str, panels, series: Callable[[dict], str], marker="o", ratio=""):
-    """One panel per (y key, y label, title) of `panels`: y against x, one line per series (rows in x order);
-    a y of None leaves a gap. The panel of the `ratio` key gets a line at 1.0 (perfect scaling)."""
+def plot(rows: list[dict], path: Path, *, x: str, panels, series: Callable[[dict], str], title="", log_x=False):
+    """One panel per (title, y key, its rows) of `panels`: y against x, one line per series(row); a row without a
+    positive y leaves a gap. A `scaling` panel gets a line at 1.0 (perfect scaling)."""
     plt = pyplot()
     figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels) + 1, 4.5), squeeze=False)
-    names = list(dict.fromkeys(series(r) for r in rows))
-    for axis, (y, y_label, title) in zip(axes[0], panels):
-        for name in names:
-            mine = sorted((r for r in rows if series(r) == name), key=lambda r: r[x])
-            axis.plot([r[x] for r in mine], [r.get(y) for r in mine], marker=marker, label=name, linewidth=1.2)
-        if y == ratio:
+    for axis, (name, y, shown) in zip(axes[0], panels):
+        for label in dict.fromkeys(series(r) for r in shown):
+            mine = [r for r in shown if series(r) == label and isinstance(r.get(y), (int, float)) and r[y] > 0]
+            points = sorted((r[x], r[y]) for r in mine)
+            if points:
+                axis.plot(*zip(*points), marker="o" if len(points) < 40 else None, label=label)
+        if y == "scaling":
             axis.axhline(1.0, color="gray", linewidth=0.8)
-        axis.set(xlabel=x, ylabel=y_label, title=title)
+        axis.set(title=name, xlabel=x, ylabel=y, xscale="log" if log_x else "linear")
         axis.grid(alpha=0.3)
-        if names:
-            axis.legend(fontsize=8)
+        if axis.lines:
+            axis.legend(fontsize=7)
+    figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
 
-def plot_bars(
-    rows: list[dict], path: Path, *, label: str, value: str, x_label: str, title: str, group=None, inner=None
-):
-    """Horizontal bars of row[value] per row[label], side by side per row[group]; `inner`: a second value drawn
-    hatched inside each bar (the host's share of a wall time)."""
+def panels_by(rows: list[dict], key: str, y: str) -> list:
+    """plot()'s panels: y for each value of rows' `key`, then the peak memory at its largest value."""
+    values = sorted({r[key] for r in rows})
+    panels = [(f"{key} = {v}", y, [r for r in rows if r[key] == v]) for v in values]
+    return panels + [(f"peak memory, {key} = {values[-1]}", "peak_mem_mib", panels[-1][2])]
+
+
+def plot_bars(rows: list[dict], path: Path, *, label: Callable[[dict], str], value: str, title: str):
+    """Horizontal bars of row[value], one per row, labelled label(row)."""
     plt = pyplot()
-    groups = list(dict.fromkeys(row.get(group) for row in rows))
-    figure, axis = plt.subplots(figsize=(9, 1 + 0.5 * len(rows)))
-    height = 0.8 / len(groups)
-    for index, name in enumerate(groups):
-        mine = [row for row in rows if row.get(group) == name]
-        positions = [i + index * height for i in range(len(mine))]
-        axis.barh(positions, [row[value] for row in mine], height=height, label=f"{name or ''} {value}".strip())
-        if inner:
-            hatched = dict(fill=False, hatch="//", label=inner if index == 0 else None)  # one legend entry
-            axis.barh(positions, [row[inner] for row in mine], height=height, **hatched)
-        axis.set_yticks([i + (len(groups) - 1) * height / 2 for i in range(len(mine))], [row[label] for row in mine])
+    figure, axis = plt.subplots(figsize=(9, 1 + 0.4 * len(rows)))
+    axis.barh([label(row) for row in rows], [row[value] or 0 for row in rows])
     axis.invert_yaxis()
-    axis.set(xlabel=x_label, title=title)
-    axis.legend(fontsize=8)
+    axis.set(xlabel=value, title=title)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
-
-
-def _save_figure(plt, fig, legend_from, title: str, path: Path):
-    """The figure with legend_from's legend below its panels, saved to path."""
-    handles, labels = legend_from.get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _memory_axes(ax, x: str):
-    ax.set(title="peak memory", xlabel=x, ylabel="MiB (log)")
-    ax.set_xscale("log", base=2)
-    if ax.lines:
-        ax.set_yscale("log")
-    else:
-        ax.text(0.5, 0.5, "no device memory figures\n(CPU run)", ha="center", va="center", transform=ax.transAxes)
-    ax.grid(alpha=0.3)

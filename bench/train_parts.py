@@ -1,45 +1,38 @@
-"""`python -m bench.train_step phases` and `context`: parts of a training step measured alone.
-
-phases: where one optimizer step's time goes under DDP and under FSDP: train.py's own model, optimizer and
-GradScaler (train.build_train_state), GPT-2 124M at T=1024, micro-batch 16, one micro-step per rank; each phase
-timed on every rank with a barrier before it and a sync after (host ms: launching it; wall ms: until the GPU is
-done; rank 0's, and the slowest rank's step by step: the one a gradient reduction waits for). Forward+backward
-runs twice, with the gradient reduction and without it (no_sync), to tell the reduction from the compute. The
-last row is train.py's own train_step, the whole step without syncs between its phases.
-
-    torchrun --standalone --nproc_per_node=4 -m bench.train_step phases ddp fsdp
-    python -m bench.train_step phases --name step-phases-1gpu ddp                  # one GPU, no DDP: the reference
-    torchrun --standalone --nproc_per_node=2 -m bench.train_step phases --quick ddp fsdp   # CPU, gloo, tiny model
-
-Results: bench/results/<card>-step-phases.{json,md,png}. Run with NCCL_NVLS_ENABLE=0 on multi-GPU hosts.
-
-context: context parallelism's attention kernels on one device: one rank's two chunks of a sequence split over N
-ranks (training/context.py), each chunk against the keys up to its end, forward and backward, per chunk kernel.
-
-    python -m bench.train_step context              # CUDA, bf16, T=32768 split over 2 ranks, rank 0, 12 heads of 64
-    python -m bench.train_step context --T 131072 --ranks 4 --rank 1
-    python -m bench.train_step context --quick      # CPU, float64, T=256: checks the script
-
-No process group: the keys are made as if gathered. Every kernel's output and q, k, v gradients are compared with
-the reference kernel (SDPA with a lower-right causal mask) run in float32 (float64 with --quick), and timed:
-median of about --repeats runs after warm-up runs (kernels.timing.median_ms: CUDA events on a GPU). TFLOP/s
-count the (query, key) pairs the rank computes, 4·D flops each forward and 2.5 times that backward. Results:
-bench/results/<card>-context.{json,md,png}.
-"""
+"""`python -m bench.train_step` phases, context (parts of a training step measured alone), compare and curves
+(train.py itself, its log lines read). bench/README.md says how to run each."""
 
 from __future__ import annotations
 
 import argparse
 import functools
 import os
+import re
+import shutil
 import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from bench import launch
 from bench.grid import mode_parser
-from bench.report import DEFAULT_OUT, GPT2_VOCAB, Column, model_shape, plot_bars, save_results
+from bench.report import (
+    DEFAULT_OUT,
+    GPT2_VOCAB,
+    TINY,
+    bench_device,
+    markdown_table,
+    model_shape,
+    plot,
+    plot_bars,
+    results_header,
+    save_results,
+    write_results,
+)
 from bench.train_step import build_state, random_batches
 from kernels.timing import median_ms, timed
 from training.context import CHUNK_KERNELS, REFERENCE, attend_chunk, resolve_chunk_kernel
@@ -47,15 +40,7 @@ from training.context import CHUNK_KERNELS, REFERENCE, attend_chunk, resolve_chu
 # ----------------------------------------------------------------------------------------------
 # phases
 
-PHASE_COLUMNS = [
-    Column("parallelism", "parallelism"),
-    Column("ranks", "ranks"),
-    Column("phase", "phase"),
-    Column("host_ms", "host ms", "{:.2f}"),
-    Column("wall_ms", "wall ms", "{:.2f}"),
-    Column("slowest_ms", "slowest rank's wall ms", "{:.2f}"),
-    Column("rank_wall_ms", "wall ms by rank"),
-]
+PHASE_COLUMNS = "parallelism ranks phase host_ms wall_ms slowest_ms rank_wall_ms".split()
 PHASES = (
     "forward+backward (with its gradient reduction)",
     "forward+backward without reduction (no_sync)",
@@ -125,13 +110,12 @@ def time_phases(parallelism: str, runtime, steps: int, quick: bool) -> list[dict
 
 
 def plot_phases(rows: list[dict], path: Path) -> None:
-    title = "one optimizer step, phase by phase: wall ms (rank 0, median), hatched: host"
-    labels = dict(label="phase", value="wall_ms", inner="host_ms", group="parallelism")
-    plot_bars(rows, path, **labels, x_label="ms", title=title)
+    title = "one optimizer step, phase by phase: rank 0's wall ms (median)"
+    plot_bars(rows, path, label=lambda r: f"{r['parallelism']}: {r['phase']}", value="wall_ms", title=title)
 
 
 def phases(argv=None) -> int:
-    parser = mode_parser("train_step", "phases", __doc__)
+    parser = mode_parser("train_step", "phases", "one optimizer step phase by phase, DDP and FSDP (under torchrun)")
     parser.add_argument("parallelism", nargs="+", choices=("ddp", "fsdp"))
     parser.add_argument("--steps", type=int, default=20, help="steps per parallelism; the first quarter is left out")
     parser.add_argument("--quick", action="store_true", help="CPU, gloo, a tiny model: checks the script")
@@ -145,18 +129,9 @@ def phases(argv=None) -> int:
     runtime = setup_runtime(device, dtype, backend, ranks)
     rows = [row for p in args.parallelism for row in time_phases(p, runtime, args.steps, args.quick)]
     if runtime.master:
-        for row in rows:
-            print(
-                f"{row['parallelism']:5} {row['phase']:52} host {row['host_ms']:8.2f}  wall {row['wall_ms']:8.2f}  "
-                f"slowest rank {row['slowest_ms']:8.2f}  by rank {row['rank_wall_ms']}"
-            )
-        notes = {
-            "model": ", ".join(f"{key} {value}" for key, value in phase_model(args.quick).items())
-            + ", micro-batch 16, one micro-step per rank",
-            "phases": "each rank, a barrier before and a sync after each; medians over steps (host, wall: rank 0's; "
-            "slowest: of the slowest rank's wall time, step by step)",
-            "environment": "NCCL_NVLS_ENABLE=0",
-        }
+        print(markdown_table(rows, PHASE_COLUMNS))
+        model = ", ".join(f"{key} {value}" for key, value in phase_model(args.quick).items())
+        notes = {"model": f"{model}, micro-batch 16, one micro-step per rank", "environment": "NCCL_NVLS_ENABLE=0"}
         name = args.name or ("step-phases-quick" if args.quick else "step-phases")
         save_results(args.out, name, runtime.device, rows, PHASE_COLUMNS, plot_phases, notes=notes)
     if runtime.ddp:
@@ -167,14 +142,7 @@ def phases(argv=None) -> int:
 # ----------------------------------------------------------------------------------------------
 # context
 
-CONTEXT_COLUMNS = [
-    Column("kernel", "kernel"),
-    Column("used", "runs as"),
-    Column("max_rel_err", "largest rel. error vs reference", "{:.1e}"),
-    Column("status", "status"),
-    Column("ms", "ms fwd+bwd", "{:.2f}"),
-    Column("tflops", "TFLOP/s", "{:.1f}"),
-]
+CONTEXT_COLUMNS = "kernel used max_rel_err status ms tflops".split()
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-5, torch.float64: 1e-10}
 
 
@@ -194,8 +162,8 @@ def rank_inputs(args, dtype: torch.dtype, device: torch.device):
 def chunk_step(kernel: str, q, k, v, grad, chunks) -> tuple[torch.Tensor, ...]:
     """Both chunks' attention (as ContextShard.attend runs it), then the gradients of q, k and v."""
     length = q.size(2) // 2
-    seen = [(q[:, :, i * length : (i + 1) * length], k[:, :, : (c + 1) * length], v[:, :, : (c + 1) * length])
-            for i, c in enumerate(chunks)]  # fmt: skip
+    queries = [q[:, :, i * length : (i + 1) * length] for i in range(len(chunks))]
+    seen = [(query, k[:, :, : (c + 1) * length], v[:, :, : (c + 1) * length]) for query, c in zip(queries, chunks)]
     out = torch.cat([attend_chunk(*chunk, kernel) for chunk in seen], dim=2)
     return (out, *torch.autograd.grad(out, (q, k, v), grad.to(out.dtype)))
 
@@ -221,26 +189,26 @@ def measure_chunks(args, device: torch.device, dtype: torch.dtype) -> list[dict]
 
 
 def plot_chunks(rows: list[dict], path) -> None:
-    labelled = [{**row, "runs as": f"{row['kernel']} ({row['used']})"} for row in rows]
-    title = "context-parallel chunk attention, one rank"
-    plot_bars(labelled, path, label="runs as", value="tflops", x_label="TFLOP/s, forward + backward", title=title)
+    title = "context-parallel chunk attention, one rank: TFLOP/s, forward + backward"
+    plot_bars(rows, path, label=lambda r: f"{r['kernel']} ({r['used']})", value="tflops", title=title)
 
 
 def context_args(argv=None) -> argparse.Namespace:
-    parser = mode_parser("train_step", "context", __doc__)
+    parser = mode_parser(
+        "train_step", "context", "context parallelism's chunk kernels on one device, against the reference"
+    )
     parser.add_argument("--T", type=int, default=32768, help="the whole sequence's length (32768)")
     parser.add_argument("--ranks", type=int, default=2, help="ranks the sequence is split over (2)")
     parser.add_argument("--rank", type=int, default=0, help="the rank measured (0: the first and last chunks)")
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--kernels", nargs="+", default=list(CHUNK_KERNELS), choices=CHUNK_KERNELS)
     parser.add_argument("--repeats", type=int, default=10, help="about this many timed runs (10)")
     parser.add_argument("--quick", action="store_true", help="CPU, float64, T=256, 2 heads of 16")
     parser.add_argument("--out", default=DEFAULT_OUT, help="results folder (default bench/results)")
     parser.add_argument("--name", default="context")
     args = parser.parse_args(argv)
+    args.heads, args.head_dim = (2, 16) if args.quick else (12, 64)
     if args.quick:
-        args.T, args.heads, args.head_dim, args.repeats = 256, 2, 16, 2
+        args.T, args.repeats = 256, 2
     if not 0 <= args.rank < args.ranks or args.T % (2 * args.ranks):
         parser.error(f"--rank must be below --ranks ({args.ranks}) and --T a multiple of 2 x ranks; got {args.T}")
     return args
@@ -254,3 +222,134 @@ def context(argv=None) -> int:
     sizes = dict(T=args.T, ranks=args.ranks, rank=args.rank, heads=args.heads, head_dim=args.head_dim)
     save_results(args.out, args.name, device, rows, CONTEXT_COLUMNS, plot_chunks, dtype=str(dtype), **sizes)
     return 0 if all(row["status"] == "ok" for row in rows) else 1
+
+
+# ----------------------------------------------------------------------------------------------
+# compare and curves: train.py run as a user runs it
+
+
+def train_log(settings: Sequence[str]) -> launch.Run:
+    """train.py run to its end with these settings after the evaluation and logging the runs have in common."""
+    quiet = ["--eval_iters=1", "--eval_on_start=false", "--overwrite_out_dir=true"]
+    return launch.run(launch.train_command([*quiet, *settings]))
+
+
+# ----------------------------------------------------------------------------------------------
+# compare: the last log line per backend
+
+BACKENDS = ("auto", "sdpa", "flash_attn_2", "flex_attention", "manual")
+COMPARE_SETTINGS = ["--max_iters=100", "--log_interval=25", "--eval_interval=1000000"]  # the caller's win
+COMPARE_COLUMNS = "backend runs iter loss ms_per_iter tokens_per_sec mfu mem_gib status".split()
+
+
+def compare_row(backend: str, log_text: str, exit_code: int) -> dict:
+    """One row: the last log line of `train.py --attention_backend=backend`."""
+    parsed = launch.log_lines(log_text)
+    # The first such line is the training resolution (train.py logs it before the loop; evaluation runs
+    # without gradients and may resolve to another backend later).
+    runs = re.findall(r"attention backend: ([\w:]+)", log_text)
+    row = {"backend": backend, "runs": runs[0] if runs else None, **(parsed[-1] if parsed else {})}
+    if exit_code == 0 and parsed:
+        row["status"] = "ok"
+    else:
+        last = [line for line in log_text.splitlines() if line.strip()][-1:] or ["(no output)"]
+        row["status"] = f"exit {exit_code}: {last[0][:160]}"
+    return row
+
+
+def compare(argv=None) -> int:
+    parser = mode_parser("train_step", "compare", "train.py once per attention backend: its last log line each")
+    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), help=f"default {' '.join(BACKENDS)}")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
+    parser.add_argument("train_args", nargs="*", help="train.py's config file and --key=value settings (after --)")
+    args = parser.parse_args(argv)
+    logs, rows = Path(tempfile.mkdtemp(prefix="compare_backends.")), []
+    for backend in args.backends:  # <logs>/<backend>.log: stdout and stderr
+        print(f"== {backend}", file=sys.stderr, flush=True)
+        out_dir = logs / f"out-{backend}"
+        run = train_log([*COMPARE_SETTINGS, f"--out_dir={out_dir}", *args.train_args, f"--attention_backend={backend}"])
+        (logs / f"{backend}.log").write_text(run.output)
+        shutil.rmtree(out_dir, ignore_errors=True)  # the checkpoint of a 100-step run is not worth keeping
+        rows.append(compare_row(backend, run.output, run.code))
+        print((run.output.splitlines() or [""])[-1], file=sys.stderr, flush=True)
+    notes = {"source": "last log line of `python train.py ... --attention_backend=X` per backend"}
+    header = results_header("compare_backends", bench_device(), logs=str(logs), notes=notes)
+    paths = write_results(args.out, "compare_backends", header, rows, COMPARE_COLUMNS)
+    print(paths[1].read_text())
+    print("wrote " + ", ".join(map(str, paths)) + f"; logs in {logs}", file=sys.stderr)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# curves: the loss curves of plain and default
+
+PLAIN = ["--attention_backend=sdpa", "--cross_entropy=plain"]
+RUNS = {"plain": (1337, PLAIN), "default": (1337, []), "plain, seed 2": (2, PLAIN)}  # name: (seed, switches)
+GPT2_SHAKESPEARE = [
+    "--dataset=shakespeare",
+    *launch.flags({"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "batch_size": 16}),
+    *launch.flags({"learning_rate": 6e-4, "min_lr": 6e-5, "warmup_iters": 30, "beta2": 0.95}),
+]
+TINY_CHAR = ["--dataset=shakespeare_char", *launch.flags(TINY), "--block_size=32", "--batch_size=8", "--warmup_iters=3"]
+CURVE_COLUMNS = "run seed switches first_loss tail_loss gap_vs_plain log_tokens_per_sec log_mfu".split()
+
+
+def curve_row(run: str, seed: int, switches: list[str], log: list[dict], tail: int) -> dict:
+    losses = [line["loss"] for line in log]
+    steady = log[min(10, len(log) - 1) :]  # the log's own figures, past the first iterations
+    mfus = [line["mfu"] for line in steady if line["mfu"] is not None]
+    return {
+        "run": run,
+        "seed": seed,
+        "switches": " ".join(switches) or "(defaults)",
+        "first_loss": losses[0],
+        "tail_loss": statistics.fmean(losses[-tail:]),
+        "log_tokens_per_sec": statistics.median(line["tokens_per_sec"] for line in steady),
+        "log_mfu": statistics.median(mfus) if mfus else None,
+        "losses": losses,
+    }
+
+
+def smoothed(values: list[float], width: int = 20) -> list[float]:
+    return [statistics.fmean(values[max(0, i - width + 1) : i + 1]) for i in range(len(values))]
+
+
+def plot_curves(rows: list[dict], path: Path) -> None:
+    points = [
+        {"run": r["run"], "iteration": i, "loss": loss} for r in rows for i, loss in enumerate(smoothed(r["losses"]))
+    ]
+    panels = [("train loss (mean of the last 20)", "loss", points)]
+    plot(points, path, x="iteration", panels=panels, series=lambda r: r["run"], title="same model, same data")
+
+
+def curves(argv=None) -> int:
+    parser = mode_parser("train_step", "curves", "the loss curves of plain, default and plain from another seed")
+    parser.add_argument("--quick", action="store_true", help="tiny char model on CPU, 30 iterations")
+    parser.add_argument("--iters", type=int, default=None, help="iterations per run (default 300; --quick 30)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
+    parser.add_argument("--work", type=Path, default=Path("out-loss-curves"), help="folder for the runs' out_dirs")
+    args = parser.parse_args(argv)
+    iters = args.iters or (30 if args.quick else 300)
+    settings = [*TINY_CHAR, "--device=cpu"] if args.quick else GPT2_SHAKESPEARE
+    steps = [f"--max_iters={iters}", f"--lr_decay_iters={iters}", "--log_interval=1", f"--eval_interval={iters}"]
+    start, rows, tail = time.perf_counter(), [], max(1, iters // 3)  # the last third, where the curves have settled
+    for index, (run, (seed, switches)) in enumerate(RUNS.items()):
+        out_dir = f"--out_dir={args.work / f'run{index}'}"
+        result = train_log([*settings, *switches, f"--seed={seed}", *steps, "--eval_iters=5", out_dir])
+        if result.code != 0 or len(result.lines) != iters:
+            lines = f"{len(result.lines)} of {iters} iter lines"
+            raise SystemExit(f"{run}: exit {result.code}, {lines}\n{result.output[-4000:]}")
+        rows.append(curve_row(run, seed, switches, result.lines, tail))
+        print(f"{run}: first {rows[-1]['first_loss']:.4f}, mean of the last {tail} {rows[-1]['tail_loss']:.4f}")
+    for row in rows:
+        pairs = zip(row["losses"][-tail:], rows[0]["losses"][-tail:])
+        row["gap_vs_plain"] = statistics.fmean(abs(a - b) for a, b in pairs)
+    notes = {
+        "settings": " ".join(settings) + f" --max_iters={iters}",
+        "gap": f"mean |loss - plain's loss| per iteration over the last {tail} iterations; "
+        "'plain, seed 2' against 'plain' is the run-to-run noise",
+    }
+    device, name = torch.device("cpu" if args.quick else "cuda"), "loss-curves-quick" if args.quick else "loss-curves"
+    wall_s = round(time.perf_counter() - start, 1)
+    save_results(args.out, name, device, rows, CURVE_COLUMNS, plot_curves, wall_s=wall_s, notes=notes)
+    return 0

@@ -1,25 +1,5 @@
-"""train.py's training step: timed per attention backend, batch size and context length, or per switch set;
-profiled; phase by phase over several GPUs; context parallelism's chunk attention; and train.py itself per
-backend and per switch set (its own log lines, its loss curves).
-
-    python -m bench.train_step                  # H100 grid (compile on, as train.py does on CUDA), --budget 200 s
-    python -m bench.train_step --budget 0      # the whole grid, however long it takes
-    python -m bench.train_step --variants plain default --batch-sizes 16 32 --long-seq-lens   # per switch set
-    python -m bench.train_step --quick         # tiny CPU model, 2 steps, no compile: seconds
-    python -m bench.train_step profile --variants plain default     # torch.profiler, GPU kernels by kind
-    torchrun --standalone --nproc_per_node=4 -m bench.train_step phases ddp fsdp     # one step phase by phase
-    python -m bench.train_step context          # context parallelism's chunk kernels on one device
-    python -m bench.train_step compare -- config/train_gpt2.py --batch_size=16      # train.py per backend
-    python -m bench.train_step curves           # the loss curves of plain and default
-
-Each `python -m bench.train_step MODE --help` says more. The grid: each row builds a fresh training state with
-train.py's own functions (setup_runtime, build_model, build_train_state) and times train.py's train_step on
-synthetic random tokens (no dataset needed).
-
-Rows, most wanted first, so a --budget cut drops the least wanted: every backend at T=1024 batch 16; the
-long-context model (same GPT-2 at T=8192 and T=32768, batch 1); then batch 32 and 8 at T=1024. `manual`
-runs at T <= 1024 only: at T=8192 its (T, T) scores alone would need tens of GiB.
-"""
+"""`python -m bench.train_step`: train.py's training step timed per backend, batch size, context length or switch
+set; its modes profile, phases, context, compare and curves. bench/README.md says how to run each."""
 
 from __future__ import annotations
 
@@ -39,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from bench.grid import BenchParser, Grid, dispatch, fresh_row, mode_parser, number, profiled, run_grid
-from bench.report import DEFAULT_OUT, GPT2_VOCAB, Column, card_slug, model_shape, plot_lines, write_markdown
+from bench.grid import BenchParser, Grid, dispatch, fresh_row, mode_parser, profiled, run_grid
+from bench.report import DEFAULT_OUT, GPT2_VOCAB, card_slug, model_shape, panels_by, plot, write_markdown
 from kernels.timing import timed
 from train import TrainConfig, build_model, build_train_state, train_step
 from training.profiling import summarize
@@ -79,14 +59,6 @@ class Case:
     variant: str = ""  # a key of VARIANTS: its switches apply over the backend
 
 
-def variant_cases(variants, batch_sizes, long_seq_lens, seq_len: int = 1024) -> list[Case]:
-    def backend(variant):
-        return VARIANTS[variant].get("attention_backend", "auto")
-
-    cases = [Case(backend(v), seq_len, bs, v) for bs in batch_sizes for v in variants]
-    return cases + [Case(backend(v), t, 1, v) for t in long_seq_lens for v in variants]
-
-
 def model_settings(quick: bool, model: dict | None = None) -> dict:
     """GPT-2 124M (or the tiny --quick model) as the step grid runs it: no bias, no dropout; `model` (--model)
     changes its settings, e.g. the width."""
@@ -106,22 +78,16 @@ def model_setting(text: str) -> tuple[str, object]:
 
 
 def cases_for(args) -> list[Case]:
-    if args.quick:  # T=64; the other batch sizes of --batch-sizes, no long context
-        if args.variants:
-            return variant_cases(args.variants, args.batch_sizes, [], seq_len=64)
-        return [Case(b, 64, bs) for bs in args.batch_sizes for b in args.backends]
+    """Most wanted first: each backend (or --variants switch set) at the first batch size, the long context at batch 1,
+    then the other batch sizes; --quick: T=64, no long context."""
+    seq_len, long_seq_lens = (64, []) if args.quick else (1024, args.long_seq_lens)
     if args.variants:
-        return variant_cases(args.variants, args.batch_sizes, args.long_seq_lens)
-    return default_cases(args.backends, args.batch_sizes, args.long_seq_lens)
-
-
-def default_cases(backends, batch_sizes, long_seq_lens) -> list[Case]:
-    """Most wanted first: all backends at the first batch size, the long context, then the other batches."""
-    first, *others = batch_sizes
-    cases = [Case(b, 1024, first) for b in backends]
-    cases += [Case(b, t, 1) for t in long_seq_lens for b in backends]
-    cases += [Case(b, 1024, bs) for bs in others for b in backends]
-    return cases
+        runs = [(VARIANTS[v].get("attention_backend", "auto"), v) for v in args.variants]
+    else:
+        runs = [(backend, "") for backend in args.backends]
+    cases = [Case(b, seq_len, size, v) for size in args.batch_sizes[:1] for b, v in runs]
+    cases += [Case(b, t, 1, v) for t in long_seq_lens for b, v in runs]
+    return cases + [Case(b, seq_len, size, v) for size in args.batch_sizes[1:] for b, v in runs]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,26 +132,15 @@ def random_batches(cfg: TrainConfig, device: torch.device, count: int = 4):
 
 
 def case_config(case: Case, args) -> TrainConfig:
-    settings = dict(
-        out_dir="bench-unused",
-        batch_size=case.batch_size,
-        block_size=case.seq_len,
-        attention_backend=case.backend,
-        compile=args.compile,
-        dtype=args.dtype,
-        device=args.device,
-        **model_settings(args.quick, args.model),
-    )
-    return TrainConfig(**{**settings, **VARIANTS.get(case.variant, {})})
+    shape = dict(batch_size=case.batch_size, block_size=case.seq_len, **model_settings(args.quick, args.model))
+    run = dict(attention_backend=case.backend, compile=args.compile, dtype=args.dtype, device=args.device)
+    return TrainConfig(**{"out_dir": "bench-unused", **shape, **run, **VARIANTS.get(case.variant, {})})  # variant wins
 
 
 def skip_reason(case: Case, cfg: TrainConfig) -> str:
-    if case.backend == "manual" and case.seq_len > MANUAL_MAX_SEQ_LEN:
+    if case.backend == "manual" and case.seq_len > MANUAL_MAX_SEQ_LEN:  # its (T, T) float32 scores per layer and head
         gib = cfg.n_layer * cfg.n_head * case.seq_len**2 * 4 / 2**30
-        return (
-            f"not run: manual keeps (T, T) float32 scores, {cfg.n_layer} layers x {cfg.n_head} heads = "
-            f"{gib:,.0f} GiB at T={case.seq_len}; measured at T <= {MANUAL_MAX_SEQ_LEN} only"
-        )
+        return f"not run: manual's (T, T) scores need {gib:,.0f} GiB at T={case.seq_len}"
     return ""
 
 
@@ -258,107 +213,41 @@ def add_ratios(rows: list[dict]) -> None:
             row["vs_plain"] = row["tokens_per_sec"] / base
 
 
-def progress_line(row: dict) -> str:
-    return (
-        f"T={row['seq_len']:<6} B={row['batch_size']:<3} {row['variant'] or row['backend']:<15} "
-        f"{number(row, 'ms_per_iter', '{:.1f}'):>7} ms  {number(row, 'tokens_per_sec', '{:,.0f}'):>10} tok/s  "
-        f"MFU {number(row, 'mfu', '{:.1%}'):>6}  mem {number(row, 'peak_mem_mib', '{:,.0f}'):>7} MiB  "
-        f"compile {number(row, 'compile_s', '{:.1f}'):>5} s  {row['status'] if row['status'] != 'ok' else ''}"
-    )
+COLUMNS = (
+    "variant backend resolved seq_len batch_size dtype compile ms_per_iter tokens_per_sec mfu "
+    "peak_mem_mib compile_s loss vs_plain status"
+).split()
 
 
-COLUMNS = [
-    Column("variant", "variant"),
-    Column("backend", "backend"),
-    Column("resolved", "runs"),
-    Column("seq_len", "T"),
-    Column("batch_size", "B"),
-    Column("dtype", "dtype"),
-    Column("compile", "compile"),
-    Column("ms_per_iter", "ms/iter", "{:.1f}"),
-    Column("tokens_per_sec", "tok/s", "{:,.0f}"),
-    Column("mfu", "MFU", "{:.1%}"),
-    Column("peak_mem_mib", "peak MiB", "{:,.0f}"),
-    Column("compile_s", "compile s", "{:.1f}"),
-    Column("loss", "loss", "{:.3f}"),
-    Column("vs_plain", "vs plain", "{:.2f}x"),
-    Column("status", "status"),
-]
-
-
-def plot(rows: list[dict], path: Path):
-    plot_lines(
-        rows,
-        path,
-        x="batch_size",
-        y="tokens_per_sec",
-        y_label="tokens/s",
-        panel="seq_len",
-        series=lambda r: r["variant"] or r["backend"],
-        title=f"train step, {rows[0]['dtype']}",
-    )
+def plot_rows(rows: list[dict], path: Path):
+    panels = panels_by(rows, "seq_len", "tokens_per_sec")
+    plot(rows, path, x="batch_size", panels=panels, series=lambda r: r["variant"] or r["backend"], title="train step")
 
 
 # ----------------------------------------------------------------------------------------------
 
 
-QUICK = dict(
-    device="cpu",
-    dtype="auto",
-    batch_sizes=[4, 8],
-    long_seq_lens=[],
-    steps=2,
-    chunks=1,
-    warmup_steps=0,
-    budget=0,
-    name="train-quick",
-    compile="false",
-)
-FULL = dict(
-    device="auto",
-    dtype="auto",
-    batch_sizes=[16, 32, 8],
-    long_seq_lens=[8192, 32768],
-    steps=10,
-    chunks=3,
-    warmup_steps=2,
-    budget=200,
-    name="train",
-)
-
-
 def parse_args(argv=None):
     parser = BenchParser(
+        "train_step",
         __doc__,
-        QUICK,
-        FULL,
         quick_help="tiny CPU model, T=64, 2 steps, no compile",
-        dtypes=("auto", "bfloat16", "float16", "float32"),  # as train.py's (auto: bfloat16 on CUDA, else float32)
-        tool="train_step",
         modes=("profile", "phases", "context", "compare", "curves"),
+        device=("auto", "cpu"),
+        dtype=("auto", "auto"),  # as train.py's: bfloat16 on CUDA, else float32
+        dtypes=("auto", "bfloat16", "float16", "float32"),
+        budget=(200, 0),
+        name=("train", "train-quick"),
     )
-    parser.add_argument(
-        "--compile", choices=("true", "false"), help="torch.compile the model (default: as train.py, on for CUDA)"
-    )
+    parser.option("--compile", None, "false", choices=("true", "false"), help="torch.compile; None: as train.py")
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
-    parser.add_argument(
-        "--variants",
-        nargs="+",
-        choices=VARIANTS,
-        help="rows per switch set instead of per backend (e.g. plain default: their ratio is vs_plain)",
-    )
-    parser.add_argument(
-        "--batch-sizes", type=int, nargs="*", help="at T=1024; the first runs for every backend first (default 16 32 8)"
-    )
-    parser.add_argument(
-        "--long-seq-lens", type=int, nargs="*", help="long-context rows at batch 1 (default 8192 32768)"
-    )
-    parser.add_argument(
-        "--model", type=model_setting, nargs="*", default=[], help="model settings, e.g. n_embd=4096 n_head=32"
-    )
-    parser.add_argument("--steps", type=int, help="timed steps per chunk (default 10)")
-    parser.add_argument("--chunks", type=int, help="timed chunks; the median is kept (default 3)")
-    parser.add_argument("--warmup-steps", type=int, help="untimed steps after the first (default 2)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, help="rows per switch set instead of per backend")
+    parser.option("--batch-sizes", [16, 32, 8], [4, 8], type=int, nargs="*", help="at T=1024; the first runs first")
+    parser.option("--long-seq-lens", [8192, 32768], [], type=int, nargs="*", help="long-context rows at batch 1")
+    parser.add_argument("--model", type=model_setting, nargs="*", default=[], help="model settings, e.g. n_embd=4096")
+    parser.option("--steps", 10, 2, type=int, help="timed steps per chunk")
+    parser.option("--chunks", 3, 1, type=int, help="timed chunks; the median is kept")
+    parser.option("--warmup-steps", 2, 0, type=int, help="untimed steps after the first")
     args = parser.parse_args(argv)
     args.compile = None if args.compile is None else args.compile == "true"
     args.model = dict(args.model)
@@ -367,26 +256,17 @@ def parse_args(argv=None):
 
 def header_fields(args, cases: list[Case], dtype: torch.dtype) -> dict:
     model = model_settings(args.quick, args.model)
+    variants, case_fields = {v: VARIANTS[v] for v in args.variants or ()}, [vars(case) for case in cases]
     return {
         "model": model,
-        "grid": {
-            "backends": args.backends,
-            "variants": {v: VARIANTS[v] for v in args.variants or ()},
-            "cases": [vars(c) for c in cases],
-            "dtype": str(dtype),
-        },
-        "flop_convention": "MFU = runtime.model_flops_utilization: model.flops_per_token(T) * tokens / time / "
-        "runtime.peak_flops_for(card): 6N + 12*L*H*D*T per token (PaLM, nanoGPT), dense bf16 datasheet peak",
+        "grid": {"backends": args.backends, "variants": variants, "cases": case_fields, "dtype": str(dtype)},
+        "flop_convention": "MFU: model.flops_per_token(T) (6N + 12*L*H*D*T) * tokens / time / dense bf16 peak",
         "notes": {
             "model": ", ".join(f"{k}={v}" for k, v in model.items()),
-            "step": "train.py's train_step: autocast, GradScaler, grad clip 1.0, fused AdamW on CUDA, "
-            "torch.compile as train.py decides (--compile), synthetic random tokens",
-            "timing": f"first step timed alone (compile_s = first step - steady step); then {args.warmup_steps} "
-            f"untimed steps; ms_per_iter = median over {args.chunks} chunks of the mean of {args.steps} "
-            f"steps (host clock, synchronised at chunk ends); inductor's on-disk caches carry over "
-            f"between rows, so a row after a similar one compiles faster",
-            "memory": "peak_mem_mib = torch.cuda.max_memory_allocated over the row (weights, optimizer, "
-            "activations); none on CPU",
+            "step": "train.py's train_step on synthetic random tokens, torch.compile as train.py decides (--compile)",
+            "timing": f"first step alone (compile_s = first - steady step), {args.warmup_steps} untimed; ms_per_iter = "
+            f"median over {args.chunks} chunks of the mean of {args.steps} steps",
+            "memory": "peak_mem_mib = torch.cuda.max_memory_allocated over the row; none on CPU",
         },
     }
 
@@ -398,9 +278,9 @@ def grid(argv=None) -> int:
     step_grid = Grid(
         measure=lambda case: measure_case(case, args, probe.dtype),
         skipped=lambda case, reason: [{**empty_row(case, case_config(case, args), probe.dtype), "status": reason}],
-        progress=progress_line,
+        progress="seq_len batch_size variant backend ms_per_iter tokens_per_sec mfu peak_mem_mib status".split(),
         columns=COLUMNS,
-        plot=plot,
+        plot=plot_rows,
         finish=add_ratios,
     )
     run_grid(step_grid, cases, args, probe.device, header_fields(args, cases, probe.dtype))
@@ -409,11 +289,6 @@ def grid(argv=None) -> int:
 
 # ----------------------------------------------------------------------------------------------
 # profile: train.py's step per variant under torch.profiler
-
-PROFILE_DOC = """torch.profiler over train.py's train_step per variant (VARIANTS): after a compile step and warm-up,
-a few steps are recorded; <card>-profile-train.md has the step's wall time and its GPU time per kernel kind
-(matmul, attention, the fused pointwise/reduction kernels torch.compile generates, the optimizer, communication,
-copies), then the top kernels. GPU busy time well under the wall time means the step waits on the host."""
 
 
 def profile_variant(variant: str, args) -> str:
@@ -432,21 +307,19 @@ def profile_lines(variant: str, state: TrainState, args) -> list[str]:
         train_step(state)
     prof, wall_ms = profiled(device, args.steps, lambda: train_step(state))
     lines = [f"## {variant}: {state.attention.used}, T={args.seq_len}, batch {args.batch_size}", ""]
-    return lines + summarize(prof, args.steps, wall_ms, device.type == "cuda", args.top, "step")
+    return lines + summarize(prof, args.steps, wall_ms, device.type == "cuda", 25, "step")
 
 
 def profile(argv=None) -> int:
-    parser = mode_parser("train_step", "profile", PROFILE_DOC)
+    parser = mode_parser(
+        "train_step", "profile", "torch.profiler over train.py's step per variant: GPU time by kernel kind"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny model on CPU, no compile")
     parser.add_argument("--variants", nargs="+", default=["plain", "default"], choices=VARIANTS)
-    parser.add_argument("--batch-size", type=int, help="default 16 (--quick 4)")
-    parser.add_argument("--seq-len", type=int, help="default 1024 (--quick 64)")
     parser.add_argument("--steps", type=int, default=5, help="steps profiled (5)")
-    parser.add_argument("--top", type=int, default=25, help="rows of the top table (25)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
     args = parser.parse_args(argv)
-    args.batch_size = args.batch_size or (4 if args.quick else 16)
-    args.seq_len = args.seq_len or (64 if args.quick else 1024)
+    args.batch_size, args.seq_len = (4, 64) if args.quick else (16, 1024)
     args.device, args.compile, args.dtype = ("cpu", False, "auto") if args.quick else ("auto", None, "auto")
     args.model, name = {}, "profile-train" + ("-quick" if args.quick else "")
     sections = [profile_variant(variant, args) for variant in args.variants]
@@ -456,10 +329,10 @@ def profile(argv=None) -> int:
 
 
 def main(argv=None) -> int:
-    from bench import train_parts, train_runs
+    from bench import train_parts as parts
 
-    modes = dict(profile=profile, phases=train_parts.phases, context=train_parts.context)
-    return dispatch(argv, grid, **modes, compare=train_runs.compare, curves=train_runs.curves)
+    modes = dict(phases=parts.phases, context=parts.context, compare=parts.compare, curves=parts.curves)
+    return dispatch(argv, grid, profile=profile, **modes)
 
 
 if __name__ == "__main__":

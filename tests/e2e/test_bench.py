@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import grid, launch, readme_table, report, train_parts, train_runs, train_step
+from bench import grid, launch, readme_table, report, train_parts, train_step
 from bench.launch import parse_log_line
 from bench.report import card_slug
 from helpers import REPO as ROOT
@@ -210,25 +210,17 @@ def test_every_bench_takes_its_models_from_one_place():
 
 
 def test_bench_parser_fills_what_is_left_unset_from_the_quick_or_the_full_defaults():
-    quick = dict(device="cpu", dtype="float32", budget=0, name="demo-quick", sizes=[1])
-    full = dict(device="cuda", dtype="bfloat16", budget=60, name="demo", sizes=[8, 16])
-
     def parse(*argv):
-        parser = grid.BenchParser("Demo bench.", quick, full, quick_help="tiny", dtypes=("bfloat16", "float32"))
-        parser.add_argument("--sizes", type=int, nargs="*")
+        common = dict(device=("cuda", "cpu"), dtype=("bfloat16", "float32"), budget=(60, 0), name=("demo", "demo-q"))
+        parser = grid.BenchParser("demo", "Demo bench.", quick_help="tiny", dtypes=("bfloat16", "float32"), **common)
+        parser.option("--sizes", [8, 16], [1], type=int, nargs="*", help="sizes")
         return parser.parse_args(list(argv))
 
     args = parse()
-    assert (args.device, args.dtype, args.budget, args.name, args.sizes, args.out) == (
-        "cuda",
-        "bfloat16",
-        60,
-        "demo",
-        [8, 16],
-        report.DEFAULT_OUT,
-    )
+    assert (args.device, args.dtype, args.budget, args.name, args.sizes) == ("cuda", "bfloat16", 60, "demo", [8, 16])
+    assert args.out == report.DEFAULT_OUT
     args = parse("--quick", "--budget", "5", "--sizes")
-    assert (args.device, args.dtype, args.budget, args.name, args.sizes) == ("cpu", "float32", 5, "demo-quick", [])
+    assert (args.device, args.dtype, args.budget, args.name, args.sizes) == ("cpu", "float32", 5, "demo-q", [])
 
 
 def test_the_grid_runner_records_cases_past_the_budget_as_skipped_and_writes_the_results(tmp_path, capsys):
@@ -244,8 +236,8 @@ def test_the_grid_runner_records_cases_past_the_budget_as_skipped_and_writes_the
     demo = grid.Grid(
         measure=measure,
         skipped=lambda case, reason: [{"case": case, "part": "a", "status": reason}],
-        progress=lambda row: f"case {row['case']}{row['part']}: {row['status']}",
-        columns=[report.Column("case", "case"), report.Column("status", "status")],
+        progress=["case", "part", "status"],
+        columns=["case", "status"],
         finish=lambda rows: rows.append({"case": "all", "part": "", "status": f"{len(rows)} rows"}),
     )
     args = SimpleNamespace(quick=False, budget=0.01, name="grid-demo-6.7b", out=tmp_path)
@@ -258,7 +250,7 @@ def test_the_grid_runner_records_cases_past_the_budget_as_skipped_and_writes_the
     assert header["bench"] == "grid-demo-6.7b" and header["grid"] == {"cases": [1, 2, 3]} and header["wall_s"] >= 0.05
     assert "| 3 | skipped: --budget 0.01 s used up |" in (tmp_path / "cpu-grid-demo-6.7b.md").read_text()
     out = capsys.readouterr().out
-    assert "case 1b: ok" in out and "case 3a: skipped" in out and "wrote " in out
+    assert "case 1 part b status ok" in out and "case 3 part a status skipped" in out and "wrote " in out
 
 
 def test_train_py_is_launched_one_way():
@@ -374,9 +366,8 @@ def test_readme_update_replaces_only_between_markers(tmp_path):
     assert quoted.read_text() == f"see `{start}` below\n{start}\n| new |\n{end}\n"
 
 
-def test_compare_backends_tabulates_each_backends_last_log_line(runs, tmp_path):
-    """One real run of the script for two backends; KEEP_ROWS is checked on a re-tabulation of one of its
-    logs, which is what a re-run of that backend hands to the same function."""
+def test_compare_backends_tabulates_each_backends_last_log_line(runs):
+    """One real run of the script for two backends: a row each, from its last log line."""
     code, stdout, stderr, out = runs["compare"]
     assert code == 0, stderr
     rows = {line.split("|")[1].strip(): line for line in stdout.splitlines() if line.startswith("| ")}
@@ -390,19 +381,9 @@ def test_compare_backends_tabulates_each_backends_last_log_line(runs, tmp_path):
     (logs,) = out.glob("compare_backends.*")
     assert f"logs in {logs}" in stderr
 
-    # KEEP_ROWS=1: re-running one backend keeps the other's row from the earlier file
-    (tmp_path / "cpu-compare_backends.json").write_text(json.dumps(saved))
-    train_runs.tabulate_compare_logs(logs, tmp_path, ["manual"], keep_rows=True)
-    merged = json.loads((tmp_path / "cpu-compare_backends.json").read_text())
-    assert [r["backend"] for r in merged["rows"]] == ["sdpa", "manual"]
-    assert merged["rows"][0] == saved["rows"][0] and "kept_rows_from" in merged["header"]
-    train_runs.tabulate_compare_logs(logs, tmp_path, ["manual"], keep_rows=False)
-    alone = json.loads((tmp_path / "cpu-compare_backends.json").read_text())
-    assert [r["backend"] for r in alone["rows"]] == ["manual"]
-
 
 def test_compare_row_records_a_failed_run_with_its_last_line():
-    row = train_runs.compare_row("flash_attn_2", "INFO: attention backend: sdpa\nerror: no such thing\n", 2)
+    row = train_parts.compare_row("flash_attn_2", "INFO: attention backend: sdpa\nerror: no such thing\n", 2)
     assert row == {"backend": "flash_attn_2", "runs": "sdpa", "status": "exit 2: error: no such thing"}
 
 
@@ -411,7 +392,7 @@ def test_graphs_go_to_the_smallest_backends_and_a_failed_capture_times_eagerly(m
     a backend past that, or whose capture fails, keeps its eager runs and says why in its row."""
     from types import SimpleNamespace
 
-    from bench import attention_measure
+    from bench import attention
 
     captured = []
 
@@ -421,12 +402,12 @@ def test_graphs_go_to_the_smallest_backends_and_a_failed_capture_times_eagerly(m
         captured.append(fn)
         return SimpleNamespace(replay=f"replay {fn}")
 
-    monkeypatch.setattr(attention_measure, "cuda_graph", fake_graph)
+    monkeypatch.setattr(attention, "cuda_graph", fake_graph)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=100 * 2**30))
 
     def measurement(name, mib, fn=None):
         runs = {"fwd": (fn or f"{name} fwd", ()), "fwd_bwd": (fn or f"{name} fwd_bwd", ())}
-        return attention_measure.Measurement({"backend": name, "peak_mem_mib": mib}, runs, {}, {})
+        return attention.Measurement({"backend": name, "peak_mem_mib": mib}, runs, {}, {})
 
     ms = [
         measurement("manual", 20_000),
@@ -434,7 +415,7 @@ def test_graphs_go_to_the_smallest_backends_and_a_failed_capture_times_eagerly(m
         measurement("broken", 100, "breaks"),
         measurement("flex", 5_000),
     ]
-    attention_measure.capture_graphs(ms, torch.device("cuda"))
+    attention.capture_graphs(ms, torch.device("cuda"))
     manual, sdpa, broken, flex = ms
     assert captured == ["sdpa fwd", "sdpa fwd_bwd", "flex fwd", "flex fwd_bwd"]
     assert sdpa.runs["fwd"] == ("replay sdpa fwd", ()) and sdpa.row["fwd_bwd_timing"] == "cuda graph"
