@@ -108,8 +108,13 @@ class ResultsTable:
 
     def pytest_runtest_logreport(self, report):
         add_report(self.rows, report)
+        if report.when == "teardown":  # the table as it stands after each test: a run cut off keeps its rows
+            self.write()
 
     def pytest_sessionfinish(self):
+        self.write()
+
+    def write(self):
         rows = sorted(self.rows.values(), key=lambda row: row["cell"])  # tests run in random order
         if all(row["status"] == "skipped" for row in rows):  # none ran (also: no tests/gpu test was selected)
             return

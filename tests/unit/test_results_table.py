@@ -8,7 +8,7 @@ import types
 
 import pytest
 from gpu import results_table
-from gpu.results_table import ResultsTable
+from gpu.results_table import ResultsTable, cell_id
 
 TRAIN = "tests/gpu/test_e2e.py::test_train[sdpa-plain-compiled]"
 DDP = "tests/gpu/test_e2e.py::test_torchrun_2_gpus[ddp]"
@@ -96,3 +96,14 @@ def test_a_run_where_every_gpu_test_skipped_writes_nothing(tmp_path):
     assert finish(ResultsTable(tmp_path / "results"), skipped) == []
     assert finish(ResultsTable(tmp_path / "results"), []) == []
     assert not (tmp_path / "results").exists()
+
+
+def test_a_run_cut_off_before_its_end_keeps_the_rows_of_the_tests_that_finished(tmp_path):
+    """The table is rewritten after each test's teardown, so a run killed by a time limit (no session finish)
+    leaves the rows it had."""
+    table, reports = ResultsTable(tmp_path), a_run()
+    for report in reports:
+        table.pytest_runtest_logreport(report)
+    finished = {report.nodeid for report in reports if report.when == "teardown"}
+    written = json.loads((tmp_path / "cpu-e2e.json").read_text())
+    assert finished and len(written["rows"]) == len({cell_id(nodeid) for nodeid in finished})
