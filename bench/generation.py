@@ -20,7 +20,7 @@ import torch
 
 import generation
 from bench.grid import BenchParser, Grid, dispatch, fresh_row, mode_parser, profiled, run_grid
-from bench.report import DEFAULT_OUT, GPT2_124M, GPT2_VOCAB, card_slug, model_shape, panels_by, plot, write_markdown
+from bench.report import GPT2_124M, GPT2_VOCAB, card_slug, model_shape, panels_by, plot, write_markdown
 from generation.loop import decode_step_for, generation_attention
 from kernels.timing import timed
 from model import GPT, GPTConfig
@@ -216,10 +216,6 @@ def hf_peer(case: Case, args, device, dtype) -> dict:
     return {**row, **rates(case, first, max(whole - first, 1e-9)), "status": "ok"}
 
 
-def hf_available() -> bool:
-    return importlib.util.find_spec("transformers") is not None
-
-
 # ----------------------------------------------------------------------------------------------
 
 
@@ -266,7 +262,7 @@ def parse_args(argv=None):
     )
     args = parser.parse_args(argv)
     args.compile = args.compile == "true"
-    args.hf = args.hf == "auto" and not args.quick and hf_available()
+    args.hf = args.hf == "auto" and not args.quick and importlib.util.find_spec("transformers") is not None
     return args
 
 
@@ -336,11 +332,8 @@ def profile_decoding(gpt: GPT, args, device: torch.device, compile: bool) -> lis
 
 
 def profile(argv=None) -> int:
-    parser = mode_parser(
-        "generation", "profile", "torch.profiler over steady decoding: GPU time by kernel kind, host ops"
-    )
-    parser.add_argument("--quick", action="store_true", help="tiny model on CPU")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
+    doc = "torch.profiler over steady decoding: GPU time by kernel kind, host ops"
+    parser = mode_parser("generation", "profile", doc, quick="tiny model on CPU")
     args = parser.parse_args(argv)
     args.batch_size, args.cache, args.top = 1, "contiguous", 15
     args.prompt_len, args.skip, args.tokens = (4, 1, 2) if args.quick else (128, 16, 64)
@@ -389,7 +382,6 @@ def probe_variant(name: str, model: GPT, autocast: bool, profile_it=False, tempe
 
 def probe(argv=None) -> int:
     parser = mode_parser("generation", "probe", "a default sampling step's tok/s per decode variant (CUDA)")
-    parser.add_argument("--out", default="bench/results")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: the sampling probe times CUDA graphs on a CUDA GPU, and this machine has none", file=sys.stderr)
@@ -412,7 +404,7 @@ def probe(argv=None) -> int:
     rows.append(probe_variant("graph, auto, bf16 weights no autocast", half, False))
     rows.append(probe_variant("graph, auto, bf16 weights no autocast (profiled)", half, False, profile_it=True))
     summary = dict(card=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows)
-    (Path(args.out) / "sampling-probe.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (args.out / "sampling-probe.json").write_text(json.dumps(summary, indent=1) + "\n")
     return 0
 
 

@@ -59,9 +59,13 @@ def dispatch(argv, default: Callable[[list[str]], int], **modes: Callable[[list[
     return default(argv)
 
 
-def mode_parser(tool: str, mode: str, description: str) -> OneLineParser:
-    """The command line of `python -m bench.TOOL MODE`."""
-    return OneLineParser(prog=f"python -m bench.{tool} {mode}", description=description)
+def mode_parser(tool: str, mode: str, description: str, quick: str = "") -> OneLineParser:
+    """The command line of `python -m bench.TOOL MODE`: --out, and --quick when `quick` says what it runs."""
+    parser = OneLineParser(prog=f"python -m bench.{tool} {mode}", description=description)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
+    if quick:
+        parser.add_argument("--quick", action="store_true", help=quick)
+    return parser
 
 
 # ----------------------------------------------------------------------------------------------
@@ -110,14 +114,10 @@ def run_grid(grid: Grid, cases: Iterable, args, device: torch.device, header: di
 # Failures: one line per cell, never a silent gap
 
 
-def is_oom(error: BaseException) -> bool:
-    # Compiled code and some kernels raise a plain RuntimeError for an allocation failure.
-    return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
-
-
 def failure_reason(error: BaseException) -> str:
     """'OOM', or the exception's type and first line, short enough for a table cell."""
-    if is_oom(error):
+    # Compiled code and some kernels raise a plain RuntimeError for an allocation failure.
+    if isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower():
         return "OOM"
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     text = f"{type(error).__name__}: {lines[0] if lines else ''}"

@@ -20,7 +20,7 @@ import torch
 
 from bench import launch
 from bench.grid import BenchParser
-from bench.report import GPT2_124M, GPT2_VOCAB, TINY, cell, plot, results_header, write_results
+from bench.report import GPT2_124M, GPT2_VOCAB, TINY, cell, plot, save_results
 from training.parallel import PARALLELISMS
 
 GPT2_XL = {"n_layer": 48, "n_head": 25, "n_embd": 1600}
@@ -255,22 +255,18 @@ def parse_variant(text: str, parser: argparse.ArgumentParser) -> tuple[str, list
     return name, settings.split(",")
 
 
-def save(args, rows: list[dict], start: float) -> list[Path]:
+def save(args, rows: list[dict], start: float) -> None:
     add_scaling(rows)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
-    header = results_header(
-        args.name,
-        device,
-        wall_s=round(time.perf_counter() - start, 1),
-        notes={
-            "runs": f"train.py under torchrun --standalone; medians of the iter lines after the first {args.warmup}",
-            "global batch": f"gradient_accumulation_steps = {max(args.gpus)} x {args.accum}, micro-batch "
-            f"{args.micro_batch}; scaling: tok/s per GPU over one GPU's",
-            "every run": " ".join(args.extra) or "-",
-            "environment": nccl_settings(),
-        },
-    )
-    return write_results(args.out, args.name, header, rows, COLUMNS, plot_rows)
+    wall_s = round(time.perf_counter() - start, 1)
+    notes = {
+        "runs": f"train.py under torchrun --standalone; medians of the iter lines after the first {args.warmup}",
+        "global batch": f"gradient_accumulation_steps = {max(args.gpus)} x {args.accum}, micro-batch "
+        f"{args.micro_batch}; scaling: tok/s per GPU over one GPU's",
+        "every run": " ".join(args.extra) or "-",
+        "environment": nccl_settings(),
+    }
+    save_results(args.out, args.name, device, rows, COLUMNS, plot_rows, wall_s=wall_s, notes=notes)
 
 
 def main(argv=None) -> int:
@@ -304,8 +300,6 @@ def main(argv=None) -> int:
         for parallelism in args.largest_parallelism:
             largest(args, parallelism, on_row)
     context_rows(args, on_row)
-    for path in save(args, rows, start):
-        print(f"wrote {path}")
     return 0
 
 

@@ -38,10 +38,6 @@ def model_shape(quick: bool) -> dict:
 # Device and environment
 
 
-def bench_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
 def card_slug(device_name: str | None = None) -> str:
     """Short file-name form of the GPU's name: 'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA A100-SXM4-80GB' ->
     'a100', 'NVIDIA GeForce RTX 4090' -> 'rtx-4090'; 'cpu' without a GPU."""
@@ -107,8 +103,10 @@ def markdown_table(rows: Iterable[dict], columns: Sequence[str]) -> str:
     return "\n".join(lines + ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows])
 
 
-def write_results(out_dir, name: str, header: dict, rows: list[dict], columns: Sequence[str], plot=None) -> list[Path]:
-    """<card>-<name>.json, .md and (when `plot` is given) .png under out_dir; returns the paths written."""
+def save_results(out_dir, name: str, device: torch.device, rows: list[dict], columns, plot=None, **fields) -> dict:
+    """The results writer of every bench: results_header(name, device, **fields) and the rows as <card>-<name>.json,
+    .md and (when `plot` is given) .png under out_dir, each path printed. Returns the header."""
+    header = results_header(name, device, **fields)
     stem = Path(out_dir) / f"{header['card']}-{name}"
     stem.parent.mkdir(parents=True, exist_ok=True)
     json_path, md_path = stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.md"  # names may hold dots
@@ -117,17 +115,11 @@ def write_results(out_dir, name: str, header: dict, rows: list[dict], columns: S
     notes = "".join(f"- {k}: {v}\n" for k, v in header.get("notes", {}).items())
     table = markdown_table(rows, columns)
     md_path.write_text(title + (notes + "\n" if notes else "") + table + f"\n\n`{header['command']}`\n")
-    if plot is None:
-        return [json_path, md_path]
-    plot(rows, stem.parent / f"{stem.name}.png")
-    return [json_path, md_path, stem.parent / f"{stem.name}.png"]
-
-
-def save_results(out_dir, name: str, device: torch.device, rows: list[dict], columns, plot=None, **fields) -> dict:
-    """The results writer of every bench: results_header(name, device, **fields) and the rows written by
-    write_results, each path printed. Returns the header."""
-    header = results_header(name, device, **fields)
-    for path in write_results(out_dir, name, header, rows, columns, plot):
+    paths = [json_path, md_path]
+    if plot is not None:
+        paths.append(stem.parent / f"{stem.name}.png")
+        plot(rows, paths[-1])
+    for path in paths:
         print(f"wrote {path}")
     return header
 

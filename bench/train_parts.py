@@ -21,17 +21,13 @@ import torch.distributed as dist
 from bench import launch
 from bench.grid import mode_parser
 from bench.report import (
-    DEFAULT_OUT,
     GPT2_VOCAB,
     TINY,
-    bench_device,
     markdown_table,
     model_shape,
     plot,
     plot_bars,
-    results_header,
     save_results,
-    write_results,
 )
 from bench.train_step import build_state, random_batches
 from kernels.timing import median_ms, timed
@@ -115,11 +111,10 @@ def plot_phases(rows: list[dict], path: Path) -> None:
 
 
 def phases(argv=None) -> int:
-    parser = mode_parser("train_step", "phases", "one optimizer step phase by phase, DDP and FSDP (under torchrun)")
+    doc = "one optimizer step phase by phase, DDP and FSDP (under torchrun)"
+    parser = mode_parser("train_step", "phases", doc, quick="CPU, gloo, a tiny model: checks the script")
     parser.add_argument("parallelism", nargs="+", choices=("ddp", "fsdp"))
     parser.add_argument("--steps", type=int, default=20, help="steps per parallelism; the first quarter is left out")
-    parser.add_argument("--quick", action="store_true", help="CPU, gloo, a tiny model: checks the script")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
     parser.add_argument("--name", default=None, help="results name (default step-phases; --quick step-phases-quick)")
     args = parser.parse_args(argv)
     from training.runtime import setup_runtime
@@ -194,16 +189,13 @@ def plot_chunks(rows: list[dict], path) -> None:
 
 
 def context_args(argv=None) -> argparse.Namespace:
-    parser = mode_parser(
-        "train_step", "context", "context parallelism's chunk kernels on one device, against the reference"
-    )
+    doc = "context parallelism's chunk kernels on one device, against the reference"
+    parser = mode_parser("train_step", "context", doc, quick="CPU, float64, T=256, 2 heads of 16")
     parser.add_argument("--T", type=int, default=32768, help="the whole sequence's length (32768)")
     parser.add_argument("--ranks", type=int, default=2, help="ranks the sequence is split over (2)")
     parser.add_argument("--rank", type=int, default=0, help="the rank measured (0: the first and last chunks)")
     parser.add_argument("--kernels", nargs="+", default=list(CHUNK_KERNELS), choices=CHUNK_KERNELS)
     parser.add_argument("--repeats", type=int, default=10, help="about this many timed runs (10)")
-    parser.add_argument("--quick", action="store_true", help="CPU, float64, T=256, 2 heads of 16")
-    parser.add_argument("--out", default=DEFAULT_OUT, help="results folder (default bench/results)")
     parser.add_argument("--name", default="context")
     args = parser.parse_args(argv)
     args.heads, args.head_dim = (2, 16) if args.quick else (12, 64)
@@ -260,7 +252,6 @@ def compare_row(backend: str, log_text: str, exit_code: int) -> dict:
 def compare(argv=None) -> int:
     parser = mode_parser("train_step", "compare", "train.py once per attention backend: its last log line each")
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), help=f"default {' '.join(BACKENDS)}")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
     parser.add_argument("train_args", nargs="*", help="train.py's config file and --key=value settings (after --)")
     args = parser.parse_args(argv)
     logs, rows = Path(tempfile.mkdtemp(prefix="compare_backends.")), []
@@ -273,10 +264,10 @@ def compare(argv=None) -> int:
         rows.append(compare_row(backend, run.output, run.code))
         print((run.output.splitlines() or [""])[-1], file=sys.stderr, flush=True)
     notes = {"source": "last log line of `python train.py ... --attention_backend=X` per backend"}
-    header = results_header("compare_backends", bench_device(), logs=str(logs), notes=notes)
-    paths = write_results(args.out, "compare_backends", header, rows, COMPARE_COLUMNS)
-    print(paths[1].read_text())
-    print("wrote " + ", ".join(map(str, paths)) + f"; logs in {logs}", file=sys.stderr)
+    print(markdown_table(rows, COMPARE_COLUMNS))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    save_results(args.out, "compare_backends", device, rows, COMPARE_COLUMNS, logs=str(logs), notes=notes)
+    print(f"logs in {logs}", file=sys.stderr)
     return 0
 
 
@@ -323,10 +314,9 @@ def plot_curves(rows: list[dict], path: Path) -> None:
 
 
 def curves(argv=None) -> int:
-    parser = mode_parser("train_step", "curves", "the loss curves of plain, default and plain from another seed")
-    parser.add_argument("--quick", action="store_true", help="tiny char model on CPU, 30 iterations")
+    doc = "the loss curves of plain, default and plain from another seed"
+    parser = mode_parser("train_step", "curves", doc, quick="tiny char model on CPU, 30 iterations")
     parser.add_argument("--iters", type=int, default=None, help="iterations per run (default 300; --quick 30)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
     parser.add_argument("--work", type=Path, default=Path("out-loss-curves"), help="folder for the runs' out_dirs")
     args = parser.parse_args(argv)
     iters = args.iters or (30 if args.quick else 300)

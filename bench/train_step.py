@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from bench.grid import BenchParser, Grid, dispatch, fresh_row, mode_parser, profiled, run_grid
-from bench.report import DEFAULT_OUT, GPT2_VOCAB, card_slug, model_shape, panels_by, plot, write_markdown
+from bench.report import GPT2_VOCAB, card_slug, model_shape, panels_by, plot, write_markdown
 from kernels.timing import timed
 from train import TrainConfig, build_model, build_train_state, train_step
 from training.profiling import summarize
@@ -311,13 +311,10 @@ def profile_lines(variant: str, state: TrainState, args) -> list[str]:
 
 
 def profile(argv=None) -> int:
-    parser = mode_parser(
-        "train_step", "profile", "torch.profiler over train.py's step per variant: GPU time by kernel kind"
-    )
-    parser.add_argument("--quick", action="store_true", help="tiny model on CPU, no compile")
+    doc = "torch.profiler over train.py's step per variant: GPU time by kernel kind"
+    parser = mode_parser("train_step", "profile", doc, quick="tiny model on CPU, no compile")
     parser.add_argument("--variants", nargs="+", default=["plain", "default"], choices=VARIANTS)
     parser.add_argument("--steps", type=int, default=5, help="steps profiled (5)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
     args = parser.parse_args(argv)
     args.batch_size, args.seq_len = (4, 64) if args.quick else (16, 1024)
     args.device, args.compile, args.dtype = ("cpu", False, "auto") if args.quick else ("auto", None, "auto")
