@@ -247,11 +247,6 @@ def plan_backend(backend: str, cell: Cell, device: torch.device) -> Plan:
     return Plan(record.kernel, backend, record.why_not(need(False)), record.why_not(need(True)))
 
 
-def attention_flops(batch: int, heads: int, seq_len: int, head_dim: int) -> tuple[float, float]:
-    forward = 4 * batch * heads * seq_len**2 * head_dim / 2
-    return forward, 3.5 * forward
-
-
 def memory_mib(run, device: torch.device, grads) -> float | None:
     """Peak memory of one run() beyond what was allocated before it (inputs, mask, reference): the
     attention's own memory, gradients of q, k, v included."""
@@ -386,7 +381,8 @@ def time_in_rounds(measurements: list[Measurement], args, device):
 
 def finish_measurement(m: Measurement, cell: Cell, heads: int) -> dict:
     row = m.row
-    flops = dict(zip(("fwd", "fwd_bwd"), attention_flops(row["batch_size"], heads, cell.seq_len, cell.head_dim)))
+    forward = 4 * row["batch_size"] * heads * cell.seq_len**2 * cell.head_dim / 2  # FLOP_CONVENTION
+    flops = {"fwd": forward, "fwd_bwd": 3.5 * forward}
     for kind, times in m.times.items():
         if times:
             row[f"{kind}_ms"] = statistics.median(times)

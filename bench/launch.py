@@ -75,15 +75,6 @@ def train_command(settings: Sequence[str], torchrun: Sequence[str] | None = None
     return [*launcher, "train.py", *settings]
 
 
-def torchrun_env(quick: bool) -> dict:
-    """The environment of every launched torchrun: NVLink multicast off, output unbuffered; --quick: one
-    thread per CPU process."""
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
-    if quick:
-        env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 def corpus(folder: Path, longest: int = 0) -> Path:
     """A char-level dataset of this repo's own sources (no network needed on the GPU host), repeated until its
     validation split (a tenth) holds sequences of `longest` tokens; one folder per number of copies."""

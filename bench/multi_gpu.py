@@ -86,7 +86,7 @@ def measure(args, run, model, shape, parallelism, gpus, micro_batch, settings=()
     command = launch.train_command(settings, ["--standalone", f"--nproc_per_node={gpus}"])
     # stopped once it logs its last step: its checkpoint (minutes for GPT-2 XL) is not what is measured
     last_iter = stop_at_iter or args.iters
-    result = launch.run(command, launch.torchrun_env(args.quick), args.timeout, last_iter)
+    result = launch.run(command, torchrun_env(args.quick), args.timeout, last_iter)
     shaped = [arg[2:] for arg in args.extra if arg.split("=")[0] in SHAPE_SETTINGS]
     if shaped:  # settings after -- changed the model: its name says how, and train.py counts its parameters
         row["model"] = f"{model} ({', '.join(shaped)})"
@@ -184,10 +184,11 @@ def largest(args, parallelism: str, on_row) -> None:
             break
 
 
-def nccl_settings() -> str:
-    """The NCCL settings every launched run has: the bench's own and any the bench was run with."""
-    settings = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")} | {"NCCL_NVLS_ENABLE": "0"}
-    return " ".join(f"{k}={v}" for k, v in sorted(settings.items()))
+def torchrun_env(quick: bool) -> dict:
+    """The environment of every launched torchrun: NVLink multicast off, output unbuffered; --quick: one
+    thread per CPU process."""
+    threads = {"OMP_NUM_THREADS": "1"} if quick else {}
+    return {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1", **threads}
 
 
 def progress(row: dict) -> str:
@@ -264,7 +265,7 @@ def save(args, rows: list[dict], start: float) -> None:
         "global batch": f"gradient_accumulation_steps = {max(args.gpus)} x {args.accum}, micro-batch "
         f"{args.micro_batch}; scaling: tok/s per GPU over one GPU's",
         "every run": " ".join(args.extra) or "-",
-        "environment": nccl_settings(),
+        "environment": " ".join(f"{k}={v}" for k, v in sorted(torchrun_env(False).items()) if k.startswith("NCCL_")),
     }
     save_results(args.out, args.name, device, rows, COLUMNS, plot_rows, wall_s=wall_s, notes=notes)
 

@@ -53,13 +53,6 @@ def card_slug(device_name: str | None = None) -> str:
     return re.sub(r"[^a-z0-9]+", "-", "-".join(taken)).strip("-")
 
 
-def _package_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def results_header(name: str, device: torch.device, **extra) -> dict:
     """What a reader needs to trust or reproduce the numbers: card, versions, date, command line."""
     report = attention_report(device)
@@ -72,7 +65,7 @@ def results_header(name: str, device: torch.device, **extra) -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": report["cudnn"],
-        "triton": _package_version("triton"),
+        "triton": next((d.version for d in importlib.metadata.distributions(name="triton")), None),
         "flash_attn": report["backends"]["flash_attn_2"]["version"] or None,
         "flash_attn_3": report["backends"]["flash_attn_3"]["version"] or None,
         "flash_attn_4": report["backends"]["flash_attn_4"]["version"] or None,
