@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import kernels  # noqa: F401  (registers flash_attn_3/4, flex_attention and auto's table into model.BACKENDS)
-from bench.grid import BenchParser, Grid, cuda_graph, dispatch, failure_reason, free_device_memory, run_grid
+from bench.grid import BenchParser, cuda_graph, dispatch, failure_reason, free_device_memory, run_grid
 from bench.report import panels_by, plot
 from kernels.timing import median_ms, synchronize
 from model import BACKENDS, AttentionMask, AttentionUse, resolve, sdpa_attention, why_not_sdpa_kernel
@@ -126,7 +126,7 @@ def grid(argv=None) -> int:
     # flex_attention is compiled with static shapes: one recompile per cell, more than dynamo's default 8.
     limit = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
     setattr(dynamo_config, limit, max(getattr(dynamo_config, limit), 256))
-    cell_grid = Grid(
+    cell_grid = dict(
         measure=lambda cell: measure_cell(cell, args, device),
         skipped=lambda cell, reason: skipped_cell(cell, reason, args),
         progress="head_dim seq_len docs backend fwd_ms fwd_bwd_ms fwd_bwd_tflops peak_mem_mib max_err status".split(),
@@ -136,7 +136,7 @@ def grid(argv=None) -> int:
     settings = {key: getattr(args, key) for key in ("backends", "head_dims", "seq_lens", "dtype", "heads")}
     settings.update(docs=list(mask_kinds(args)), tokens_per_call=args.tokens)
     header = {"grid": settings, "flop_convention": FLOP_CONVENTION, "notes": results_notes(args, device)}
-    header, rows = run_grid(cell_grid, cells_in_order(args), args, device, header)
+    header, rows = run_grid(cells_in_order(args), args, device, header, **cell_grid)
     from bench.readme_table import backend_table
 
     print(backend_table({"header": header, "rows": rows}))

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import generation
-from bench.grid import BenchParser, Grid, dispatch, fresh_row, mode_parser, profiled, run_grid
+from bench.grid import BenchParser, dispatch, fresh_row, mode_parser, profiled, run_grid
 from bench.report import GPT2_124M, GPT2_VOCAB, card_slug, model_shape, panels_by, plot, write_markdown
 from generation.loop import decode_step_for, generation_attention
 from kernels.timing import timed
@@ -287,14 +287,14 @@ def speed(argv=None) -> int:
     args = parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     cases = default_cases(args)
-    grid = Grid(
+    grid = dict(
         measure=lambda case: measure_case(case, args, device, dtype),
         skipped=lambda case, reason: [{**empty_row(case, dtype), "status": reason}],
         progress="batch_size prompts backend compile slide cache prefill_tok_s decode_tok_s status".split(),
         columns=COLUMNS,
         plot=plot_rows,
     )
-    run_grid(grid, cases, args, device, header_fields(args, cases))
+    run_grid(cases, args, device, header_fields(args, cases), **grid)
     return 0
 
 

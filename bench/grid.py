@@ -8,7 +8,6 @@ import gc
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -72,41 +71,28 @@ def mode_parser(tool: str, mode: str, description: str, quick: str = "") -> OneL
 # The runner and the writer
 
 
-@dataclass
-class Grid:
-    """What a bench hands the runner: a case's rows measured, the rows of a case the budget leaves out (given
-    the reason), a row's progress line, the results' columns and plot, and what runs over all rows before
-    they are written (ratios between rows)."""
-
-    measure: Callable[[object], list[dict]]
-    skipped: Callable[[object, str], list[dict]]
-    progress: Sequence[str]  # the keys of a row's progress line
-    columns: Sequence[str]
-    plot: Callable[[list[dict], Path], None] | None = None
-    finish: Callable[[list[dict]], None] | None = None
-
-
-def run_grid(grid: Grid, cases: Iterable, args, device: torch.device, header: dict) -> tuple[dict, list[dict]]:
-    """Measure the cases in order, those after --budget recorded as skipped, a progress line a row; then write
+def run_grid(cases: Iterable, args, device: torch.device, header: dict, **grid) -> tuple[dict, list[dict]]:
+    """grid's measure(case) rows for the cases in order, those after --budget its skipped(case, reason) rows, a
+    progress line a row (its `progress` keys); then its finish(rows) if any (ratios between rows), and
     <card>-<args.name>.{json,md,png} under args.out: the header (results_header's fields, wall_s and those of
-    `header`) and the rows. Returns (header, rows)."""
+    `header`), the rows in its `columns`, its plot(rows, path) if any. Returns (header, rows)."""
     if args.quick:
         torch.set_num_threads(1)  # a tiny model gains nothing from threads, and a shared CPU makes them crawl
     start, rows = time.perf_counter(), []
     for case in cases:
         elapsed = time.perf_counter() - start
         if 0 < args.budget < elapsed:
-            measured = grid.skipped(case, f"skipped: --budget {args.budget:g} s used up")
+            measured = grid["skipped"](case, f"skipped: --budget {args.budget:g} s used up")
         else:
-            measured = grid.measure(case)
+            measured = grid["measure"](case)
         for row in measured:
             rows.append(row)
             stamp = f"[{time.perf_counter() - start:6.1f}s]"
-            print(stamp, *(f"{key} {cell(row.get(key))}" for key in grid.progress), flush=True)
-    if grid.finish is not None:
-        grid.finish(rows)
+            print(stamp, *(f"{key} {cell(row.get(key))}" for key in grid["progress"]), flush=True)
+    if grid.get("finish"):
+        grid["finish"](rows)
     wall_s = round(time.perf_counter() - start, 1)
-    header = save_results(args.out, args.name, device, rows, grid.columns, grid.plot, wall_s=wall_s, **header)
+    header = save_results(args.out, args.name, device, rows, grid["columns"], grid.get("plot"), wall_s=wall_s, **header)
     return header, rows
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench.grid import BenchParser, Grid, dispatch, fresh_row, mode_parser, profiled, run_grid
+from bench.grid import BenchParser, dispatch, fresh_row, mode_parser, profiled, run_grid
 from bench.report import GPT2_VOCAB, card_slug, model_shape, panels_by, plot, write_markdown
 from kernels.timing import timed
 from train import TrainConfig, build_model, build_train_state, train_step
@@ -275,7 +275,7 @@ def grid(argv=None) -> int:
     args = parse_args(argv)
     cases = cases_for(args)
     probe = setup_runtime(args.device, args.dtype)  # the device and dtype every row will use
-    step_grid = Grid(
+    step_grid = dict(
         measure=lambda case: measure_case(case, args, probe.dtype),
         skipped=lambda case, reason: [{**empty_row(case, case_config(case, args), probe.dtype), "status": reason}],
         progress="seq_len batch_size variant backend ms_per_iter tokens_per_sec mfu peak_mem_mib status".split(),
@@ -283,7 +283,7 @@ def grid(argv=None) -> int:
         plot=plot_rows,
         finish=add_ratios,
     )
-    run_grid(step_grid, cases, args, probe.device, header_fields(args, cases, probe.dtype))
+    run_grid(cases, args, probe.device, header_fields(args, cases, probe.dtype), **step_grid)
     return 0
 
 

@@ -233,7 +233,7 @@ def test_the_grid_runner_records_cases_past_the_budget_as_skipped_and_writes_the
         time.sleep(0.05)  # longer than the whole budget: every later case is skipped
         return [{"case": case, "part": part, "status": "ok"} for part in ("a", "b")]
 
-    demo = grid.Grid(
+    demo = dict(
         measure=measure,
         skipped=lambda case, reason: [{"case": case, "part": "a", "status": reason}],
         progress=["case", "part", "status"],
@@ -241,7 +241,7 @@ def test_the_grid_runner_records_cases_past_the_budget_as_skipped_and_writes_the
         finish=lambda rows: rows.append({"case": "all", "part": "", "status": f"{len(rows)} rows"}),
     )
     args = SimpleNamespace(quick=False, budget=0.01, name="grid-demo-6.7b", out=tmp_path)
-    header, rows = grid.run_grid(demo, [1, 2, 3], args, torch.device("cpu"), {"grid": {"cases": [1, 2, 3]}})
+    header, rows = grid.run_grid([1, 2, 3], args, torch.device("cpu"), {"grid": {"cases": [1, 2, 3]}}, **demo)
     assert [(r["case"], r["part"]) for r in rows] == [(1, "a"), (1, "b"), (2, "a"), (3, "a"), ("all", "")]
     assert rows[2]["status"] == rows[3]["status"] == "skipped: --budget 0.01 s used up"
     assert rows[-1]["status"] == "4 rows"
