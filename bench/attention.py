@@ -68,9 +68,6 @@ def backend_and_mask(row: dict) -> str:
     return row["backend"] + (" +docs" if row["docs"] else "")
 
 
-# ----------------------------------------------------------------------------------------------
-
-
 def parse_args(argv=None):
     parser = BenchParser(
         "attention",

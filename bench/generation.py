@@ -20,7 +20,7 @@ import torch
 
 import generation
 from bench.grid import BenchParser, dispatch, fresh_row, mode_parser, profiled, run_grid
-from bench.report import GPT2_124M, GPT2_VOCAB, card_slug, model_shape, panels_by, plot, write_markdown
+from bench.report import GPT2_124M, GPT2_VOCAB, model_shape, panels_by, plot, write_markdown
 from generation.loop import decode_step_for, generation_attention
 from kernels.timing import timed
 from model import GPT, GPTConfig
@@ -216,9 +216,6 @@ def hf_peer(case: Case, args, device, dtype) -> dict:
     return {**row, **rates(case, first, max(whole - first, 1e-9)), "status": "ok"}
 
 
-# ----------------------------------------------------------------------------------------------
-
-
 COLUMNS = (
     "backend resolved cache compile batch_size prompts new_tokens slide dtype prefill_ms prefill_tok_s "
     "decode_ms_per_token decode_tok_s peak_mem_mib warmup_s status"
@@ -299,23 +296,15 @@ def speed(argv=None) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# profile and probe: where a decode step's time goes
-
-PROMPT, NEW_TOKENS, PROFILED_STEPS = 15496, 500, 20  # "Hello"
-
-
-# ----------------------------------------------------------------------------------------------
-# profile: steady decoding, eager and compiled
+# profile: steady decoding, eager and compiled (where a decode step's time goes)
 
 
 def profile_decoding(gpt: GPT, args, device: torch.device, compile: bool) -> list[str]:
-    generator = torch.Generator().manual_seed(0)
-    prompts = list(torch.randint(gpt.config.vocab_size, (args.batch_size, args.prompt_len), generator=generator))
-    prompts = [p.to(device) for p in prompts]
+    case = Case("auto", args.cache, compile, args.batch_size, args.prompt_len, args.skip + args.tokens)
+    prompts = prompts_for(case, gpt.config.vocab_size, device)
 
     def stream():
-        new_tokens = args.skip + args.tokens
-        return generation.stream(gpt, prompts, new_tokens, temperature=0, kv_cache=args.cache, compile=compile)
+        return generation.stream(gpt, prompts, case.new_tokens, temperature=0, kv_cache=case.cache, compile=compile)
 
     for _ in stream():  # compile, record graphs
         pass
@@ -345,16 +334,14 @@ def profile(argv=None) -> int:
     gpt = GPT(config).to(device, dtype).eval()
     compiles = (False, True) if device.type == "cuda" else (False,)
     sections = ["\n".join(profile_decoding(gpt, args, device, compile)) + "\n" for compile in compiles]
-    card = card_slug() if device.type == "cuda" else "cpu"
-    title = (
-        f"# {name} on {card} (torch {torch.__version__}): batch {args.batch_size}, prompt {args.prompt_len}, "
-        f"greedy, {args.tokens} tokens profiled after {args.skip}\n\n"
-    )
-    return write_markdown(args.out / f"{card}-{name}.md", title + "\n".join(sections))
+    title = f": batch {args.batch_size}, prompt {args.prompt_len}, greedy, {args.tokens} tokens after {args.skip}"
+    return write_markdown(args.out, name, device, title, sections)
 
 
 # ----------------------------------------------------------------------------------------------
 # probe: a default sampling step per decode variant
+
+PROMPT, NEW_TOKENS, PROFILED_STEPS = 15496, 500, 20  # "Hello"
 
 
 def probe_variant(name: str, model: GPT, autocast: bool, profile_it=False, temperature=0.8, **options) -> dict:

@@ -117,8 +117,12 @@ def save_results(out_dir, name: str, device: torch.device, rows: list[dict], col
     return header
 
 
-def write_markdown(path: Path, text: str) -> int:
-    """A report that is text only (the profiles): written, printed, and its path said. Returns 0 (a tool's exit)."""
+def write_markdown(out_dir: Path, name: str, device: torch.device, title: str, sections: list[str]) -> int:
+    """A report that is text only (the profiles): <card>-<name>.md under out_dir, headed `# name on card (torch
+    version)title`, written, printed, and its path said. Returns 0 (a tool's exit)."""
+    card = card_slug() if device.type == "cuda" else "cpu"
+    text = f"# {name} on {card} (torch {torch.__version__}){title}\n\n" + "\n".join(sections)
+    path = out_dir / f"{card}-{name}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     print(text)

@@ -217,21 +217,17 @@ def context(argv=None) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# compare and curves: train.py run as a user runs it
+# compare (the last log line per backend) and curves: train.py run as a user runs it
+
+BACKENDS = ("auto", "sdpa", "flash_attn_2", "flex_attention", "manual")
+COMPARE_SETTINGS = ["--max_iters=100", "--log_interval=25", "--eval_interval=1000000"]  # the caller's win
+COMPARE_COLUMNS = "backend runs iter loss ms_per_iter tokens_per_sec mfu mem_gib status".split()
 
 
 def train_log(settings: Sequence[str]) -> launch.Run:
     """train.py run to its end with these settings after the evaluation and logging the runs have in common."""
     quiet = ["--eval_iters=1", "--eval_on_start=false", "--overwrite_out_dir=true"]
     return launch.run(launch.train_command([*quiet, *settings]))
-
-
-# ----------------------------------------------------------------------------------------------
-# compare: the last log line per backend
-
-BACKENDS = ("auto", "sdpa", "flash_attn_2", "flex_attention", "manual")
-COMPARE_SETTINGS = ["--max_iters=100", "--log_interval=25", "--eval_interval=1000000"]  # the caller's win
-COMPARE_COLUMNS = "backend runs iter loss ms_per_iter tokens_per_sec mfu mem_gib status".split()
 
 
 def compare_row(backend: str, log_text: str, exit_code: int) -> dict:

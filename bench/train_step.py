@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from bench.grid import BenchParser, dispatch, fresh_row, mode_parser, profiled, run_grid
-from bench.report import GPT2_VOCAB, card_slug, model_shape, panels_by, plot, write_markdown
+from bench.report import GPT2_VOCAB, model_shape, panels_by, plot, write_markdown
 from kernels.timing import timed
 from train import TrainConfig, build_model, build_train_state, train_step
 from training.profiling import summarize
@@ -320,9 +320,8 @@ def profile(argv=None) -> int:
     args.device, args.compile, args.dtype = ("cpu", False, "auto") if args.quick else ("auto", None, "auto")
     args.model, name = {}, "profile-train" + ("-quick" if args.quick else "")
     sections = [profile_variant(variant, args) for variant in args.variants]
-    card = card_slug() if not args.quick else "cpu"
-    text = f"# {name} on {card} (torch {torch.__version__})\n\n" + "\n".join(sections)
-    return write_markdown(args.out / f"{card}-{name}.md", text)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
+    return write_markdown(args.out, name, device, "", sections)
 
 
 def main(argv=None) -> int:
