@@ -20,7 +20,7 @@ import torch
 
 import generation
 from bench.grid import BenchParser, dispatch, fresh_row, mode_parser, profiled, run_grid
-from bench.report import GPT2_124M, GPT2_VOCAB, model_shape, panels_by, plot, write_markdown
+from bench.report import GPT2_124M, model_settings, panels_by, plot, write_markdown
 from generation.loop import decode_step_for, generation_attention
 from kernels.timing import timed
 from model import GPT, GPTConfig
@@ -81,13 +81,8 @@ def default_cases(args) -> list[Case]:
 # One row
 
 
-def model_settings(quick: bool) -> dict:
-    """GPT-2 124M's shapes (or the tiny --quick model) as the generation bench runs them: with bias, no dropout."""
-    return {**model_shape(quick), "vocab_size": 512 if quick else GPT2_VOCAB, "bias": True, "dropout": 0.0}
-
-
 def build_model(case: Case, args, device: torch.device, dtype: torch.dtype) -> GPT:
-    shapes = model_settings(args.quick)
+    shapes = model_settings(args.quick, bias=True)
     block_size = block_size_for(args, case.prompt_len, case.new_tokens if not case.slide else 0)
     torch.manual_seed(0)
     config = GPTConfig(block_size=block_size, attention_backend=case.backend, **shapes)
@@ -264,7 +259,7 @@ def parse_args(argv=None):
 
 
 def header_fields(args, cases: list[Case]) -> dict:
-    shapes, block_size = model_settings(args.quick), 64 if args.quick else 1024
+    shapes, block_size = model_settings(args.quick, bias=True), 64 if args.quick else 1024
     return {
         "model": shapes,
         "grid": {"cases": [vars(c) for c in cases], "dtype": args.dtype},
@@ -330,7 +325,7 @@ def profile(argv=None) -> int:
     device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    config = GPTConfig(block_size=1024, **model_settings(args.quick))
+    config = GPTConfig(block_size=1024, **model_settings(args.quick, bias=True))
     gpt = GPT(config).to(device, dtype).eval()
     compiles = (False, True) if device.type == "cuda" else (False,)
     sections = ["\n".join(profile_decoding(gpt, args, device, compile)) + "\n" for compile in compiles]

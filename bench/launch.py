@@ -105,9 +105,6 @@ class Run:
     def lines(self) -> list[dict]:
         return log_lines(self.output)
 
-    def failure(self) -> str:
-        return failure_line(self.output)
-
 
 class Launch:
     """A command started in the repo root now, stdout and stderr read together."""

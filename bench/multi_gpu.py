@@ -102,7 +102,8 @@ def figures(result: launch.Run, warmup: int, last_iter: int, gpus: int) -> dict:
     lines = [line for line in result.lines if line["iter"] <= last_iter]
     steady = [line for line in lines if line["iter"] > warmup]
     if result.code != 0 or not steady:
-        return {"wall_s": round(result.seconds, 1), "status": f"exit {result.code}: {result.failure()}"}
+        failure = launch.failure_line(result.output)
+        return {"wall_s": round(result.seconds, 1), "status": f"exit {result.code}: {failure}"}
     mfus = [line["mfu"] for line in steady if line["mfu"] is not None]
     tokens_per_sec = statistics.median(line["tokens_per_sec"] for line in steady)
     return {

@@ -51,11 +51,6 @@ def cell_text(row: dict | None, key: str) -> str:
     return "skipped" if status.startswith("skipped") else "n/a"
 
 
-def select_rows(results: dict, docs: bool, dtype: str | None) -> tuple[list[dict], str]:
-    dtype = dtype or results["header"].get("grid", {}).get("dtype") or results["rows"][0]["dtype"]
-    return [r for r in results["rows"] if r["docs"] == docs and r["dtype"] == dtype], dtype
-
-
 def backend_label(rows: list[dict], backend: str) -> str:
     if backend != "auto":
         return backend
@@ -68,7 +63,8 @@ def backend_table(
 ) -> str:
     """Rows = backends; columns = fwd+bwd TF/s at a few seq lens per head dim, then memory at the longest
     seq len every head dim has; the results file and its card named under the table."""
-    rows, dtype = select_rows(results, docs, dtype)
+    dtype = dtype or results["header"].get("grid", {}).get("dtype") or results["rows"][0]["dtype"]
+    rows = [r for r in results["rows"] if r["docs"] == docs and r["dtype"] == dtype]
     if not rows:
         return f"(no {dtype} rows with docs={docs} in the results)"
     index = {(r["backend"], r["head_dim"], r["seq_len"]): r for r in rows}

@@ -34,6 +34,12 @@ def model_shape(quick: bool) -> dict:
     return dict(TINY if quick else GPT2_124M)
 
 
+def model_settings(quick: bool, **changes) -> dict:
+    """GPT-2 124M (or the tiny --quick model) as the step and generation grids run it: no bias, no dropout, GPT-2's
+    padded vocabulary (512 --quick); `changes` over it."""
+    return {**model_shape(quick), "vocab_size": 512 if quick else GPT2_VOCAB, "bias": False, "dropout": 0.0, **changes}
+
+
 # ----------------------------------------------------------------------------------------------
 # Device and environment
 

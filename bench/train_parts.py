@@ -297,13 +297,11 @@ def curve_row(run: str, seed: int, switches: list[str], log: list[dict], tail: i
     }
 
 
-def smoothed(values: list[float], width: int = 20) -> list[float]:
-    return [statistics.fmean(values[max(0, i - width + 1) : i + 1]) for i in range(len(values))]
-
-
 def plot_curves(rows: list[dict], path: Path) -> None:
     points = [
-        {"run": r["run"], "iteration": i, "loss": loss} for r in rows for i, loss in enumerate(smoothed(r["losses"]))
+        {"run": r["run"], "iteration": i, "loss": statistics.fmean(r["losses"][max(0, i - 19) : i + 1])}
+        for r in rows
+        for i in range(len(r["losses"]))
     ]
     panels = [("train loss (mean of the last 20)", "loss", points)]
     plot(points, path, x="iteration", panels=panels, series=lambda r: r["run"], title="same model, same data")

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from bench.grid import BenchParser, dispatch, fresh_row, mode_parser, profiled, run_grid
-from bench.report import GPT2_VOCAB, model_shape, panels_by, plot, write_markdown
+from bench.report import model_settings, panels_by, plot, write_markdown
 from kernels.timing import timed
 from train import TrainConfig, build_model, build_train_state, train_step
 from training.profiling import summarize
@@ -57,13 +57,6 @@ class Case:
     seq_len: int
     batch_size: int
     variant: str = ""  # a key of VARIANTS: its switches apply over the backend
-
-
-def model_settings(quick: bool, model: dict | None = None) -> dict:
-    """GPT-2 124M (or the tiny --quick model) as the step grid runs it: no bias, no dropout; `model` (--model)
-    changes its settings, e.g. the width."""
-    base = {**model_shape(quick), "vocab_size": 512 if quick else GPT2_VOCAB, "bias": False, "dropout": 0.0}
-    return {**base, **(model or {})}
 
 
 def model_setting(text: str) -> tuple[str, object]:
@@ -132,7 +125,7 @@ def random_batches(cfg: TrainConfig, device: torch.device, count: int = 4):
 
 
 def case_config(case: Case, args) -> TrainConfig:
-    shape = dict(batch_size=case.batch_size, block_size=case.seq_len, **model_settings(args.quick, args.model))
+    shape = dict(batch_size=case.batch_size, block_size=case.seq_len, **model_settings(args.quick, **args.model))
     run = dict(attention_backend=case.backend, compile=args.compile, dtype=args.dtype, device=args.device)
     return TrainConfig(**{"out_dir": "bench-unused", **shape, **run, **VARIANTS.get(case.variant, {})})  # variant wins
 
@@ -255,7 +248,7 @@ def parse_args(argv=None):
 
 
 def header_fields(args, cases: list[Case], dtype: torch.dtype) -> dict:
-    model = model_settings(args.quick, args.model)
+    model = model_settings(args.quick, **args.model)
     variants, case_fields = {v: VARIANTS[v] for v in args.variants or ()}, [vars(case) for case in cases]
     return {
         "model": model,
