@@ -14,6 +14,7 @@ import json
 import sys
 import tempfile
 from dataclasses import dataclass
+from itertools import product
 from pathlib import Path
 
 import torch
@@ -52,25 +53,19 @@ class Case:
 
 
 def default_cases(args) -> list[Case]:
+    new = args.new_tokens
     if args.mixed:  # the paged cache's case: one row per cache, prompts of many lengths in one batch
         shapes = [(b, p) for p in args.prompt_lens for b in args.batch_sizes if b > 1]
-        return [
-            Case(k, c, False, b, p, args.new_tokens, True)
-            for b, p in shapes
-            for k in args.backends
-            for c in args.caches
-        ]
+        return [Case(k, c, False, b, p, new, True) for (b, p), k, c in product(shapes, args.backends, args.caches)]
     shapes = [(b, p) for p in args.prompt_lens for b in args.batch_sizes]
     cached = [c for c in args.caches if c != "none"]
-    cases = [Case(k, c, False, b, p, args.new_tokens) for b, p in shapes for k in args.backends for c in cached]
+    cases = [Case(k, c, False, b, p, new) for (b, p), k, c in product(shapes, args.backends, cached)]
     if args.compile:
-        cases += [
-            Case(k, c, True, b, p, args.new_tokens) for b, p in shapes for k in args.compile_backends for c in cached
-        ]
+        cases += [Case(k, c, True, b, p, new) for (b, p), k, c in product(shapes, args.compile_backends, cached)]
     if args.hf:
-        cases += [Case("hf-transformers", "static", False, b, p, args.new_tokens) for b, p in shapes]
+        cases += [Case("hf-transformers", "static", False, b, p, new) for b, p in shapes]
     if "none" in args.caches:
-        cases += [Case(k, "none", False, b, p, args.new_tokens) for b, p in shapes for k in args.backends]
+        cases += [Case(k, "none", False, b, p, new) for (b, p), k in product(shapes, args.backends)]
     for slide in args.slide:  # past block_size, as sample.py runs a long sample: 3 windows of new tokens
         window = block_size_for(args, 0, 0)
         cases += [Case("auto", c, False, 1, 16, 3 * window, slide=slide) for c in cached]

@@ -58,12 +58,10 @@ def backend_label(rows: list[dict], backend: str) -> str:
     return f"auto (→ {', '.join(picks)})" if picks else "auto"
 
 
-def backend_table(
-    results: dict, seq_lens=README_SEQ_LENS, docs: bool = False, dtype: str | None = None, source: str | None = None
-) -> str:
+def backend_table(results: dict, docs: bool = False, source: str | None = None) -> str:
     """Rows = backends; columns = fwd+bwd TF/s at a few seq lens per head dim, then memory at the longest
     seq len every head dim has; the results file and its card named under the table."""
-    dtype = dtype or results["header"].get("grid", {}).get("dtype") or results["rows"][0]["dtype"]
+    dtype = results["header"].get("grid", {}).get("dtype") or results["rows"][0]["dtype"]
     rows = [r for r in results["rows"] if r["docs"] == docs and r["dtype"] == dtype]
     if not rows:
         return f"(no {dtype} rows with docs={docs} in the results)"
@@ -71,7 +69,7 @@ def backend_table(
     backends = list(dict.fromkeys(r["backend"] for r in rows))
     head_dims = sorted({r["head_dim"] for r in rows})
     present = sorted({r["seq_len"] for r in rows})
-    shown = [t for t in seq_lens if t in present] or present[:4]
+    shown = [t for t in README_SEQ_LENS if t in present] or present[:4]
     longest = max(
         (t for t in present if all((b, d, t) in index for b in backends for d in head_dims)), default=present[-1]
     )

@@ -20,15 +20,7 @@ import torch.distributed as dist
 
 from bench import launch
 from bench.grid import mode_parser
-from bench.report import (
-    GPT2_VOCAB,
-    TINY,
-    markdown_table,
-    model_shape,
-    plot,
-    plot_bars,
-    save_results,
-)
+from bench.report import GPT2_VOCAB, TINY, markdown_table, model_shape, plot, plot_bars, save_results
 from bench.train_step import build_state, random_batches
 from kernels.timing import median_ms, timed
 from training.context import CHUNK_KERNELS, REFERENCE, attend_chunk, resolve_chunk_kernel
