@@ -192,11 +192,6 @@ def torchrun_env(quick: bool) -> dict:
     return {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1", **threads}
 
 
-def progress(row: dict) -> str:
-    per_gpu = f"{cell(row.get('tokens_per_sec_per_gpu'))} tok/s per GPU"
-    return f"{row['run']} {row['model']} on {row['gpus']}: {row['status']}, {per_gpu} ({row['wall_s']} s)"
-
-
 def plot_rows(rows: list[dict], path: Path) -> None:
     scaled = [r for r in rows if not r["run"].startswith(("ddp-", "fsdp-", "context"))]  # not largest, not context
     panels = [("tok/s per GPU, same global batch", "tokens_per_sec_per_gpu", scaled), ("scaling", "scaling", scaled)]
@@ -280,7 +275,8 @@ def main(argv=None) -> int:
 
     def on_row(row: dict) -> None:  # the results so far are on disk after every run: a cut-off call keeps them
         rows.append(row)
-        print(progress(row), flush=True)
+        result = f"{row['status']}, {cell(row.get('tokens_per_sec_per_gpu'))} tok/s per GPU ({row['wall_s']} s)"
+        print(f"{row['run']} {row['model']} on {row['gpus']}: {result}", flush=True)
         save(args, rows, start)
 
     small = ("tiny", TINY) if args.quick else ("gpt2-124M", GPT2_124M)

@@ -176,13 +176,17 @@ def panels_by(rows: list[dict], key: str, y: str) -> list:
     return panels + [(f"peak memory, {key} = {values[-1]}", "peak_mem_mib", panels[-1][2])]
 
 
-def plot_bars(rows: list[dict], path: Path, *, label: Callable[[dict], str], value: str, title: str):
-    """Horizontal bars of row[value], one per row, labelled label(row)."""
-    plt = pyplot()
-    figure, axis = plt.subplots(figsize=(9, 1 + 0.4 * len(rows)))
-    axis.barh([label(row) for row in rows], [row[value] or 0 for row in rows])
-    axis.invert_yaxis()
-    axis.set(xlabel=value, title=title)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+def plot_bars(label: str, value: str, title: str) -> Callable[[list[dict], Path], None]:
+    """save_results' plot: horizontal bars of row[value], one per row, labelled label.format(**row)."""
+
+    def draw(rows: list[dict], path: Path):
+        plt = pyplot()
+        figure, axis = plt.subplots(figsize=(9, 1 + 0.4 * len(rows)))
+        axis.barh([label.format(**row) for row in rows], [row[value] or 0 for row in rows])
+        axis.invert_yaxis()
+        axis.set(xlabel=value, title=title)
+        figure.tight_layout()
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+
+    return draw

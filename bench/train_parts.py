@@ -29,6 +29,7 @@ from training.context import CHUNK_KERNELS, REFERENCE, attend_chunk, resolve_chu
 # phases
 
 PHASE_COLUMNS = "parallelism ranks phase host_ms wall_ms slowest_ms rank_wall_ms".split()
+PLOT_PHASES = plot_bars("{parallelism}: {phase}", "wall_ms", "one optimizer step by phase: rank 0's wall ms (median)")
 PHASES = (
     "forward+backward (with its gradient reduction)",
     "forward+backward without reduction (no_sync)",
@@ -97,11 +98,6 @@ def time_phases(parallelism: str, runtime, steps: int, quick: bool) -> list[dict
     ]
 
 
-def plot_phases(rows: list[dict], path: Path) -> None:
-    title = "one optimizer step, phase by phase: rank 0's wall ms (median)"
-    plot_bars(rows, path, label=lambda r: f"{r['parallelism']}: {r['phase']}", value="wall_ms", title=title)
-
-
 def phases(argv=None) -> int:
     doc = "one optimizer step phase by phase, DDP and FSDP (under torchrun)"
     parser = mode_parser("train_step", "phases", doc, quick="CPU, gloo, a tiny model: checks the script")
@@ -120,7 +116,7 @@ def phases(argv=None) -> int:
         model = ", ".join(f"{key} {value}" for key, value in phase_model(args.quick).items())
         notes = {"model": f"{model}, micro-batch 16, one micro-step per rank", "environment": "NCCL_NVLS_ENABLE=0"}
         name = args.name or ("step-phases-quick" if args.quick else "step-phases")
-        save_results(args.out, name, runtime.device, rows, PHASE_COLUMNS, plot_phases, notes=notes)
+        save_results(args.out, name, runtime.device, rows, PHASE_COLUMNS, PLOT_PHASES, notes=notes)
     if runtime.ddp:
         dist.destroy_process_group()
     return 0
@@ -130,6 +126,7 @@ def phases(argv=None) -> int:
 # context
 
 CONTEXT_COLUMNS = "kernel used max_rel_err status ms tflops".split()
+PLOT_CHUNKS = plot_bars("{kernel} ({used})", "tflops", "context-parallel chunk attention, one rank: fwd+bwd TFLOP/s")
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-5, torch.float64: 1e-10}
 
 
@@ -175,11 +172,6 @@ def measure_chunks(args, device: torch.device, dtype: torch.dtype) -> list[dict]
     return rows
 
 
-def plot_chunks(rows: list[dict], path) -> None:
-    title = "context-parallel chunk attention, one rank: TFLOP/s, forward + backward"
-    plot_bars(rows, path, label=lambda r: f"{r['kernel']} ({r['used']})", value="tflops", title=title)
-
-
 def context_args(argv=None) -> argparse.Namespace:
     doc = "context parallelism's chunk kernels on one device, against the reference"
     parser = mode_parser("train_step", "context", doc, quick="CPU, float64, T=256, 2 heads of 16")
@@ -204,7 +196,7 @@ def context(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float64
     rows = measure_chunks(args, device, dtype)
     sizes = dict(T=args.T, ranks=args.ranks, rank=args.rank, heads=args.heads, head_dim=args.head_dim)
-    save_results(args.out, args.name, device, rows, CONTEXT_COLUMNS, plot_chunks, dtype=str(dtype), **sizes)
+    save_results(args.out, args.name, device, rows, CONTEXT_COLUMNS, PLOT_CHUNKS, dtype=str(dtype), **sizes)
     return 0 if all(row["status"] == "ok" for row in rows) else 1
 
 
