@@ -104,20 +104,17 @@ def parse_args(argv=None):
     return args
 
 
-def results_notes(args, device: torch.device) -> dict:
+def grid(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
     graphs = args.timing == "graph" and device.type == "cuda"
-    return {
+    notes = {
         "shapes": f"B = max(1, {args.tokens} // T), H = {args.heads} for every D; {args.dtype} inputs (B, H, T, D)",
         "timing": f"median over {args.rounds} interleaved rounds of triton.testing.do_bench's median; "
         + ("CUDA graph replays (fwd_timing/fwd_bwd_timing: where eager)" if graphs else "eager calls"),
         "memory": "peak_mem_mib: max_memory_allocated in one fwd+bwd (mem_pass) minus what was allocated before",
         "error": "max_err = max |out - ref|, rel_err = ||out - ref|| / ||ref||; ref: float32 on upcast inputs, no TF32",
     }
-
-
-def grid(argv=None) -> int:
-    args = parse_args(argv)
-    device = torch.device(args.device)
     from torch._dynamo import config as dynamo_config  # here: importing this module stays cheap for tests
 
     # flex_attention is compiled with static shapes: one recompile per cell, more than dynamo's default 8.
@@ -132,7 +129,7 @@ def grid(argv=None) -> int:
     )
     settings = {key: getattr(args, key) for key in ("backends", "head_dims", "seq_lens", "dtype", "heads")}
     settings.update(docs=list(mask_kinds(args)), tokens_per_call=args.tokens)
-    header = {"grid": settings, "flop_convention": FLOP_CONVENTION, "notes": results_notes(args, device)}
+    header = {"grid": settings, "flop_convention": FLOP_CONVENTION, "notes": notes}
     header, rows = run_grid(cells_in_order(args), args, device, header, **cell_grid)
     from bench.readme_table import backend_table
 

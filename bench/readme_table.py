@@ -35,16 +35,13 @@ def short_t(seq_len: int) -> str:
     return f"{seq_len // 1024}k" if seq_len % 1024 == 0 else str(seq_len)
 
 
-def number(value: float) -> str:
-    return f"{value:,.0f}" if abs(value) >= 10 else f"{value:.2g}"
-
-
 def cell_text(row: dict | None, key: str) -> str:
     """The number, or why there is none: OOM, skipped (budget), n/a (cannot run here: reason in the file)."""
     if row is None:
         return "–"
-    if row.get(key) is not None:
-        return number(row[key])
+    value = row.get(key)
+    if value is not None:
+        return f"{value:,.0f}" if abs(value) >= 10 else f"{value:.2g}"
     status = row.get("fwd_bwd_status") or row.get("status", "")
     if "OOM" in status:
         return "OOM"

@@ -95,16 +95,6 @@ def build_state(cfg: TrainConfig, runtime=None) -> TrainState:
     return build_train_state(cfg, runtime, build_model(cfg, cfg.vocab_size, None), lambda: next(batches))
 
 
-def fallback_reason(state: TrainState) -> str:
-    """What runs instead of the requested backend or FP8 recipe, and why ('' when it runs, or auto was asked)."""
-    requested, attention = state.cfg.attention_backend, state.attention
-    if requested != "auto" and attention.used != requested:
-        return f"falls back to {attention.used}: {attention.reason}"
-    if state.cfg.fp8 not in ("auto", "off") and state.fp8.recipe != state.cfg.fp8:
-        return f"falls back to bf16 matmuls: {state.fp8.reason}"
-    return ""
-
-
 def random_batches(cfg: TrainConfig, device: torch.device, count: int = 4):
     """Synthetic tokens: uniform random ids, a few batches used in turn (no data loading in the timing); with
     packed_documents, each row holds 4 documents (doc_ids, as data/loader.py gives them)."""
@@ -130,13 +120,6 @@ def case_config(case: Case, args) -> TrainConfig:
     return TrainConfig(**{"out_dir": "bench-unused", **shape, **run, **VARIANTS.get(case.variant, {})})  # variant wins
 
 
-def skip_reason(case: Case, cfg: TrainConfig) -> str:
-    if case.backend == "manual" and case.seq_len > MANUAL_MAX_SEQ_LEN:  # its (T, T) float32 scores per layer and head
-        gib = cfg.n_layer * cfg.n_head * case.seq_len**2 * 4 / 2**30
-        return f"not run: manual's (T, T) scores need {gib:,.0f} GiB at T={case.seq_len}"
-    return ""
-
-
 ROW_FIELDS = ("compile", "ms_per_iter", "tokens_per_sec", "mfu", "peak_mem_mib", "first_step_s", "compile_s", "loss")
 
 
@@ -151,25 +134,28 @@ def empty_row(case: Case, cfg: TrainConfig, dtype: torch.dtype) -> dict:
 def measure_case(case: Case, args, dtype: torch.dtype) -> list[dict]:
     cfg = case_config(case, args)
     row = empty_row(case, cfg, dtype)
-    reason = skip_reason(case, cfg)
-    if reason:
-        return [{**row, "status": reason}]
+    if case.backend == "manual" and case.seq_len > MANUAL_MAX_SEQ_LEN:  # its (T, T) float32 scores per layer and head
+        gib = cfg.n_layer * cfg.n_head * case.seq_len**2 * 4 / 2**30
+        return [{**row, "status": f"not run: manual's (T, T) scores need {gib:,.0f} GiB at T={case.seq_len}"}]
     with fresh_row(row):  # each row compiles afresh, as a new train.py process would
         time_row(row, cfg, args)
     return [row]
 
 
 def time_row(row: dict, cfg: TrainConfig, args):
-    """The row's state built and its steps timed; the state goes when this returns (or raises)."""
+    """The row's state built and its steps timed, unless another backend or FP8 recipe runs (never timed under this
+    one's name); the state goes when this returns (or raises)."""
     state = build_state(cfg)
-    row["resolved"] = state.attention.used
+    attention, fp8 = state.attention, state.fp8
+    row["resolved"] = attention.used
     row["compile"] = state.train_model is not state.model
-    fallback = fallback_reason(state)
-    if fallback:  # never time another backend under this one's name
-        row["status"] = fallback
-        return
-    row.update(time_steps(state, args))
-    row["status"] = "ok" if math.isfinite(row["loss"]) else f"non-finite loss {row['loss']}"
+    if cfg.attention_backend != "auto" and attention.used != cfg.attention_backend:
+        row["status"] = f"falls back to {attention.used}: {attention.reason}"
+    elif cfg.fp8 not in ("auto", "off") and fp8.recipe != cfg.fp8:
+        row["status"] = f"falls back to bf16 matmuls: {fp8.reason}"
+    else:
+        row.update(time_steps(state, args))
+        row["status"] = "ok" if math.isfinite(row["loss"]) else f"non-finite loss {row['loss']}"
 
 
 def time_steps(state: TrainState, args) -> dict:
