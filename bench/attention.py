@@ -217,28 +217,22 @@ def reference_attention(q, k, v, mask: AttentionMask) -> torch.Tensor:
 # Backends: the function to call, and why it cannot run (checked before running, for forward and backward)
 
 
-@dataclass
-class Plan:
-    fn: object
-    resolved: str  # what actually runs: the backend itself, or what auto picked
-    forward_problem: str
-    backward_problem: str
+def plan_backend(backend: str, cell: Cell, device: torch.device) -> tuple:
+    """(the function, what actually runs: the backend itself or what auto picked, why not forward, why not backward)"""
 
-
-def plan_backend(backend: str, cell: Cell, device: torch.device) -> Plan:
     def need(training: bool) -> AttentionUse:
         return AttentionUse(device, cell.dtype, cell.head_dim, cell.docs, training=training, seq_len=cell.seq_len)
 
     if backend == "auto":  # resolved for training, as the model resolves it
         used = resolve("auto", need(True)).used
-        return Plan(BACKENDS[used].kernel, used, "", "")
+        return BACKENDS[used].kernel, used, "", ""
     if backend.startswith("sdpa:"):
         kernel = backend.split(":", 1)[1]
         # pinned: never let PyTorch pick another
         problem = BACKENDS["sdpa"].why_not(need(False)) or why_not_sdpa_kernel(kernel, need(False))
-        return Plan(functools.partial(sdpa_attention, kernel=kernel), backend, problem, problem)
+        return functools.partial(sdpa_attention, kernel=kernel), backend, problem, problem
     record = BACKENDS[backend]
-    return Plan(record.kernel, backend, record.why_not(need(False)), record.why_not(need(True)))
+    return record.kernel, backend, record.why_not(need(False)), record.why_not(need(True))
 
 
 def memory_mib(run, device: torch.device, grads) -> float | None:
@@ -272,27 +266,27 @@ class Measurement:
 def prepare_backend(backend: str, cell: Cell, inputs, reference, args, device) -> Measurement:
     """Everything but the timing: first call (compiles flex, builds the mask form), error, memory."""
     q, k, v, grad_out, mask = inputs
-    plan = plan_backend(backend, cell, device)
-    row = {**empty_row(backend, cell, q.size(0)), "resolved": plan.resolved}
+    fn, resolved, forward_problem, backward_problem = plan_backend(backend, cell, device)
+    row = {**empty_row(backend, cell, q.size(0)), "resolved": resolved}
     m = Measurement(row, {}, {}, {"fwd": [], "fwd_bwd": []})
-    skip = plan.forward_problem or quick_skip_reason(backend, cell, args)
+    skip = forward_problem or quick_skip_reason(backend, cell, args)
     if skip:
         m.status = {"fwd": skip, "fwd_bwd": skip}
         return m
-    if plan.backward_problem:  # forward-only (flex on CPU): autograd inputs would make it refuse to run
+    if backward_problem:  # forward-only (flex on CPU): autograd inputs would make it refuse to run
         q, k, v = (t.detach() for t in (q, k, v))
 
     def forward():
-        return plan.fn(q, k, v, mask, 0.0)
+        return fn(q, k, v, mask, 0.0)
 
     def forward_backward():
-        plan.fn(q, k, v, mask, 0.0).backward(grad_out)
+        fn(q, k, v, mask, 0.0).backward(grad_out)
 
     m.status["fwd"] = first_forward(m, forward, reference, device)
-    if m.status["fwd"] != "ok" or plan.backward_problem:
+    if m.status["fwd"] != "ok" or backward_problem:
         if m.status["fwd"] == "ok" and device.type == "cuda":
             row["peak_mem_mib"], row["mem_pass"] = memory_mib(forward, device, ()), "fwd"
-        m.status["fwd_bwd"] = plan.backward_problem or m.status["fwd"]
+        m.status["fwd_bwd"] = backward_problem or m.status["fwd"]
         return m
     m.status["fwd_bwd"] = first_backward(m, forward_backward, (q, k, v), device)
     return m

@@ -169,22 +169,16 @@ def rates(case: Case, prefill_s: float, decode_s: float) -> dict:
 # The Hugging Face peer: GPT2LMHeadModel.generate with a static cache, on the same weights
 
 
-def hf_model(gpt: GPT):
-    """transformers' GPT2LMHeadModel holding gpt's weights, through python -m weights hf's export."""
-    from transformers import GPT2LMHeadModel
-
-    from weights.hf import export_hf
-
-    with tempfile.TemporaryDirectory() as folder:
-        return GPT2LMHeadModel.from_pretrained(export_hf(gpt, folder))
-
-
 def hf_peer(case: Case, args, device, dtype) -> dict:
     """The peer row: prefill = one forward pass over the prompts, decode = the whole generate minus it."""
     import transformers
 
+    from weights.hf import export_hf
+
     shapes = Case("sdpa", "none", False, case.batch_size, case.prompt_len, case.new_tokens)
-    hf = hf_model(build_model(shapes, args, "cpu", dtype)).to(device=device, dtype=dtype).eval()
+    gpt = build_model(shapes, args, "cpu", dtype)
+    with tempfile.TemporaryDirectory() as folder:  # gpt's weights through python -m weights hf's export
+        hf = transformers.GPT2LMHeadModel.from_pretrained(export_hf(gpt, folder)).to(device=device, dtype=dtype).eval()
     ids = torch.stack(prompts_for(case, hf.config.vocab_size, device))
     mask = torch.ones_like(ids)
     # the static cache is sized by max_new_tokens: warm-up and timed run share its shapes
