@@ -8,7 +8,6 @@ from errors import as_command
 if __name__ == "__main__":  # before torch's seconds of importing: see as_command
     as_command()
 
-import argparse
 import os
 import re
 import statistics
@@ -224,7 +223,10 @@ def parse_args(argv=None):
     parser.add_argument("extra", nargs="*", help="more train.py --key=value settings for every run (after --)")
     args = parser.parse_args(argv)
     args.block_size, args.vocab_size = (64, None) if args.quick else (1024, GPT2_VOCAB)  # quick: the corpus's
-    args.variants = [parse_variant(text, parser) for text in args.variant]
+    args.variants = [text.partition(":")[::2] for text in args.variant]  # (name, settings)
+    for text, (name, settings) in zip(args.variant, args.variants):
+        if not name or not settings.startswith("--"):
+            parser.error(f"--variant {text!r}: expected NAME:--key=value[,--key=value]")
     if args.variant_gpus and not set(args.variant_gpus) <= {g for g in args.gpus if g > 1}:
         parser.error(f"--variant-gpus {args.variant_gpus}: choose among --gpus above 1 ({args.gpus})")
     return args
@@ -243,13 +245,6 @@ def variant_row(args, run: str, model: str, shape: dict, parallelism: str, gpus:
     return measure(
         args, run, model, shape, parallelism, gpus, micro_batch, settings, parallelism, accum_total=accum_total
     )
-
-
-def parse_variant(text: str, parser: argparse.ArgumentParser) -> tuple[str, list[str]]:
-    name, _, settings = text.partition(":")
-    if not name or not settings.startswith("--"):
-        parser.error(f"--variant {text!r}: expected NAME:--key=value[,--key=value]")
-    return name, settings.split(",")
 
 
 def save(args, rows: list[dict], start: float) -> None:
@@ -291,7 +286,7 @@ def main(argv=None) -> int:
             on_row(measure(args, parallelism, model, shape, parallelism, gpus, micro_batch[model]))
     for parallelism, model, shape in runs:
         for name, settings in args.variants:
-            run = f"{parallelism} {name}"
+            run, settings = f"{parallelism} {name}", settings.split(",")
             for gpus in args.variant_gpus or [g for g in args.gpus if g > 1]:
                 on_row(variant_row(args, run, model, shape, parallelism, gpus, micro_batch[model], settings))
     if args.largest:
