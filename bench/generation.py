@@ -232,9 +232,7 @@ def parse_args(argv=None):
     parser.option("--batch-sizes", [1, 32], [1, 3], type=int, nargs="+", help="batch sizes")
     parser.option("--prompt-lens", [128, 2048], [8], type=int, nargs="+", help="prompt lengths")
     parser.option("--new-tokens", 256, 4, type=int, help="tokens generated")
-    parser.option(
-        "--compile", "true" if cuda else "false", "false", choices=("true", "false"), help="compiled rows too"
-    )
+    parser.option("--compile", str(cuda).lower(), "false", choices=("true", "false"), help="compiled rows too")
     parser.add_argument("--compile-backends", nargs="+", default=["auto"], help="backends of the compiled rows")
     parser.add_argument("--hf", default="auto", choices=("auto", "off"), help="the transformers peer (auto: if there)")
     parser.add_argument("--mixed", action="store_true", help="prompts of 1/16 of a prompt length up to it per batch")
