@@ -43,13 +43,8 @@ FLOP_CONVENTION = (
 def cells_in_order(args) -> list[Cell]:
     """Causal cells before document cells; within each, seq lens in the order given (most wanted first)."""
     dtype = getattr(torch, args.dtype)
-    shapes = [(docs, t, d) for docs in mask_kinds(args) for t in args.seq_lens for d in args.head_dims]
+    shapes = [(docs, t, d) for docs in args.masks for t in args.seq_lens for d in args.head_dims]
     return [Cell(d, t, docs, dtype, seed=1000 + index) for index, (docs, t, d) in enumerate(shapes)]
-
-
-def mask_kinds(args) -> tuple[bool, ...]:
-    """The values of `docs` to run: causal only, documents only, or both (causal first)."""
-    return (True,) if args.docs_only else (False, True) if args.docs else (False,)
 
 
 COLUMNS = (
@@ -94,7 +89,8 @@ def parse_args(argv=None):
     parser.add_argument("--docs-only", action="store_true", help="only document-masked cells (name attention-docs)")
     parser.add_argument("--timing", default="graph", choices=("graph", "eager"), help="CUDA: graph replays or eager")
     args = parser.parse_args(argv)
-    args.docs = args.docs or args.quick  # cheap on CPU, and it exercises the document path
+    docs = args.docs or args.quick  # cheap on CPU, and it exercises the document path
+    args.masks = (True,) if args.docs_only else (False, True) if docs else (False,)  # the values of `docs`, in order
     if args.name is None:
         dtype = "" if args.dtype == "bfloat16" else f"-{args.dtype}"
         args.name = "attention" + ("-docs" if args.docs_only else "") + dtype
@@ -128,7 +124,7 @@ def grid(argv=None) -> int:
         plot=plot_cells,
     )
     settings = {key: getattr(args, key) for key in ("backends", "head_dims", "seq_lens", "dtype", "heads")}
-    settings.update(docs=list(mask_kinds(args)), tokens_per_call=args.tokens)
+    settings.update(docs=list(args.masks), tokens_per_call=args.tokens)
     header = {"grid": settings, "flop_convention": FLOP_CONVENTION, "notes": notes}
     header, rows = run_grid(cells_in_order(args), args, device, header, **cell_grid)
     from bench.readme_table import backend_table
