@@ -148,7 +148,7 @@ def time_row(row: dict, cfg: TrainConfig, args):
     state = build_state(cfg)
     attention, fp8 = state.attention, state.fp8
     row["resolved"] = attention.used
-    row["compile"] = state.train_model is not state.model
+    row["compile"] = bool(state.compiled)  # per block keeps the model object: ask how torch.compile took it
     if cfg.attention_backend != "auto" and attention.used != cfg.attention_backend:
         row["status"] = f"falls back to {attention.used}: {attention.reason}"
     elif cfg.fp8 not in ("auto", "off") and fp8.recipe != cfg.fp8:
