@@ -1,10 +1,12 @@
-"""`python -m bench.train_step` phases, context (parts of a training step measured alone), compare and curves
-(train.py itself, its log lines read). bench/README.md says how to run each."""
+"""train.py's state on synthetic tokens, which every `python -m bench.train_step` mode runs on; the modes phases,
+context (parts of a training step measured alone), compare and curves (train.py itself, its log lines read).
+bench/README.md says how to run each."""
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import os
 import re
 import shutil
@@ -21,9 +23,38 @@ import torch.distributed as dist
 from bench import launch
 from bench.grid import mode_parser
 from bench.report import GPT2_VOCAB, TINY, markdown_table, model_shape, plot, plot_bars, save_results
-from bench.train_step import build_state, random_batches
 from kernels.timing import median_ms, timed
+from train import TrainConfig, build_model, build_train_state
 from training.context import CHUNK_KERNELS, REFERENCE, attend_chunk, resolve_chunk_kernel
+from training.progress import TrainState
+from training.runtime import setup_runtime
+
+# ----------------------------------------------------------------------------------------------
+# The state a step runs on: train.py's own, on synthetic tokens
+
+
+def build_state(cfg: TrainConfig, runtime=None) -> TrainState:
+    """train.py's state for cfg, on `runtime` (one per process: the phases under torchrun share theirs) or a new one."""
+    runtime = runtime or setup_runtime(cfg.device, cfg.dtype, cfg.dist_backend, cfg.gradient_accumulation_steps)
+    torch.manual_seed(cfg.seed)
+    batches = itertools.cycle(random_batches(cfg, runtime.device))
+    return build_train_state(cfg, runtime, build_model(cfg, cfg.vocab_size, None), lambda: next(batches))
+
+
+def random_batches(cfg: TrainConfig, device: torch.device, count: int = 4):
+    """Synthetic tokens: uniform random ids, a few batches used in turn (no data loading in the timing); with
+    packed_documents, each row holds 4 documents (doc_ids, as data/loader.py gives them)."""
+    generator = torch.Generator().manual_seed(cfg.seed)
+    shape = (cfg.batch_size, cfg.block_size)
+    batches = [
+        tuple(torch.randint(cfg.vocab_size, shape, generator=generator).to(device) for _ in range(2))
+        for _ in range(count)
+    ]
+    if cfg.packed_documents:
+        doc_ids = (torch.arange(cfg.block_size) // max(1, cfg.block_size // 4)).to(device, torch.int32).expand(shape)
+        batches = [(x, y, doc_ids) for x, y in batches]
+    return batches
+
 
 # ----------------------------------------------------------------------------------------------
 # phases

@@ -10,7 +10,6 @@ if __name__ == "__main__":  # before torch's seconds of importing: see as_comman
 
 import argparse
 import ast
-import itertools
 import math
 import statistics
 import sys
@@ -19,10 +18,11 @@ from pathlib import Path
 
 import torch
 
+from bench import train_parts as parts
 from bench.grid import BenchParser, dispatch, fresh_row, mode_parser, profiled, run_grid
 from bench.report import model_settings, panels_by, plot, write_markdown
 from kernels.timing import timed
-from train import TrainConfig, build_model, build_train_state, train_step
+from train import TrainConfig, train_step
 from training.profiling import summarize
 from training.progress import TrainState
 from training.runtime import model_flops_utilization, peak_flops_for, setup_runtime
@@ -87,29 +87,6 @@ def cases_for(args) -> list[Case]:
 # One training state, built as train.py builds it; its step is train.py's train_step
 
 
-def build_state(cfg: TrainConfig, runtime=None) -> TrainState:
-    """train.py's state for cfg, on `runtime` (one per process: the phases under torchrun share theirs) or a new one."""
-    runtime = runtime or setup_runtime(cfg.device, cfg.dtype, cfg.dist_backend, cfg.gradient_accumulation_steps)
-    torch.manual_seed(cfg.seed)
-    batches = itertools.cycle(random_batches(cfg, runtime.device))
-    return build_train_state(cfg, runtime, build_model(cfg, cfg.vocab_size, None), lambda: next(batches))
-
-
-def random_batches(cfg: TrainConfig, device: torch.device, count: int = 4):
-    """Synthetic tokens: uniform random ids, a few batches used in turn (no data loading in the timing); with
-    packed_documents, each row holds 4 documents (doc_ids, as data/loader.py gives them)."""
-    generator = torch.Generator().manual_seed(cfg.seed)
-    shape = (cfg.batch_size, cfg.block_size)
-    batches = [
-        tuple(torch.randint(cfg.vocab_size, shape, generator=generator).to(device) for _ in range(2))
-        for _ in range(count)
-    ]
-    if cfg.packed_documents:
-        doc_ids = (torch.arange(cfg.block_size) // max(1, cfg.block_size // 4)).to(device, torch.int32).expand(shape)
-        batches = [(x, y, doc_ids) for x, y in batches]
-    return batches
-
-
 # ----------------------------------------------------------------------------------------------
 # Measuring one row
 
@@ -145,7 +122,7 @@ def measure_case(case: Case, args, dtype: torch.dtype) -> list[dict]:
 def time_row(row: dict, cfg: TrainConfig, args):
     """The row's state built and its steps timed, unless another backend or FP8 recipe runs (never timed under this
     one's name); the state goes when this returns (or raises)."""
-    state = build_state(cfg)
+    state = parts.build_state(cfg)
     attention, fp8 = state.attention, state.fp8
     row["resolved"] = attention.used
     row["compile"] = bool(state.compiled)  # per block keeps the model object: ask how torch.compile took it
@@ -274,7 +251,7 @@ def profile_variant(variant: str, args) -> str:
     case = Case(VARIANTS[variant].get("attention_backend", "auto"), args.seq_len, args.batch_size, variant)
     row: dict = {}
     with fresh_row(row):  # a variant that cannot run here says why, as a grid row does
-        row["lines"] = profile_lines(variant, build_state(case_config(case, args)), args)
+        row["lines"] = profile_lines(variant, parts.build_state(case_config(case, args)), args)
     lines = [f"## {variant}: {row['status']}", ""] if "status" in row else row["lines"]
     return "\n".join(lines) + "\n"
 
@@ -304,8 +281,6 @@ def profile(argv=None) -> int:
 
 
 def main(argv=None) -> int:
-    from bench import train_parts as parts
-
     modes = dict(phases=parts.phases, context=parts.context, compare=parts.compare, curves=parts.curves)
     return dispatch(argv, grid, profile=profile, **modes)
 
