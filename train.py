@@ -452,7 +452,7 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     scaler = parallel.grad_scaler(
         model, device.type, init_scale=2.0**16 if scaled else 1.0, enabled=device.type in ("cuda", "cpu")
     )
-    per_block = use_compile and compiles_per_block(cfg, sharded=parallel.is_sharded(model))
+    per_block = use_compile and compiles_per_block(cfg, sharded=sharded)
     eval_model, train_model = parallel.wrap_model(
         model,
         runtime,
