@@ -28,8 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from errors import UsageError
+from kernels.timing import synchronize
 from storage.atomic import fsync_dir, tmp_path_for
-from training.runtime import Runtime, synchronize
+from training.runtime import Runtime
 
 PARALLELISMS = ("ddp", "fsdp")
 REDUCE_DTYPES = ("float32", "bfloat16")  # of DDP's gradient all-reduce

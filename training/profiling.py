@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from training.runtime import synchronize
+from kernels.timing import synchronize
 
 PROFILE_WAIT = 5  # steps before the profiler starts: compiling, the caching allocator and NCCL warm up there
 KINDS = [  # (kind, pattern on the kernel name), first match wins

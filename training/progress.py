@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kernels.timing import synchronize
 from model import GPT
 from training.runtime import (
     Runtime,
@@ -26,7 +27,6 @@ from training.runtime import (
     model_flops_utilization,
     peak_flops_for,
     peak_memory_gib,
-    synchronize,
     take_stop_signals,
 )
 
