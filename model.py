@@ -636,70 +636,76 @@ def why_not_sdpa_kernel(kernel: str, use: AttentionUse) -> str:
     return ""
 
 
-class FlashAttn2:
-    """flash-attn 2 (the flash_attn package) as a kernel, imported once by the first why_not check (resolving runs
-    it) and then read from an attribute, so torch.compile never traces an import. kernels/flash.py builds flash-attn
-    3 and 4 on this class (their own import_package, why_not_capability, label, no dropout)."""
+def import_flash_package(name: str, pretty: str) -> tuple[object | None, str]:
+    """Import module `name` of a flash-attn package: (module, '') or (None, why it cannot be used)."""
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if name == error.name or name.startswith(f"{error.name}."):
+            return None, f"{pretty} is not installed"
+        return None, f"{pretty} failed to import: {error}"
+    except (ImportError, OSError) as error:  # typically a wheel built for another torch/CUDA
+        return None, f"{pretty} failed to import: {str(error).splitlines()[0]}"
+    if not hasattr(module, "flash_attn_func"):  # flash-attn-4 alone leaves a bare flash_attn namespace
+        return None, f"{pretty} is not installed (module {name} has no flash_attn_func)"
+    return module, ""
 
-    label, min_capability, rule, has_dropout = "flash-attn 2", (8, 0), "compute capability >= 8.0", True
-    module, version, why_missing = None, "", None  # set by load(); why_missing is None until it ran
+
+def why_not_flash(use: AttentionUse, module, label: str, has_dropout: bool = True) -> str:
+    """What every flash-attn package asks of a use on a GPU it supports ('' when it can run it)."""
+    if use.dtype not in HALF:
+        return f"flash-attn needs float16 or bfloat16 (this run is {dtype_name(use.dtype)})"
+    if use.head_dim % 8 or use.head_dim > 256:
+        return f"flash-attn needs a head dim that is a multiple of 8 and <= 256 (got {use.head_dim})"
+    if use.dropout and not has_dropout:
+        return f"{label} has no attention dropout (set dropout=0)"
+    if use.kv_cache != "none" and not hasattr(module, "flash_attn_with_kvcache"):
+        return f"{label} has no flash_attn_with_kvcache, which decoding from a KV cache calls"
+    return ""
+
+
+def flash_attention(module, q, k, v, mask: AttentionMask, **dropout):
+    """Attention through a flash-attn module's flash_attn_func, or its varlen function for packed documents."""
+    B, H, T, D = q.shape
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, T, H, D); k, v may have fewer heads (GQA)
+    if mask.has_documents:
+        cu_seqlens, max_len = mask.varlen()
+        q, k, v = (x.reshape(B * T, x.size(2), D) for x in (q, k, v))
+        lengths = dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_len, max_seqlen_k=max_len)
+        y = module.flash_attn_varlen_func(q, k, v, causal=True, **lengths, **dropout)
+    else:
+        y = module.flash_attn_func(q, k, v, causal=True, **dropout)
+    y = y[0] if isinstance(y, tuple) else y  # FA3 builds and FA4 also return the log-sum-exp
+    return y.reshape(B, T, H, D).transpose(1, 2)
+
+
+class FlashAttn2:
+    """flash-attn 2 (the flash_attn package) as a kernel. The package is imported once, by the first check
+    (resolving runs it), and read from an attribute after, so torch.compile never traces an import."""
+
+    module, why_missing = None, None  # set by load(); why_missing is None until it ran
 
     def load(self) -> str:
         """Import the package (once); why it cannot be used ('' when it can)."""
         if self.why_missing is None:
-            self.module, self.version, self.why_missing = self.import_package()
+            self.module, self.why_missing = import_flash_package("flash_attn", "flash-attn")
         return self.why_missing
 
-    def import_package(self) -> tuple[object, str, str]:
-        """(module, version, '') or (None, '', why not)."""
-        try:
-            module = importlib.import_module("flash_attn")
-        except ModuleNotFoundError as error:
-            return None, "", "flash-attn is not installed" if error.name == "flash_attn" else f"flash-attn: {error}"
-        except (ImportError, OSError) as error:  # typically a wheel built for another torch/CUDA
-            return None, "", f"flash-attn failed to import: {str(error).splitlines()[0]}"
-        if not hasattr(module, "flash_attn_func"):  # flash-attn-4 alone leaves a bare flash_attn namespace
-            return None, "", "flash-attn is not installed (module flash_attn has no flash_attn_func)"
-        return module, getattr(module, "__version__", ""), ""
-
-    def why_not_capability(self, capability: tuple[int, int], sm: str) -> str:
-        return "" if capability >= self.min_capability else f"{self.label} needs {self.rule} (this GPU is {sm})"
+    @property
+    def version(self) -> str:
+        return getattr(self.module, "__version__", "")
 
     def why_not(self, use: AttentionUse) -> str:
-        """Why this kernel cannot run `use` ('' when it can)."""
-        if self.load():
-            return self.why_missing
-        if use.device.type != "cuda":
-            return f"flash-attn runs on CUDA GPUs only (device is {use.device.type})"
+        if self.load() or use.device.type != "cuda":
+            return self.why_missing or f"flash-attn runs on CUDA GPUs only (device is {use.device.type})"
         capability = cuda_capability(use.device)
-        why = self.why_not_capability(capability, "sm{}{}".format(*capability))
-        if why:
-            return why
-        if use.dtype not in HALF:
-            return f"flash-attn needs float16 or bfloat16 (this run is {dtype_name(use.dtype)})"
-        if use.head_dim % 8 or use.head_dim > 256:
-            return f"flash-attn needs a head dim that is a multiple of 8 and <= 256 (got {use.head_dim})"
-        if use.dropout and not self.has_dropout:
-            return f"{self.label} has no attention dropout (set dropout=0)"
-        if use.kv_cache != "none" and not hasattr(self.module, "flash_attn_with_kvcache"):
-            return f"{self.label} has no flash_attn_with_kvcache, which decoding from a KV cache calls"
-        return ""
+        if capability < (8, 0):
+            return "flash-attn 2 needs compute capability >= 8.0 (this GPU is sm{}{})".format(*capability)
+        return why_not_flash(use, self.module, "flash-attn 2")
 
     def __call__(self, q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
-        if self.module is None:  # called before any check (a bench, a record registered without this why_not)
-            self.load()
-        kwargs = {"dropout_p": dropout_p} if self.has_dropout else {}
-        B, H, T, D = q.shape
-        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, T, H, D); k, v may have fewer heads (GQA)
-        if mask.has_documents:
-            cu_seqlens, max_len = mask.varlen()
-            q, k, v = (x.reshape(B * T, x.size(2), D) for x in (q, k, v))
-            lengths = dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_len, max_seqlen_k=max_len)
-            y = self.module.flash_attn_varlen_func(q, k, v, causal=True, **lengths, **kwargs)
-        else:
-            y = self.module.flash_attn_func(q, k, v, causal=True, **kwargs)
-        y = y[0] if isinstance(y, tuple) else y  # FA3 builds and FA4 also return the log-sum-exp
-        return y.reshape(B, T, H, D).transpose(1, 2)
+        self.load()  # imported already where a check ran; a bench may call a kernel without one
+        return flash_attention(self.module, q, k, v, mask, dropout_p=dropout_p)
 
 
 # ----------------------------------------------------------------------------------------------

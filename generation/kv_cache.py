@@ -50,7 +50,7 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels.auto import gpu_generation
-from kernels.flash import FLASH_ATTN_3, FLASH_ATTN_4
+from kernels.flash import FLASH_ATTN_3, FLASH_ATTN_4, FlashAttention
 from kernels.flex import compiled_flex_attention
 from model import FLASH_ATTN_2, AttentionBackend, AttentionMask, AttentionUse, FlashAttn2, register, repeat_kv, sdpa_kv
 
@@ -426,7 +426,7 @@ class FlashDecode:
     causal aligned bottom-right by the kernel itself. Called through a PyTorch custom op, so a compiled decode
     step keeps one graph (the package calls its extension directly, which dynamo cannot trace)."""
 
-    def __init__(self, kernel: FlashAttn2):
+    def __init__(self, kernel: FlashAttn2 | FlashAttention):
         self.kernel, self.index = kernel, len(_FLASH_KERNELS)
         _FLASH_KERNELS.append(kernel)
 
@@ -438,7 +438,7 @@ class FlashDecode:
         return y.transpose(1, 2)
 
 
-_FLASH_KERNELS: list[FlashAttn2] = []  # the kernels flash_with_kvcache calls, by FlashDecode.index
+_FLASH_KERNELS: list[FlashAttn2 | FlashAttention] = []  # the kernels flash_with_kvcache calls, by FlashDecode.index
 
 
 @torch.library.custom_op("gpt_kv_cache::flash_with_kvcache", mutates_args=())
@@ -451,16 +451,15 @@ def flash_with_kvcache(
     kernel: int,
 ) -> torch.Tensor:
     """(B, T, H, D) attention of q over the cache through a flash-attn package's flash_attn_with_kvcache; the
-    package is read at each call, as FlashAttn2 does."""
+    package is read at each call, as the flash kernels do."""
     function = flash_module(_FLASH_KERNELS[kernel]).flash_attn_with_kvcache
     extra = {} if table is None else {_table_keyword(function): table}
     y = function(q, k_cache, v_cache, cache_seqlens=cache_seqlens, causal=True, **extra)
     return (y[0] if isinstance(y, tuple) else y).contiguous()
 
 
-def flash_module(kernel: FlashAttn2):
-    if kernel.module is None:  # imported by the kernel's first check, which resolving a backend runs
-        kernel.load()
+def flash_module(kernel: FlashAttn2 | FlashAttention):
+    kernel.load()  # imported already by the kernel's first check, which resolving a backend runs
     return kernel.module
 
 
@@ -482,7 +481,7 @@ MANUAL_DECODE = DecodeKernel(manual_decode, 16, GATHERED.format("manual"))
 FLEX_DECODE = DecodeKernel(flex_decode, FLEX_BLOCK, IN_PLACE)  # a page is one key block of flex's tile
 
 
-def flash_decode(kernel: FlashAttn2) -> DecodeKernel:
+def flash_decode(kernel: FlashAttn2 | FlashAttention) -> DecodeKernel:
     return DecodeKernel(FlashDecode(kernel), 256, IN_PLACE)  # flash-attn 2 takes pages of a multiple of 256
 
 

@@ -1,8 +1,8 @@
 """
-flash-attn 3 and 4 as backends of model.py's registry, built on model.py's flash-attn 2 kernel (FlashAttn2).
-FlashAttention finds a package under the first of several module names that imports; FlashAttention-3 (built
-from flash-attention's hopper/ folder) and flash-attn-4 (CuTe DSL) add their own checks, and flash-attn-4's
-kernels are wrapped as PyTorch custom ops so a compiled training step keeps one graph.
+flash-attn 3 and 4 as backends of model.py's registry, called and checked as model.py's flash-attn 2 kernel is
+(flash_attention, why_not_flash). FlashAttention finds a package under the first of several module names that
+imports; FlashAttention-3 (built from flash-attention's hopper/ folder) and flash-attn-4 (CuTe DSL) add their own
+GPU rules, and flash-attn-4's kernels are wrapped as PyTorch custom ops so a compiled training step keeps one graph.
 """
 
 from __future__ import annotations
@@ -14,7 +14,16 @@ from types import SimpleNamespace
 
 import torch
 
-from model import AttentionBackend, FlashAttn2, cuda_capability, register
+from model import (
+    AttentionBackend,
+    AttentionMask,
+    AttentionUse,
+    cuda_capability,
+    flash_attention,
+    import_flash_package,
+    register,
+    why_not_flash,
+)
 
 
 def dist_version(distribution: str) -> str:
@@ -24,40 +33,48 @@ def dist_version(distribution: str) -> str:
         return ""
 
 
-def import_package(name: str, pretty: str, distribution: str) -> tuple[object, str, str]:
-    """Import module `name` of a flash-attn package: (module, version, '') or (None, '', why not)."""
-    try:
-        module = importlib.import_module(name)
-    except ModuleNotFoundError as error:
-        if name == error.name or name.startswith(f"{error.name}."):
-            return None, "", f"{pretty} is not installed"
-        return None, "", f"{pretty} failed to import: {error}"
-    except (ImportError, OSError) as error:  # typically a wheel built for another torch/CUDA
-        return None, "", f"{pretty} failed to import: {str(error).splitlines()[0]}"
-    if not hasattr(module, "flash_attn_func"):  # flash-attn-4 alone leaves a bare flash_attn namespace
-        return None, "", f"{pretty} is not installed (module {name} has no flash_attn_func)"
-    return module, dist_version(distribution) or getattr(module, "__version__", ""), ""
+class FlashAttention:
+    """A flash-attn package beyond flash-attn 2 as a kernel, found under the first of `modules` ((import name,
+    pretty name, distribution), tried in order) that imports; imported once by the first check, as model.py's
+    FlashAttn2 is, and called through model.py's flash_attention (no dropout in these packages)."""
 
+    module, version, why_missing = None, "", None  # set by load(); why_missing is None until it ran
 
-class FlashAttention(FlashAttn2):
-    """A flash-attn package as a kernel: model.py's flash-attn 2 kernel over another package, found under the
-    first of `modules` ((import name, pretty name, distribution), tried in order) that imports."""
+    def __init__(self, label: str, modules: tuple[tuple[str, str, str], ...]):
+        self.label, self.modules = label, modules
 
-    def __init__(self, label: str, modules: tuple[tuple[str, str, str], ...], min_capability, rule: str):
-        super().__init__()
-        self.label, self.modules, self.min_capability, self.rule = label, modules, min_capability, rule
-        self.has_dropout = False
+    def load(self) -> str:
+        """Import the package (once); why it cannot be used ('' when it can)."""
+        if self.why_missing is None:
+            found = [self.import_module(*module) for module in self.modules]
+            self.module, self.version, self.why_missing = next((p for p in found if p[0] is not None), found[0])
+        return self.why_missing
 
-    def import_package(self):
-        found = [self.import_module(*module) for module in self.modules]
-        return next((package for package in found if package[0] is not None), found[0])
+    def import_module(self, name: str, pretty: str, distribution: str) -> tuple[object, str, str]:
+        """(module, version, '') or (None, '', why not)."""
+        module, why = import_flash_package(name, pretty)
+        if module is None:
+            return None, "", why
+        return module, dist_version(distribution) or getattr(module, "__version__", ""), ""
 
-    def import_module(self, name: str, pretty: str, distribution: str):
-        return import_package(name, pretty, distribution)
+    def why_not_gpu(self, capability: tuple[int, int], sm: str, use: AttentionUse) -> str:
+        """The package's own rule for a GPU ('' where it runs `use`)."""
+        return ""
+
+    def why_not(self, use: AttentionUse) -> str:
+        if self.load() or use.device.type != "cuda":
+            return self.why_missing or f"flash-attn runs on CUDA GPUs only (device is {use.device.type})"
+        capability = cuda_capability(use.device)
+        why = self.why_not_gpu(capability, "sm{}{}".format(*capability), use)
+        return why or why_not_flash(use, self.module, self.label, has_dropout=False)
+
+    def __call__(self, q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
+        self.load()  # imported already where a check ran; a bench may call a kernel without one
+        return flash_attention(self.module, q, k, v, mask)
 
 
 class FlashAttention3(FlashAttention):
-    def why_not_capability(self, capability, sm):
+    def why_not_gpu(self, capability, sm, use):
         return "" if capability[0] == 9 else f"FlashAttention-3 needs a Hopper GPU (sm90; this GPU is {sm})"
 
 
@@ -67,7 +84,7 @@ class FlashAttention4(FlashAttention):
     def import_module(self, name, pretty, distribution):
         if not dist_version(distribution):  # flash-attn 2.8 ships an early draft under flash_attn.cute
             return None, "", f"{pretty} is not installed"
-        module, version, why = import_package(name, pretty, distribution)
+        module, version, why = super().import_module(name, pretty, distribution)
         if module is None:
             return module, version, why
         interface = getattr(module, "interface", None)
@@ -80,18 +97,10 @@ class FlashAttention4(FlashAttention):
             )
         return flash_attn_4_ops(interface), version, ""
 
-    def why_not_capability(self, capability, sm):
+    def why_not_gpu(self, capability, sm, use):
         if capability[0] not in (9, 10, 11):
             return f"flash-attn-4 trains on Hopper and Blackwell GPUs only (sm90, sm100, sm110; this GPU is {sm})"
-        return ""
-
-    def why_not(self, use):
-        why = super().why_not(use)
-        if why or use.device.type != "cuda":
-            return why
-        capability = cuda_capability(use.device)
         if capability[0] != 9 and 128 < use.head_dim < 256:
-            sm = "sm{}{}".format(*capability)
             return f"flash-attn-4 on {sm} needs a head dim <= 128 or 256 (got {use.head_dim})"
         return ""
 
@@ -106,13 +115,13 @@ FA4_MODULES = (("flash_attn.cute", "flash-attn-4 (flash_attn.cute)", "flash-attn
 
 def flash_attn_3_backend() -> AttentionBackend:
     """flash_attn_3's record over a kernel of its own (a fresh one imports the package anew)."""
-    kernel = FlashAttention3("flash_attn_3", FA3_MODULES, (9, 0), "sm90")
+    kernel = FlashAttention3("flash_attn_3", FA3_MODULES)
     return AttentionBackend("flash_attn_3", kernel, kernel.why_not, "flash_attn_2", ("flash_attention_3",))
 
 
 def flash_attn_4_backend() -> AttentionBackend:
     """flash_attn_4's record over a kernel of its own (a fresh one imports the package anew)."""
-    kernel = FlashAttention4("flash_attn_4", FA4_MODULES, (9, 0), "sm90+")
+    kernel = FlashAttention4("flash_attn_4", FA4_MODULES)
     return AttentionBackend("flash_attn_4", kernel, kernel.why_not, "flash_attn_3", ("flash_attention_4",))
 
 

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from model import BACKENDS, AttentionUse, FlashAttn2, dtype_name, resolve
+from model import BACKENDS, AttentionUse, dtype_name, resolve
 
 
 def attention_report(device=None) -> dict:
@@ -35,7 +35,7 @@ def attention_report(device=None) -> dict:
     }
     for name, backend in BACKENDS.items():
         why = backend.why_not(AttentionUse(device, train_dtype, training=True))
-        version = backend.kernel.version if isinstance(backend.kernel, FlashAttn2) else torch.__version__
+        version = getattr(backend.kernel, "version", torch.__version__)  # a flash-attn package's own
         report["backends"][name] = {"available": not why, "version": version, "why": why}
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for key, seq_len in (("auto", 1024), ("auto_long", 32768)):

@@ -462,7 +462,7 @@ def stand_in_flash(monkeypatch, module):
     from kernels.flash import FlashAttention
 
     monkeypatch.setitem(sys.modules, "stand_in_flash", module)
-    kernel = FlashAttention("stand-in flash", (("stand_in_flash", "stand-in flash", "stand-in-flash"),), (0, 0), "")
+    kernel = FlashAttention("stand-in flash", (("stand_in_flash", "stand-in flash", "stand-in-flash"),))
     record = model.AttentionBackend("flash_attn_2", kernel, lambda use: "", "sdpa")
     monkeypatch.setitem(model.BACKENDS, "flash_attn_2", record)
     monkeypatch.setitem(kv_cache.DECODE_KERNELS, "flash_attn_2", kv_cache.flash_decode(kernel))

@@ -127,9 +127,7 @@ def assert_docs_masked(out_docs, out_causal, doc_ids, same=1e-4):
 def stand_in_flash(monkeypatch, module):
     """A fresh flash kernel that imports `module` as a package named stand_in_flash, as a real one is imported."""
     monkeypatch.setitem(sys.modules, "stand_in_flash", module)
-    return kernels.flash.FlashAttention(
-        "stand-in", (("stand_in_flash", "stand-in flash", "stand-in-flash"),), (0, 0), ""
-    )
+    return kernels.flash.FlashAttention("stand-in", (("stand_in_flash", "stand-in flash", "stand-in-flash"),))
 
 
 def installed(monkeypatch, **modules):
