@@ -1,12 +1,9 @@
 """
 A GPT-2 language model in one file, with a choice of attention kernels and switches for a modern block (RoPE,
-RMSNorm, SwiGLU, grouped key/value heads, q/k norm; all off is GPT-2 exactly).
-
-Read top-down: the config; the block's parts; CausalSelfAttention, Block and GPT (with nanoGPT's API); attention's
-kernels (manual, sdpa, flash_attn_2) and the registry, whose `resolve` turns a requested backend into the one that
-runs (falling back with a WARNING that says why), once per device, dtype and use, never in forward's hot path; the
-loss last. `from model import GPT` loads nothing else of this repo (from_pretrained reads storage/pretrained.py);
-kernels/ registers more kernels (`python -m kernels` says what runs here); generation/ decodes with a KV cache.
+RMSNorm, SwiGLU, grouped key/value heads, q/k norm; all off is GPT-2 exactly). Top-down: the config; the block's
+parts; CausalSelfAttention, Block and GPT (nanoGPT's API); attention's kernels (manual, sdpa, flash_attn_2) and the
+registry, whose `resolve` picks the backend that runs, falling back with a WARNING that says why; the loss last.
+`from model import GPT` loads nothing else of this repo; kernels/ registers more kernels (`python -m kernels`).
 """
 
 from __future__ import annotations
@@ -14,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import inspect
 import logging
 import math
 import warnings
@@ -411,8 +407,6 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if non_embedding and "wpe" in self.transformer else n
 
-    num_params = get_num_params  # this repo's name for it
-
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token (forward + backward), PaLM appendix B as nanoGPT uses it:
         6N for the weight matmuls plus 12·L·H·Q·T for attention (full, not halved for causality)."""
@@ -432,8 +426,8 @@ class GPT(nn.Module):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        fused = device_type in ("cuda", "cpu") and "fused" in inspect.signature(torch.optim.AdamW).parameters
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=tuple(betas), **({"fused": True} if fused else {}))
+        fused = device_type in ("cuda", "cpu")  # every supported torch has fused AdamW on both
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=tuple(betas), fused=fused or None)
 
     def crop_block_size(self, block_size: int):
         """Shrink the context (e.g. to fine-tune a 1024-token model on shorter blocks)."""
@@ -512,10 +506,6 @@ class AttentionUse:
 
     def __post_init__(self):
         object.__setattr__(self, "device", torch.device(self.device))
-
-    @property
-    def where(self) -> str:
-        return f"{self.device.type}/{dtype_name(self.dtype)}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -636,19 +626,19 @@ def why_not_sdpa_kernel(kernel: str, use: AttentionUse) -> str:
     return ""
 
 
-def import_flash_package(name: str, pretty: str) -> tuple[object | None, str]:
-    """Import module `name` of a flash-attn package: (module, '') or (None, why it cannot be used)."""
+def import_flash_package(name: str, pretty: str) -> tuple[object | None, str, str]:
+    """Import module `name` of a flash-attn package: (module, version, '') or (None, '', why not)."""
     try:
         module = importlib.import_module(name)
     except ModuleNotFoundError as error:
         if name == error.name or name.startswith(f"{error.name}."):
-            return None, f"{pretty} is not installed"
-        return None, f"{pretty} failed to import: {error}"
+            return None, "", f"{pretty} is not installed"
+        return None, "", f"{pretty} failed to import: {error}"
     except (ImportError, OSError) as error:  # typically a wheel built for another torch/CUDA
-        return None, f"{pretty} failed to import: {str(error).splitlines()[0]}"
+        return None, "", f"{pretty} failed to import: {str(error).splitlines()[0]}"
     if not hasattr(module, "flash_attn_func"):  # flash-attn-4 alone leaves a bare flash_attn namespace
-        return None, f"{pretty} is not installed (module {name} has no flash_attn_func)"
-    return module, ""
+        return None, "", f"{pretty} is not installed (module {name} has no flash_attn_func)"
+    return module, getattr(module, "__version__", ""), ""
 
 
 def why_not_flash(use: AttentionUse, module, label: str, has_dropout: bool = True) -> str:
@@ -683,17 +673,13 @@ class FlashAttn2:
     """flash-attn 2 (the flash_attn package) as a kernel. The package is imported once, by the first check
     (resolving runs it), and read from an attribute after, so torch.compile never traces an import."""
 
-    module, why_missing = None, None  # set by load(); why_missing is None until it ran
+    module, version, why_missing = None, "", None  # set by load(); why_missing is None until it ran
 
     def load(self) -> str:
         """Import the package (once); why it cannot be used ('' when it can)."""
         if self.why_missing is None:
-            self.module, self.why_missing = import_flash_package("flash_attn", "flash-attn")
+            self.module, self.version, self.why_missing = import_flash_package("flash_attn", "flash-attn")
         return self.why_missing
-
-    @property
-    def version(self) -> str:
-        return getattr(self.module, "__version__", "")
 
     def why_not(self, use: AttentionUse) -> str:
         if self.load() or use.device.type != "cuda":
@@ -784,7 +770,7 @@ def resolve(requested: str, use: AttentionUse, order=None, measure: bool = False
         skipped.append((name, why))
     if requested == "auto":
         how = f" ({how})" if how and how != "default order" else ""
-        chosen = f"auto: first that runs on {use.where} of {' > '.join(names)}{how}"
+        chosen = f"auto: first that runs on {use.device.type}/{dtype_name(use.dtype)} of {' > '.join(names)}{how}"
         return Resolution(name, chosen + ("; skipped " + "; ".join(f"{n}: {p}" for n, p in skipped) if skipped else ""))
     return Resolution(name, "; then ".join([p for _, p in skipped[:1]] + [f"{n}: {p}" for n, p in skipped[1:]]))
 
@@ -886,12 +872,3 @@ def chunked_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.
     with torch.autocast(x.device.type, enabled=False):
         x, weight = x.reshape(-1, x.size(-1)).to(dtype), weight.to(dtype)
         return _ChunkedLinearCrossEntropy.apply(x, weight, targets.reshape(-1))
-
-
-if __name__ == "__main__":  # the report of what this machine can run is `python -m kernels`'s
-    import sys
-
-    if sys.argv[1:]:
-        print(f"error: python model.py takes no arguments, got {' '.join(sys.argv[1:])!r}", file=sys.stderr)
-        sys.exit(2)
-    print("python -m kernels prints the attention backends this machine can run, and what auto picks")

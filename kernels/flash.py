@@ -52,10 +52,8 @@ class FlashAttention:
 
     def import_module(self, name: str, pretty: str, distribution: str) -> tuple[object, str, str]:
         """(module, version, '') or (None, '', why not)."""
-        module, why = import_flash_package(name, pretty)
-        if module is None:
-            return None, "", why
-        return module, dist_version(distribution) or getattr(module, "__version__", ""), ""
+        module, version, why = import_flash_package(name, pretty)
+        return module, (dist_version(distribution) or version) if module else "", why
 
     def why_not_gpu(self, capability: tuple[int, int], sm: str, use: AttentionUse) -> str:
         """The package's own rule for a GPU ('' where it runs `use`)."""

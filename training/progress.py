@@ -143,7 +143,7 @@ def print_header(cfg, runtime: Runtime, model: GPT, resume_iter: int | None) -> 
     accum = runtime.micro_steps(cfg.gradient_accumulation_steps)
     split = f", each sequence split over {runtime.context_parallel} ranks" if runtime.context_parallel > 1 else ""
     emit(
-        f"parameters: {model.num_params() / 1e6:.2f}M | tokens per iteration: {tokens_per_iter(cfg):,} "
+        f"parameters: {model.get_num_params() / 1e6:.2f}M | tokens per iteration: {tokens_per_iter(cfg):,} "
         f"({runtime.data_ranks} ranks x {accum} micro-steps x {cfg.batch_size} x {cfg.block_size}{split}) | "
         f"device {runtime.device} {str(runtime.dtype).removeprefix('torch.')}"
         + (f" | resuming at iter {resume_iter}" if resume_iter is not None else "")

@@ -78,7 +78,6 @@ COMMANDS = [  # (command, its arguments, what the error line names); {tmp}: the 
     ("train.py", ["{tmp}/missing.py"], "missing.py"),
     ("sample.py", ["--checkpoint={tmp}/missing.pt", "--device=cpu"], "missing.pt"),
     ("sample.py", ["--out_dir={trained}", "--temperature=inf", "--device=cpu"], "temperature"),
-    ("model.py", ["--bogus"], "takes no arguments"),
     ("-m kernels", ["--bogus"], "takes no arguments"),
     ("-m weights", ["hf", "{tmp}/missing.pt", "{tmp}/hf"], "missing.pt"),
     ("-m weights", ["safetensors", "{tmp}/truncated.pt", "{tmp}/weights.safetensors"], "truncated.pt"),

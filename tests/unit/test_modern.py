@@ -247,9 +247,13 @@ def test_the_default_is_gpt2_and_the_switches_rename_only_what_they_add():
         expected |= {f"{h}.mlp.c_fc.weight": (128, 32), f"{h}.mlp.c_fc.bias": (128,)}
         expected |= {f"{h}.mlp.c_proj.weight": (32, 128)}
     assert {name: tuple(t.shape) for name, t in modern.state_dict().items()} == expected  # no rotary tables
-    assert modern.num_params() == modern.num_params(non_embedding=False) == sum(p.numel() for p in modern.parameters())
+    assert (
+        modern.get_num_params()
+        == modern.get_num_params(non_embedding=False)
+        == sum(p.numel() for p in modern.parameters())
+    )
     c = modern.config
-    assert modern.flops_per_token(16) == 6 * modern.num_params() + 12 * c.n_layer * c.n_head * c.head_dim * 16
+    assert modern.flops_per_token(16) == 6 * modern.get_num_params() + 12 * c.n_layer * c.n_head * c.head_dim * 16
 
 
 @pytest.mark.parametrize("switches", SWITCHES.values(), ids=SWITCHES)
