@@ -83,10 +83,22 @@ def read_sample(output: str) -> tuple[str, float | None]:
 READERS = {"train": (read_train, "val loss"), "sample": (read_sample, "decode tok/s"), "done": (None, "")}
 
 
+def cell_env(command: list[str]) -> dict:
+    """A cell's environment. A one-process cell runs on its xdist worker's GPU (gw0 on GPU 0, gw1 on GPU 1, ...),
+    so that cells spread over the machine's GPUs rather than queue on the first; a torchrun cell sees them all,
+    and so does every cell where CUDA_VISIBLE_DEVICES is set already."""
+    env = {**os.environ, **ENV}
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    torchrun = "torch.distributed.run" in command
+    if worker.startswith("gw") and not torchrun and "CUDA_VISIBLE_DEVICES" not in os.environ and gpu_count() > 1:
+        env["CUDA_VISIBLE_DEVICES"] = str(int(worker[2:]) % gpu_count())
+    return env
+
+
 def run_cell(command: list[str], read: str = "train", backend: str = "") -> dict:
     """Run a cell's command from the repo root: its status (ok, `skipped: why` where train.py fell back from
     `backend`, or what went wrong), figure, unit, seconds, and its output's last lines."""
-    done = launch.run(command, {**os.environ, **ENV}, timeout=TIMEOUT_S)
+    done = launch.run(command, cell_env(command), timeout=TIMEOUT_S)
     outcome = {"figure": None, "unit": READERS[read][1], "seconds": round(done.seconds, 1), "output": done.output}
     outcome["tail"] = "\n".join(done.output.splitlines()[-LOG_TAIL_LINES:])
     if done.code != 0:
