@@ -392,8 +392,17 @@ def setup_or_resume(
             document_separator=cfg.document_separator,
         )
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        shape_only = cfg.parallelism == "fsdp" and runtime.ddp and not runtime.master  # rank 0 builds for all
-        model = build_model(cfg, vocab_size, checkpoint, shape_only=shape_only)
+        sharded = cfg.parallelism == "fsdp" and runtime.ddp
+        # built where it trains: a GPU initializes 6.7B weights in a second, the CPU takes over a minute. FSDP's
+        # rank 0 holds the whole model in host memory for the others (place_model), which build its shape only
+        on_gpu = runtime.device.type == "cuda" and not sharded
+        model = build_model(
+            cfg,
+            vocab_size,
+            checkpoint,
+            shape_only=sharded and not runtime.master,
+            device=runtime.device if on_gpu else "cpu",
+        )
         torch.manual_seed((cfg.seed + runtime.rank) % 2**64)  # and each rank its own dropout
         with startup.deferred() if startup is not None else contextlib.nullcontext():
             claim_run_out_dir(cfg, runtime, model, hold)
@@ -409,10 +418,12 @@ def setup_or_resume(
     return state, batches, meta
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, checkpoint: dict | None, *, shape_only: bool = False) -> GPT:
-    """The model to train: fresh, or with a checkpoint's weights. shape_only: on the meta device, without
-    weights or memory (the ranks of an FSDP run but 0, which get rank 0's weights as the model is sharded).
-    cfg has the checkpoint's shape already (check_before_training)."""
+def build_model(
+    cfg: TrainConfig, vocab_size: int, checkpoint: dict | None, *, shape_only: bool = False, device="cpu"
+) -> GPT:
+    """The model to train, built and initialized on `device`: fresh, or with a checkpoint's weights. shape_only:
+    on the meta device, without weights or memory (the ranks of an FSDP run but 0, which get rank 0's weights as
+    the model is sharded). cfg has the checkpoint's shape already (check_before_training)."""
     model_config = cfg.model_config(vocab_size=vocab_size)
     if checkpoint is not None:
         check_checkpoint_shape(model_config, checkpoint["model_config"])
@@ -420,9 +431,11 @@ def build_model(cfg: TrainConfig, vocab_size: int, checkpoint: dict | None, *, s
         with torch.device("meta"):
             return GPT(model_config)  # a checkpoint's longer context is cropped to this block_size on rank 0
     if checkpoint is None:
-        return setup_lora(GPT(model_config), cfg, None, "")
+        with torch.device(device):
+            return setup_lora(GPT(model_config), cfg, None, "")
     saved = checkpoint["model_config"]
-    model = GPT(dataclasses.replace(model_config, block_size=saved["block_size"]))
+    with torch.device(device):
+        model = GPT(dataclasses.replace(model_config, block_size=saved["block_size"]))
     load_model_weights(model, checkpoint, checkpoint_path(cfg), keep_adapters=cfg.init_from == "resume")
     if cfg.block_size < saved["block_size"]:
         model.crop_block_size(cfg.block_size)

@@ -771,3 +771,11 @@ def test_communication_counts_as_hidden_where_a_compute_kernel_runs_beside_it():
     ]
     assert exposed_communication(kernels) == (20.0, 15.0)
     assert union_length([(0, 2), (1, 3), (5, 6)]) == 4 and union_length([]) == 0
+
+
+def test_a_fresh_model_is_built_where_it_is_asked_to_be():
+    """train.py builds a fresh model on the GPU it trains on (initializing billions of weights there takes a second,
+    on the CPU minutes); the meta device stands in for the GPU here."""
+    cfg = TrainConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
+    assert all(p.is_meta for p in train.build_model(cfg, 64, None, device="meta").parameters())
+    assert all(p.device.type == "cpu" for p in train.build_model(cfg, 64, None).parameters())
