@@ -394,17 +394,10 @@ def setup_or_resume(
             document_separator=cfg.document_separator,
         )
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        sharded = cfg.parallelism == "fsdp" and runtime.ddp
-        # built where it trains: a GPU initializes 6.7B weights in a second, the CPU takes over a minute. FSDP's
-        # rank 0 holds the whole model in host memory for the others (place_model), which build its shape only
-        on_gpu = runtime.device.type == "cuda" and not sharded
-        model = build_model(
-            cfg,
-            vocab_size,
-            checkpoint,
-            shape_only=sharded and not runtime.master,
-            device=runtime.device if on_gpu else "cpu",
-        )
+        sharded = cfg.parallelism == "fsdp" and runtime.ddp  # rank 0 builds the whole model for all
+        weights_bytes = 4 * cfg.model_config(vocab_size=vocab_size).parameter_count()
+        device = parallel.build_device(runtime, weights_bytes, sharded=sharded)
+        model = build_model(cfg, vocab_size, checkpoint, shape_only=sharded and not runtime.master, device=device)
         torch.manual_seed((cfg.seed + runtime.rank) % 2**64)  # and each rank its own dropout
         with startup.deferred() if startup is not None else contextlib.nullcontext():
             claim_run_out_dir(cfg, runtime, model, hold)

@@ -779,3 +779,20 @@ def test_a_fresh_model_is_built_where_it_is_asked_to_be():
     cfg = TrainConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
     assert all(p.is_meta for p in train.build_model(cfg, 64, None, device="meta").parameters())
     assert all(p.device.type == "cpu" for p in train.build_model(cfg, 64, None).parameters())
+
+
+@pytest.mark.parametrize(
+    "device, weights_gb, sharded, built_on",
+    [
+        ("cpu", 1, False, "cpu"),
+        ("cuda:0", 100, False, "cuda:0"),  # it trains there whole: built there
+        ("cuda:0", 26, True, "cuda:0"),  # FSDP's rank 0 holds GPT-3 6.7B's weights on an 80 GB card for a moment
+        ("cuda:0", 80, True, "cpu"),  # but not a model as large as the card: host memory
+    ],
+)
+def test_where_the_model_is_built(monkeypatch, device, weights_gb, sharded, built_on):
+    from training import parallel
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=80e9))
+    runtime = types.SimpleNamespace(device=torch.device(device))
+    assert parallel.build_device(runtime, int(weights_gb * 1e9), sharded=sharded) == torch.device(built_on)
