@@ -143,7 +143,6 @@ class TrainConfig:
     fsdp_reshard_after_forward: bool = True  # FSDP frees gathered weights after forward; False: kept for backward
     fsdp_blocks_per_unit: int = 1  # FSDP gathers and reduces this many consecutive blocks at once (fewer hooks)
     ddp_reduce_dtype: str = "float32"  # DDP's gradient all-reduce: float32 | bfloat16 (half the traffic; NCCL only)
-    ddp_compiled_autograd: bool = False  # compiled DDP: backward and its all-reduces in one graph (compiled autograd)
     shard_optimizer: bool = False  # DDP: each rank keeps AdamW state for, and steps, 1/N of the weights (ZeRO-1)
     dist_timeout_s: float = 600.0  # a rank waiting this long for the others in a collective gives up
     seed: int = 1337  # seeds the weights and the data stream (the same on every rank); dropout adds the rank
@@ -251,8 +250,7 @@ def train_step(state: TrainState) -> StepReport:
                 _, loss = state.train_model(*batch)
                 loss = loss / state.accum
             batch = state.next_batch()  # prefetch while the GPU works
-            with parallel.compiled_backward(state.traced_backward):
-                state.scaler.scale(loss).backward()
+            state.scaler.scale(loss).backward()
         loss_sum += loss.detach()
     state.batch = batch
     grad_clip = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
@@ -470,7 +468,6 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
         bucket_cap_mb=cfg.ddp_bucket_cap_mb,
         graph_split=cfg.ddp_graph_split,
         reduce_dtype=cfg.ddp_reduce_dtype,
-        compiled_autograd=cfg.ddp_compiled_autograd,
     )
     compiled = ("per block" if per_block else "whole model") if use_compile else ""
     optimizer = build_optimizer(cfg, runtime, model)
@@ -483,7 +480,6 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
         cfg, runtime, model, eval_model, train_model, optimizer, scaler, StopFlags(runtime), next_batch, attention
     )
     state.own_grads, state.fp8, state.compiled = own_grads, fp8_choice, compiled
-    state.traced_backward = use_compile and runtime.ddp and not sharded and cfg.ddp_compiled_autograd
     return state
 
 

@@ -17,7 +17,6 @@ load, so a run saved on 4 ranks resumes on 2, or on 1 process.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import os
 import shutil
@@ -85,7 +84,6 @@ def wrap_model(
     bucket_cap_mb: float = 100.0,
     graph_split: bool = False,
     reduce_dtype: str = "float32",
-    compiled_autograd: bool = False,
 ) -> tuple[nn.Module, nn.Module]:
     """(eval_model, train_model) of a model placed by place_model: compiled when use_compile (whole, or block by
     block with per_block, as a sharded model always is), and wrapped in DDP under torchrun unless sharded. Build
@@ -95,9 +93,7 @@ def wrap_model(
     graph_split: torch.compile cuts the graph at DDP's bucket boundaries, so each bucket's all-reduce starts
     while the rest of backward runs; off, backward is one graph (fusion across the whole model) and every
     all-reduce waits for its end. reduce_dtype bfloat16: each bucket is all-reduced in bf16 (PyTorch's
-    bf16_compress_hook, NCCL only) and written back in float32, for half the traffic. compiled_autograd: DDP's
-    Python reducer all-reduces each gradient from a hook that compiled autograd traces (compiled_backward), so
-    backward and its all-reduces are one graph, in which inductor buckets them and overlaps them with compute."""
+    bf16_compress_hook, NCCL only) and written back in float32, for half the traffic."""
     if is_sharded(model):  # place_model sharded it: FSDP, under torchrun
         if use_compile:
             compile_blocks(model, compile_mode)
@@ -112,8 +108,7 @@ def wrap_model(
     from torch.nn.parallel import DistributedDataParallel
 
     if use_compile:
-        # read as DDP is built (python_reducer) and when the wrapped model first compiles (graph_split)
-        torch._dynamo.config.optimize_ddp = "python_reducer" if compiled_autograd else graph_split
+        torch._dynamo.config.optimize_ddp = graph_split  # read when the wrapped model first compiles
     device = runtime.device
     train_model = DistributedDataParallel(
         eval_model,
@@ -245,16 +240,6 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> 
     # ZeRO also keeps every entry in its own `state`, which its steps never read: a second copy of this rank's
     # share, and None for the other ranks', which its state_dict() would save where their owner holds no state
     optimizer.state.clear()
-
-
-def compiled_backward(enabled: bool):
-    """A context for loss.backward(): with enabled, compiled autograd traces the backward, DDP's all-reduce hooks
-    included (wrap_model's compiled_autograd), and compiles it (cached: one compile, then one graph a step)."""
-    if not enabled:
-        return contextlib.nullcontext()
-    from torch._dynamo import compiled_autograd  # PyTorch's switch for it outside a compiled function
-
-    return compiled_autograd._enable(functools.partial(torch.compile, dynamic=False))
 
 
 def gradient_sync(model: nn.Module, train_model: nn.Module, enabled: bool):

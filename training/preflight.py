@@ -154,11 +154,6 @@ def check_parallelism(cfg) -> None:
             "ddp_graph_split=true cuts the whole model's compiled graph at DDP's buckets; compile_blocks=true "
             "compiles each block apart (DDP all-reduces each bucket once its blocks' backward is done): choose one"
         )
-    if cfg.ddp_compiled_autograd and (cfg.ddp_graph_split or cfg.ddp_reduce_dtype != "float32"):
-        raise ValueError(  # its all-reduces are traced per gradient and bucketed by inductor: no hooks, no cuts
-            "ddp_compiled_autograd=true traces DDP's all-reduces into the compiled backward; it takes neither "
-            "ddp_graph_split=true nor ddp_reduce_dtype=bfloat16"
-        )
     if cfg.parallelism == "fsdp" and cfg.lora_rank:
         raise ValueError("LoRA (lora_rank > 0) trains with parallelism ddp, not fsdp; its frozen base is not sharded")
     if cfg.parallelism == "fsdp" and cfg.shard_optimizer:

@@ -55,7 +55,6 @@ class TrainState:
     own_grads: bool = False  # .grad buffers allocated once and zeroed in place (CUDA graphs: build_train_state)
     fp8: object = None  # training/fp8.py's Fp8Choice: .recipe (tensorwise, rowwise or off) and .reason
     compiled: str = ""  # how torch.compile took the model: 'per block' or 'whole model'; '' when not compiled
-    traced_backward: bool = False  # backward runs under compiled autograd (ddp_compiled_autograd)
 
     @property
     def accum(self) -> int:

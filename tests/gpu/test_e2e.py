@@ -293,7 +293,6 @@ def test_transformers_loads_the_export(exported, record_property):
 PARALLEL = {  # cell id: (model, train.py settings); DDP the default
     "ddp": (MODEL, []),
     "ddp-compile_blocks": (MODEL, ["--compile_blocks=true"]),
-    "ddp-compiled_autograd": (MODEL, ["--ddp_compiled_autograd=true"]),
     "fsdp": (MODEL, ["--parallelism=fsdp"]),
     "ddp-shard_optimizer-profiled": (MODEL, ["--shard_optimizer=true", "--profile_steps=2"]),
     "context_parallel": (MODEL, ["--context_parallel=2"]),

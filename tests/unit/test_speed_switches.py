@@ -134,12 +134,3 @@ def test_a_sharded_model_compiles_per_block_and_says_so_where_asked_otherwise(ca
         with caplog.at_level(logging.WARNING, logger="train"):
             assert compiles_per_block(TrainConfig(compile_blocks=compile_blocks), sharded=True)
         assert ("compile_blocks=false: parallelism fsdp compiles each block apart" in caplog.text) is warned
-
-
-@pytest.mark.parametrize("other", ["--ddp_graph_split=true", "--ddp_reduce_dtype=bfloat16"])
-def test_ddp_compiled_autograd_with_a_hook_or_a_cut_is_one_line(other, capsys):
-    import train
-
-    assert train.main(["--ddp_compiled_autograd=true", other]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("error: ") and "ddp_compiled_autograd=true" in err, err
