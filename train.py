@@ -484,20 +484,10 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
 
 
 def build_optimizer(cfg: TrainConfig, runtime: Runtime, model: GPT) -> torch.optim.Optimizer:
-    """The model's AdamW (configure_optimizers); with shard_optimizer under DDP, its state and step split over
-    the ranks (ZeRO-1)."""
+    """The model's AdamW (configure_optimizers); with shard_optimizer, its state and step split over the ranks."""
     betas = (cfg.beta1, cfg.beta2)
     optimizer = model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, betas, runtime.device.type)
-    if not cfg.shard_optimizer:
-        return optimizer
-    if not runtime.ddp:
-        log.info("shard_optimizer: one process, nothing to shard; the optimizer steps as usual")
-        return optimizer
-    ranks = runtime.world_size
-    log.info(
-        f"optimizer step sharded over {ranks} ranks (ZeRO-1): each steps ~1/{ranks} of the weights, keeps their state"
-    )
-    return parallel.shard_optimizer(optimizer)
+    return parallel.zero_optimizer(optimizer, runtime) if cfg.shard_optimizer else optimizer
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import os
 import shutil
 import warnings
@@ -31,6 +32,8 @@ from errors import UsageError
 from kernels.timing import synchronize
 from storage.atomic import fsync_dir, tmp_path_for
 from training.runtime import Runtime
+
+log = logging.getLogger("train")
 
 PARALLELISMS = ("ddp", "fsdp")
 REDUCE_DTYPES = ("float32", "bfloat16")  # of DDP's gradient all-reduce
@@ -213,6 +216,19 @@ def shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     settings = {key: value for key, value in optimizer.defaults.items() if key in accepted}
     groups = [dict(group) for group in optimizer.param_groups]
     return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **settings)
+
+
+def zero_optimizer(optimizer: torch.optim.Optimizer, runtime: Runtime) -> torch.optim.Optimizer:
+    """shard_optimizer=true: under DDP the optimizer sharded over the ranks (ZeRO-1, shard_optimizer), saying so;
+    in one process, the optimizer itself, saying there is nothing to shard."""
+    if not runtime.ddp:
+        log.info("shard_optimizer: one process, nothing to shard; the optimizer steps as usual")
+        return optimizer
+    ranks = runtime.world_size
+    log.info(
+        f"optimizer step sharded over {ranks} ranks (ZeRO-1): each steps ~1/{ranks} of the weights, keeps their state"
+    )
+    return shard_optimizer(optimizer)
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
