@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import generation
-from bench.grid import BenchParser, dispatch, fresh_row, mode_parser, profiled, run_grid
+from bench.grid import BenchParser, dispatch, fresh_row, profiled, run_grid
 from bench.report import GPT2_124M, model_settings, panels_by, plot, write_markdown
 from generation.loop import decode_step_for, generation_attention
 from kernels.timing import timed
@@ -304,7 +304,7 @@ def profile_decoding(gpt: GPT, args, device: torch.device, compile: bool) -> lis
 
 def profile(argv=None) -> int:
     doc = "torch.profiler over steady decoding: GPU time by kernel kind, host ops"
-    parser = mode_parser("generation", "profile", doc, quick="tiny model on CPU")
+    parser = BenchParser("generation profile", doc, quick_help="tiny model on CPU")
     args = parser.parse_args(argv)
     args.batch_size, args.cache, args.top = 1, "contiguous", 15
     args.prompt_len, args.skip, args.tokens = (4, 1, 2) if args.quick else (128, 16, 64)
@@ -350,7 +350,7 @@ def probe_variant(name: str, model: GPT, autocast: bool, profile_it=False, tempe
 
 
 def probe(argv=None) -> int:
-    parser = mode_parser("generation", "probe", "a default sampling step's tok/s per decode variant (CUDA)")
+    parser = BenchParser("generation probe", "a default sampling step's tok/s per decode variant (CUDA)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: the sampling probe times CUDA graphs on a CUDA GPU, and this machine has none", file=sys.stderr)

@@ -21,16 +21,19 @@ from kernels.timing import timed
 
 
 class BenchParser(OneLineParser):
-    """A bench's command line: --quick, --out and --name (a grid's also --device, --dtype, --budget), then options
-    that each have a full-run default and a --quick one (option())."""
+    """The command line of `python -m bench.TOOL [MODE]`: --out, --quick where quick_help says what it runs, --name
+    where `name` gives its defaults (a grid's also --device, --dtype, --budget), then options that each have a
+    full-run default and a --quick one (option())."""
 
-    def __init__(self, tool: str, doc: str, *, quick_help: str, modes: Sequence[str] = (), **common: tuple):
+    def __init__(self, tool: str, doc: str, quick_help: str = "", modes: Sequence[str] = (), **common: tuple):
         epilog = f"modes: python -m bench.{tool} {' | '.join(modes)} (each with its own --help)" if modes else None
         super().__init__(prog=f"python -m bench.{tool}", description=doc, epilog=epilog)
         self.defaults: dict[str, tuple] = {}
-        self.add_argument("--quick", action="store_true", help=quick_help)
+        if quick_help:
+            self.add_argument("--quick", action="store_true", help=quick_help)
         self.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
-        self.option("--name", *common["name"], help="results name")
+        if "name" in common:
+            self.option("--name", *common["name"], help="results name")
         if "device" in common:  # a grid's: multi_gpu has none of these
             self.option("--device", *common["device"], help="where it runs")
             self.option("--dtype", *common["dtype"], choices=common["dtypes"], help="compute dtype")
@@ -46,7 +49,7 @@ class BenchParser(OneLineParser):
         parsed = super().parse_args(args, namespace)
         for key, (full, quick) in self.defaults.items():
             if getattr(parsed, key) is None:
-                setattr(parsed, key, quick if parsed.quick else full)
+                setattr(parsed, key, quick if getattr(parsed, "quick", False) else full)
         return parsed
 
 
@@ -56,15 +59,6 @@ def dispatch(argv, default: Callable[[list[str]], int], **modes: Callable[[list[
     if argv and argv[0] in modes:
         return modes[argv[0]](argv[1:])
     return default(argv)
-
-
-def mode_parser(tool: str, mode: str, description: str, quick: str = "") -> OneLineParser:
-    """The command line of `python -m bench.TOOL MODE`: --out, and --quick when `quick` says what it runs."""
-    parser = OneLineParser(prog=f"python -m bench.{tool} {mode}", description=description)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
-    if quick:
-        parser.add_argument("--quick", action="store_true", help=quick)
-    return parser
 
 
 # ----------------------------------------------------------------------------------------------

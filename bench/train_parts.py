@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from bench import launch
-from bench.grid import mode_parser
+from bench.grid import BenchParser
 from bench.report import GPT2_VOCAB, TINY, markdown_table, model_shape, plot, plot_bars, save_results
 from kernels.timing import median_ms, timed
 from train import TrainConfig, build_model, build_train_state
@@ -131,13 +131,11 @@ def time_phases(parallelism: str, runtime, steps: int, quick: bool) -> list[dict
 
 def phases(argv=None) -> int:
     doc = "one optimizer step phase by phase, DDP and FSDP (under torchrun)"
-    parser = mode_parser("train_step", "phases", doc, quick="CPU, gloo, a tiny model: checks the script")
+    quick_help = "CPU, gloo, a tiny model: checks the script"
+    parser = BenchParser("train_step phases", doc, quick_help, name=("step-phases", "step-phases-quick"))
     parser.add_argument("parallelism", nargs="+", choices=("ddp", "fsdp"))
     parser.add_argument("--steps", type=int, default=20, help="steps per parallelism; the first quarter is left out")
-    parser.add_argument("--name", default=None, help="results name (default step-phases; --quick step-phases-quick)")
     args = parser.parse_args(argv)
-    from training.runtime import setup_runtime
-
     ranks = int(os.environ.get("WORLD_SIZE", "1"))  # one micro-step per rank
     device, dtype, backend = ("cpu", "float32", "gloo") if args.quick else ("auto", "auto", "nccl")
     runtime = setup_runtime(device, dtype, backend, ranks)
@@ -146,8 +144,7 @@ def phases(argv=None) -> int:
         print(markdown_table(rows, PHASE_COLUMNS))
         model = ", ".join(f"{key} {value}" for key, value in phase_model(args.quick).items())
         notes = {"model": f"{model}, micro-batch 16, one micro-step per rank", "environment": "NCCL_NVLS_ENABLE=0"}
-        name = args.name or ("step-phases-quick" if args.quick else "step-phases")
-        save_results(args.out, name, runtime.device, rows, PHASE_COLUMNS, PLOT_PHASES, notes=notes)
+        save_results(args.out, args.name, runtime.device, rows, PHASE_COLUMNS, PLOT_PHASES, notes=notes)
     if runtime.ddp:
         dist.destroy_process_group()
     return 0
@@ -205,13 +202,12 @@ def measure_chunks(args, device: torch.device, dtype: torch.dtype) -> list[dict]
 
 def context_args(argv=None) -> argparse.Namespace:
     doc = "context parallelism's chunk kernels on one device, against the reference"
-    parser = mode_parser("train_step", "context", doc, quick="CPU, float64, T=256, 2 heads of 16")
+    parser = BenchParser("train_step context", doc, "CPU, float64, T=256, 2 heads of 16", name=("context", "context"))
     parser.add_argument("--T", type=int, default=32768, help="the whole sequence's length (32768)")
     parser.add_argument("--ranks", type=int, default=2, help="ranks the sequence is split over (2)")
     parser.add_argument("--rank", type=int, default=0, help="the rank measured (0: the first and last chunks)")
     parser.add_argument("--kernels", nargs="+", default=list(CHUNK_KERNELS), choices=CHUNK_KERNELS)
     parser.add_argument("--repeats", type=int, default=10, help="about this many timed runs (10)")
-    parser.add_argument("--name", default="context")
     args = parser.parse_args(argv)
     args.heads, args.head_dim = (2, 16) if args.quick else (12, 64)
     if args.quick:
@@ -261,7 +257,7 @@ def compare_row(backend: str, log_text: str, exit_code: int) -> dict:
 
 
 def compare(argv=None) -> int:
-    parser = mode_parser("train_step", "compare", "train.py once per attention backend: its last log line each")
+    parser = BenchParser("train_step compare", "train.py once per attention backend: its last log line each")
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), help=f"default {' '.join(BACKENDS)}")
     parser.add_argument("train_args", nargs="*", help="train.py's config file and --key=value settings (after --)")
     args = parser.parse_args(argv)
@@ -324,7 +320,7 @@ def plot_curves(rows: list[dict], path: Path) -> None:
 
 def curves(argv=None) -> int:
     doc = "the loss curves of plain, default and plain from another seed"
-    parser = mode_parser("train_step", "curves", doc, quick="tiny char model on CPU, 30 iterations")
+    parser = BenchParser("train_step curves", doc, quick_help="tiny char model on CPU, 30 iterations")
     parser.add_argument("--iters", type=int, default=None, help="iterations per run (default 300; --quick 30)")
     parser.add_argument("--work", type=Path, default=Path("out-loss-curves"), help="folder for the runs' out_dirs")
     args = parser.parse_args(argv)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from bench import train_parts as parts
-from bench.grid import BenchParser, dispatch, fresh_row, mode_parser, profiled, run_grid
+from bench.grid import BenchParser, dispatch, fresh_row, profiled, run_grid
 from bench.report import model_settings, panels_by, plot, write_markdown
 from kernels.timing import timed
 from train import TrainConfig, train_step
@@ -81,10 +81,6 @@ def cases_for(args) -> list[Case]:
     cases = [Case(b, seq_len, size, v) for size in args.batch_sizes[:1] for b, v in runs]
     cases += [Case(b, t, 1, v) for t in long_seq_lens for b, v in runs]
     return cases + [Case(b, seq_len, size, v) for size in args.batch_sizes[1:] for b, v in runs]
-
-
-# ----------------------------------------------------------------------------------------------
-# One training state, built as train.py builds it; its step is train.py's train_step
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,7 +264,7 @@ def profile_lines(variant: str, state: TrainState, args) -> list[str]:
 
 def profile(argv=None) -> int:
     doc = "torch.profiler over train.py's step per variant: GPU time by kernel kind"
-    parser = mode_parser("train_step", "profile", doc, quick="tiny model on CPU, no compile")
+    parser = BenchParser("train_step profile", doc, quick_help="tiny model on CPU, no compile")
     parser.add_argument("--variants", nargs="+", default=["plain", "default"], choices=VARIANTS)
     parser.add_argument("--steps", type=int, default=5, help="steps profiled (5)")
     args = parser.parse_args(argv)
