@@ -63,17 +63,10 @@ def backend_and_mask(row: dict) -> str:
 
 
 def parse_args(argv=None):
-    parser = BenchParser(
-        "attention",
-        __doc__,
-        quick_help="tiny CPU run: T 64/128, D 64, float32, manual/sdpa/flex/auto (flex in one cell), with documents",
-        modes=("fit",),
-        device=("cuda" if torch.cuda.is_available() else "cpu", "cpu"),
-        dtype=("bfloat16", "float32"),
-        dtypes=("bfloat16", "float16", "float32"),
-        budget=(240, 0),
-        name=(None, "attention-quick"),  # None: attention[-docs][-<dtype>]
-    )
+    quick_help = "tiny CPU run: T 64/128, D 64, float32, manual/sdpa/flex/auto (flex in one cell), with documents"
+    parser = BenchParser("attention", __doc__, quick_help, ("fit",), (None, "attention-quick"))  # None: see below
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    parser.grid_options((device, "cpu"), ("bfloat16", "float32"), ("bfloat16", "float16", "float32"), (240, 0))
     parser.option("--head-dims", [64, 128], [64], type=int, nargs="+", help="head dims D")
     parser.option("--seq-lens", list(DEFAULT_SEQ_LENS), [64, 128], type=int, nargs="+", help="T, in this order")
     parser.option("--tokens", 16384, 256, type=int, help="B*T per call (B >= 1)")
@@ -171,14 +164,12 @@ def make_inputs(cell: Cell, heads: int, tokens: int, device: torch.device):
 @contextlib.contextmanager
 def full_float32_matmuls():
     """The reference must not use TF32 (~1e-3 relative error), whatever the process set before."""
-    saved = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    saved = torch.get_float32_matmul_precision()  # the reference's matmuls; it runs no cuDNN kernel
     torch.set_float32_matmul_precision("highest")
-    torch.backends.cudnn.allow_tf32 = False
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(saved[0])
-        torch.backends.cudnn.allow_tf32 = saved[1]
+        torch.set_float32_matmul_precision(saved)
 
 
 @torch.no_grad()

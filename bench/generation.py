@@ -216,17 +216,10 @@ def plot_rows(rows: list[dict], path: Path):
 
 def parse_args(argv=None):
     cuda = torch.cuda.is_available()
-    parser = BenchParser(
-        "generation",
-        __doc__,
-        quick_help="tiny CPU model, prompts of 8, 4 new tokens",
-        modes=("profile", "probe"),
-        device=("cuda" if cuda else "cpu", "cpu"),
-        dtype=("bfloat16" if cuda else "float32", "float32"),
-        dtypes=("bfloat16", "float16", "float32"),
-        budget=(480, 0),
-        name=("generate", "generate-quick"),
-    )
+    quick_help = "tiny CPU model, prompts of 8, 4 new tokens"
+    parser = BenchParser("generation", __doc__, quick_help, ("profile", "probe"), ("generate", "generate-quick"))
+    device, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
+    parser.grid_options((device, "cpu"), (dtype, "float32"), ("bfloat16", "float16", "float32"), (480, 0))
     parser.option("--backends", list(BACKENDS), ["sdpa", "manual"], nargs="+", help="attention backends")
     parser.add_argument("--caches", nargs="+", default=list(CACHES), choices=CACHES)
     parser.option("--batch-sizes", [1, 32], [1, 3], type=int, nargs="+", help="batch sizes")
@@ -280,13 +273,15 @@ def speed(argv=None) -> int:
 # ----------------------------------------------------------------------------------------------
 # profile: steady decoding, eager and compiled (where a decode step's time goes)
 
+PROFILE_TOP = 15  # kernels and host ops listed
 
-def profile_decoding(gpt: GPT, args, device: torch.device, compile: bool) -> list[str]:
-    case = Case("auto", args.cache, compile, args.batch_size, args.prompt_len, args.skip + args.tokens)
+
+def profile_decoding(gpt: GPT, case: Case, args, device: torch.device) -> list[str]:
     prompts = prompts_for(case, gpt.config.vocab_size, device)
 
     def stream():
-        return generation.stream(gpt, prompts, case.new_tokens, temperature=0, kv_cache=case.cache, compile=compile)
+        options = dict(kv_cache=case.cache, compile=case.compile)
+        return generation.stream(gpt, prompts, case.new_tokens, temperature=0, **options)
 
     for _ in stream():  # compile, record graphs
         pass
@@ -295,10 +290,10 @@ def profile_decoding(gpt: GPT, args, device: torch.device, compile: bool) -> lis
         next(tokens)
     prof, wall_ms = profiled(device, args.tokens, lambda: next(tokens))
     tokens.close()
-    lines = [f"## {'compiled' if compile else 'eager'}, {args.cache} cache", ""]
-    lines += summarize(prof, args.tokens, wall_ms, device.type == "cuda", args.top, "token")
+    lines = [f"## {'compiled' if case.compile else 'eager'}, {case.cache} cache", ""]
+    lines += summarize(prof, args.tokens, wall_ms, device.type == "cuda", PROFILE_TOP, "token")
     host = [e for e in prof.key_averages() if e.device_type.name == "CPU"]
-    top = top_table("host ops (self CPU)", host, lambda e: e.self_cpu_time_total, args.tokens, args.top, "token")
+    top = top_table("host ops (self CPU)", host, lambda e: e.self_cpu_time_total, args.tokens, PROFILE_TOP, "token")
     return lines + [""] + top
 
 
@@ -306,18 +301,14 @@ def profile(argv=None) -> int:
     doc = "torch.profiler over steady decoding: GPU time by kernel kind, host ops"
     parser = BenchParser("generation profile", doc, quick_help="tiny model on CPU")
     args = parser.parse_args(argv)
-    args.batch_size, args.cache, args.top = 1, "contiguous", 15
-    args.prompt_len, args.skip, args.tokens = (4, 1, 2) if args.quick else (128, 16, 64)
-    name = "profile-generate" + ("-quick" if args.quick else "")
+    prompt_len, args.skip, args.tokens = (4, 1, 2) if args.quick else (128, 16, 64)
     device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.manual_seed(0)
-    config = GPTConfig(block_size=1024, **model_settings(args.quick, bias=True))
-    gpt = GPT(config).to(device, dtype).eval()
     compiles = (False, True) if device.type == "cuda" else (False,)
-    sections = ["\n".join(profile_decoding(gpt, args, device, compile)) + "\n" for compile in compiles]
-    title = f": batch {args.batch_size}, prompt {args.prompt_len}, greedy, {args.tokens} tokens after {args.skip}"
-    return write_markdown(args.out, name, device, title, sections)
+    cases = [Case("auto", "contiguous", compile, 1, prompt_len, args.skip + args.tokens) for compile in compiles]
+    gpt = build_model(cases[0], args, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    sections = ["\n".join(profile_decoding(gpt, case, args, device)) + "\n" for case in cases]
+    title = f": batch 1, prompt {prompt_len}, greedy, {args.tokens} tokens after {args.skip}"
+    return write_markdown(args.out, "profile-generate" + ("-quick" if args.quick else ""), device, title, sections)
 
 
 # ----------------------------------------------------------------------------------------------

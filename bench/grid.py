@@ -22,22 +22,23 @@ from kernels.timing import timed
 
 class BenchParser(OneLineParser):
     """The command line of `python -m bench.TOOL [MODE]`: --out, --quick where quick_help says what it runs, --name
-    where `name` gives its defaults (a grid's also --device, --dtype, --budget), then options that each have a
-    full-run default and a --quick one (option())."""
+    where `name` gives its defaults, a grid's --device, --dtype and --budget (grid_options()), then options that
+    each have a full-run default and a --quick one (option())."""
 
-    def __init__(self, tool: str, doc: str, quick_help: str = "", modes: Sequence[str] = (), **common: tuple):
+    def __init__(self, tool: str, doc: str, quick_help="", modes: Sequence[str] = (), name: tuple | None = None):
         epilog = f"modes: python -m bench.{tool} {' | '.join(modes)} (each with its own --help)" if modes else None
         super().__init__(prog=f"python -m bench.{tool}", description=doc, epilog=epilog)
         self.defaults: dict[str, tuple] = {}
         if quick_help:
             self.add_argument("--quick", action="store_true", help=quick_help)
         self.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
-        if "name" in common:
-            self.option("--name", *common["name"], help="results name")
-        if "device" in common:  # a grid's: multi_gpu has none of these
-            self.option("--device", *common["device"], help="where it runs")
-            self.option("--dtype", *common["dtype"], choices=common["dtypes"], help="compute dtype")
-            self.option("--budget", *common["budget"], type=float, help="seconds for all cases, the rest skipped")
+        if name:
+            self.option("--name", *name, help="results name")
+
+    def grid_options(self, device: tuple, dtype: tuple, dtypes: Sequence[str], budget: tuple):
+        self.option("--device", *device, help="where it runs")
+        self.option("--dtype", *dtype, choices=dtypes, help="compute dtype")
+        self.option("--budget", *budget, type=float, help="seconds for all cases, the rest skipped")
 
     def option(self, flag: str, full, quick, help: str, **kwargs):
         """--flag: `full` when left unset, `quick` with --quick."""

@@ -203,15 +203,13 @@ def measure_chunks(args, device: torch.device, dtype: torch.dtype) -> list[dict]
 def context_args(argv=None) -> argparse.Namespace:
     doc = "context parallelism's chunk kernels on one device, against the reference"
     parser = BenchParser("train_step context", doc, "CPU, float64, T=256, 2 heads of 16", name=("context", "context"))
-    parser.add_argument("--T", type=int, default=32768, help="the whole sequence's length (32768)")
+    parser.option("--T", 32768, 256, type=int, help="the whole sequence's length")
     parser.add_argument("--ranks", type=int, default=2, help="ranks the sequence is split over (2)")
     parser.add_argument("--rank", type=int, default=0, help="the rank measured (0: the first and last chunks)")
     parser.add_argument("--kernels", nargs="+", default=list(CHUNK_KERNELS), choices=CHUNK_KERNELS)
-    parser.add_argument("--repeats", type=int, default=10, help="about this many timed runs (10)")
+    parser.option("--repeats", 10, 2, type=int, help="about this many timed runs")
     args = parser.parse_args(argv)
     args.heads, args.head_dim = (2, 16) if args.quick else (12, 64)
-    if args.quick:
-        args.T, args.repeats = 256, 2
     if not 0 <= args.rank < args.ranks or args.T % (2 * args.ranks):
         parser.error(f"--rank must be below --ranks ({args.ranks}) and --T a multiple of 2 x ranks; got {args.T}")
     return args
@@ -248,11 +246,7 @@ def compare_row(backend: str, log_text: str, exit_code: int) -> dict:
     # without gradients and may resolve to another backend later).
     runs = re.findall(r"attention backend: ([\w:]+)", log_text)
     row = {"backend": backend, "runs": runs[0] if runs else None, **(parsed[-1] if parsed else {})}
-    if exit_code == 0 and parsed:
-        row["status"] = "ok"
-    else:
-        last = [line for line in log_text.splitlines() if line.strip()][-1:] or ["(no output)"]
-        row["status"] = f"exit {exit_code}: {last[0][:160]}"
+    row["status"] = "ok" if exit_code == 0 and parsed else f"exit {exit_code}: {launch.failure_line(log_text)}"
     return row
 
 
@@ -321,10 +315,10 @@ def plot_curves(rows: list[dict], path: Path) -> None:
 def curves(argv=None) -> int:
     doc = "the loss curves of plain, default and plain from another seed"
     parser = BenchParser("train_step curves", doc, quick_help="tiny char model on CPU, 30 iterations")
-    parser.add_argument("--iters", type=int, default=None, help="iterations per run (default 300; --quick 30)")
+    parser.option("--iters", 300, 30, type=int, help="iterations per run")
     parser.add_argument("--work", type=Path, default=Path("out-loss-curves"), help="folder for the runs' out_dirs")
     args = parser.parse_args(argv)
-    iters = args.iters or (30 if args.quick else 300)
+    iters = args.iters
     settings = [*TINY_CHAR, "--device=cpu"] if args.quick else GPT2_SHAKESPEARE
     steps = [f"--max_iters={iters}", f"--lr_decay_iters={iters}", "--log_interval=1", f"--eval_interval={iters}"]
     start, rows, tail = time.perf_counter(), [], max(1, iters // 3)  # the last third, where the curves have settled

@@ -176,21 +176,13 @@ def plot_rows(rows: list[dict], path: Path):
     plot(rows, path, x="batch_size", panels=panels, series=lambda r: r["variant"] or r["backend"], title="train step")
 
 
-# ----------------------------------------------------------------------------------------------
-
-
 def parse_args(argv=None):
+    modes = ("profile", "phases", "context", "compare", "curves")
     parser = BenchParser(
-        "train_step",
-        __doc__,
-        quick_help="tiny CPU model, T=64, 2 steps, no compile",
-        modes=("profile", "phases", "context", "compare", "curves"),
-        device=("auto", "cpu"),
-        dtype=("auto", "auto"),  # as train.py's: bfloat16 on CUDA, else float32
-        dtypes=("auto", "bfloat16", "float16", "float32"),
-        budget=(200, 0),
-        name=("train", "train-quick"),
+        "train_step", __doc__, "tiny CPU model, T=64, 2 steps, no compile", modes, ("train", "train-quick")
     )
+    # dtype auto: as train.py's, bfloat16 on CUDA, else float32
+    parser.grid_options(("auto", "cpu"), ("auto", "auto"), ("auto", "bfloat16", "float16", "float32"), (200, 0))
     parser.option("--compile", None, "false", choices=("true", "false"), help="torch.compile; None: as train.py")
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, help="rows per switch set instead of per backend")

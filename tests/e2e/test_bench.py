@@ -211,8 +211,8 @@ def test_every_bench_takes_its_models_from_one_place():
 
 def test_bench_parser_fills_what_is_left_unset_from_the_quick_or_the_full_defaults():
     def parse(*argv):
-        common = dict(device=("cuda", "cpu"), dtype=("bfloat16", "float32"), budget=(60, 0), name=("demo", "demo-q"))
-        parser = grid.BenchParser("demo", "Demo bench.", quick_help="tiny", dtypes=("bfloat16", "float32"), **common)
+        parser = grid.BenchParser("demo", "Demo bench.", quick_help="tiny", name=("demo", "demo-q"))
+        parser.grid_options(("cuda", "cpu"), ("bfloat16", "float32"), ("bfloat16", "float32"), (60, 0))
         parser.option("--sizes", [8, 16], [1], type=int, nargs="*", help="sizes")
         return parser.parse_args(list(argv))
 
