@@ -43,14 +43,6 @@ def fit(results: dict) -> dict[str, list[list[int]]]:
     return fitted
 
 
-def updated_table(table: dict, card: str, fitted: dict, source: str) -> dict:
-    """The table file's content with `card`'s entry refitted (maskings not in `fitted` kept)."""
-    cards = dict(table.get("cards", {}))
-    entry = {"first": "flash_attn_4", **cards.get(card, {}), **fitted}
-    entry["source"] = source
-    return {**table, "cards": {**cards, card: entry}}
-
-
 def main(argv=None) -> int:
     parser = OneLineParser(prog="python -m bench.attention fit", description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path, help="an attention results JSON (python -m bench.attention)")
@@ -73,7 +65,9 @@ def main(argv=None) -> int:
     device_name = results["header"].get("device_name", card)
     source = f"fitted by python -m bench.attention fit from {args.results.name} ({device_name})"
     table = json.loads(args.table.read_text()) if args.table.exists() else {}
-    table = updated_table(table, card, fitted, source)
+    cards = dict(table.get("cards", {}))  # card's entry refitted: maskings not in `fitted` kept
+    cards[card] = {"first": "flash_attn_4", **cards.get(card, {}), **fitted, "source": source}
+    table = {**table, "cards": cards}
     print(json.dumps({card: table["cards"][card]}, indent=1))
     if args.write:
         with atomic_path(args.table) as tmp:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
 
+import numpy
 import torch
 
 import generation
@@ -45,11 +46,8 @@ class Case:
     slide: str = ""  # "": block_size fits prompt + new (no sliding); half | exact: block_size stays, rows slide
 
     def prompt_lens(self) -> list[int]:
-        if not self.mixed or self.batch_size == 1:
-            return [self.prompt_len] * self.batch_size
-        shortest = max(1, self.prompt_len // 16)
-        step = (self.prompt_len - shortest) / (self.batch_size - 1)
-        return [round(shortest + b * step) for b in range(self.batch_size)]
+        shortest = max(1, self.prompt_len // 16) if self.mixed and self.batch_size > 1 else self.prompt_len
+        return [round(n) for n in numpy.linspace(shortest, self.prompt_len, self.batch_size)]
 
 
 def default_cases(args) -> list[Case]:
@@ -238,9 +236,12 @@ def parse_args(argv=None):
     return args
 
 
-def header_fields(args, cases: list[Case]) -> dict:
+def speed(argv=None) -> int:
+    args = parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    cases = default_cases(args)
     shapes, block_size = model_settings(args.quick, bias=True), 64 if args.quick else 1024
-    return {
+    header = {
         "model": shapes,
         "grid": {"cases": [vars(c) for c in cases], "dtype": args.dtype},
         "notes": {
@@ -253,12 +254,6 @@ def header_fields(args, cases: list[Case]) -> dict:
             else "not run",
         },
     }
-
-
-def speed(argv=None) -> int:
-    args = parse_args(argv)
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    cases = default_cases(args)
     grid = dict(
         measure=lambda case: measure_case(case, args, device, dtype),
         skipped=lambda case, reason: [{**empty_row(case, dtype), "status": reason}],
@@ -266,7 +261,7 @@ def speed(argv=None) -> int:
         columns=COLUMNS,
         plot=plot_rows,
     )
-    run_grid(cases, args, device, header_fields(args, cases), **grid)
+    run_grid(cases, args, device, header, **grid)
     return 0
 
 

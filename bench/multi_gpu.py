@@ -273,19 +273,17 @@ def main(argv=None) -> int:
 
     small = ("tiny", TINY) if args.quick else ("gpt2-124M", GPT2_124M)
     large = small if args.quick else (args.fsdp_model, FSDP_MODELS[args.fsdp_model])
-    runs = ([] if args.skip_ddp else [("ddp", *small)]) + ([("fsdp", *large)] if args.fsdp else [])
-    # the FSDP models at half the micro-batch
-    micro_batch = {
-        model: args.micro_batch if model == small[0] else max(1, args.micro_batch // 2) for _, model, _ in runs
-    }
-    for parallelism, model, shape in runs:
+    half = args.micro_batch if large == small else max(1, args.micro_batch // 2)  # the FSDP models' micro-batch
+    runs = [("ddp", *small, args.micro_batch)] if not args.skip_ddp else []
+    runs += [("fsdp", *large, half)] if args.fsdp else []
+    for parallelism, model, shape, micro_batch in runs:
         for gpus in args.gpus:
-            on_row(measure(args, parallelism, model, shape, parallelism, gpus, micro_batch[model]))
-    for parallelism, model, shape in runs:
+            on_row(measure(args, parallelism, model, shape, parallelism, gpus, micro_batch))
+    for parallelism, model, shape, micro_batch in runs:
         for name, settings in args.variants:
             run, settings = f"{parallelism} {name}", settings.split(",")
             for gpus in args.variant_gpus or [g for g in args.gpus if g > 1]:
-                on_row(variant_row(args, run, model, shape, parallelism, gpus, micro_batch[model], settings))
+                on_row(variant_row(args, run, model, shape, parallelism, gpus, micro_batch, settings))
     if args.largest:
         for parallelism in args.largest_parallelism:
             largest(args, parallelism, on_row)

@@ -26,9 +26,8 @@ if [ -f /tmp/stage/SHA256SUMS ] && [ ! -d /tmp/site ]; then
         echo "staged packages: $(ls /tmp/stage | tr '\n' ' ')- not complete yet"
     fi
 fi
-if [ -d /tmp/site ]; then  # dsl_packages: what nvidia-cutlass-dsl's .pth would add in a real site folder
-    export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
-fi
+# dsl_packages: what nvidia-cutlass-dsl's .pth would add in a real site folder
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
 # flash-attn-4 compiles its kernels on first use; keep them for the next process of this machine
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-kernels
 

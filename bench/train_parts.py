@@ -22,10 +22,11 @@ import torch.distributed as dist
 
 from bench import launch
 from bench.grid import BenchParser
-from bench.report import GPT2_VOCAB, TINY, markdown_table, model_shape, plot, plot_bars, save_results
+from bench.report import GPT2_124M, GPT2_VOCAB, TINY, markdown_table, plot, plot_bars, save_results
 from kernels.timing import median_ms, timed
-from train import TrainConfig, build_model, build_train_state
+from train import TrainConfig, build_model, build_train_state, clip_and_step, train_step
 from training.context import CHUNK_KERNELS, REFERENCE, attend_chunk, resolve_chunk_kernel
+from training.parallel import gradient_sync
 from training.progress import TrainState
 from training.runtime import setup_runtime
 
@@ -72,16 +73,13 @@ PHASES = (
 
 def phase_model(quick: bool) -> dict:
     """GPT-2 124M at T=1024 (with vocab_size 50304), or the tiny --quick model at T=64."""
-    return {**model_shape(quick), "block_size": 64 if quick else 1024}
+    return {**(TINY if quick else GPT2_124M), "block_size": 64 if quick else 1024}
 
 
 def phase_works(parallelism: str, runtime, quick: bool) -> tuple:
     """What each of PHASES runs, in order, on one batch throughout (the timings do not depend on its tokens)."""
-    import train
-    from training.parallel import gradient_sync
-
     settings = dict(vocab_size=256 if quick else GPT2_VOCAB, batch_size=16, dropout=0.0, compile=not quick)
-    cfg = train.TrainConfig(**phase_model(quick), **settings, parallelism=parallelism)
+    cfg = TrainConfig(**phase_model(quick), **settings, parallelism=parallelism)
     cfg.gradient_accumulation_steps = runtime.world_size
     state = build_state(cfg, runtime)
     batch = random_batches(cfg, runtime.device, count=1)[0]
@@ -95,9 +93,9 @@ def phase_works(parallelism: str, runtime, quick: bool) -> tuple:
     return (
         lambda: forward_backward(reduce=True),
         lambda: forward_backward(reduce=False),
-        lambda: train.clip_and_step(state.optimizer, state.scaler, state.model, 1.0, runtime.dtype),
+        lambda: clip_and_step(state.optimizer, state.scaler, state.model, 1.0, runtime.dtype),
         lambda: state.optimizer.zero_grad(set_to_none=True),
-        lambda: train.train_step(state),
+        lambda: train_step(state),
     )
 
 

@@ -198,12 +198,15 @@ def parse_args(argv=None):
     return args
 
 
-def header_fields(args, cases: list[Case], dtype: torch.dtype) -> dict:
+def grid(argv=None) -> int:
+    args = parse_args(argv)
+    cases = cases_for(args)
+    probe = setup_runtime(args.device, args.dtype)  # the device and dtype every row will use
     model = model_settings(args.quick, **args.model)
     variants, case_fields = {v: VARIANTS[v] for v in args.variants or ()}, [vars(case) for case in cases]
-    return {
+    header = {
         "model": model,
-        "grid": {"backends": args.backends, "variants": variants, "cases": case_fields, "dtype": str(dtype)},
+        "grid": {"backends": args.backends, "variants": variants, "cases": case_fields, "dtype": str(probe.dtype)},
         "flop_convention": "MFU: model.flops_per_token(T) (6N + 12*L*H*D*T) * tokens / time / dense bf16 peak",
         "notes": {
             "model": ", ".join(f"{k}={v}" for k, v in model.items()),
@@ -213,12 +216,6 @@ def header_fields(args, cases: list[Case], dtype: torch.dtype) -> dict:
             "memory": "peak_mem_mib = torch.cuda.max_memory_allocated over the row; none on CPU",
         },
     }
-
-
-def grid(argv=None) -> int:
-    args = parse_args(argv)
-    cases = cases_for(args)
-    probe = setup_runtime(args.device, args.dtype)  # the device and dtype every row will use
     step_grid = dict(
         measure=lambda case: measure_case(case, args, probe.dtype),
         skipped=lambda case, reason: [{**empty_row(case, case_config(case, args), probe.dtype), "status": reason}],
@@ -227,7 +224,7 @@ def grid(argv=None) -> int:
         plot=plot_rows,
         finish=add_ratios,
     )
-    run_grid(cases, args, probe.device, header_fields(args, cases, probe.dtype), **step_grid)
+    run_grid(cases, args, probe.device, header, **step_grid)
     return 0
 
 
