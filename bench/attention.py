@@ -13,13 +13,14 @@ import functools
 import math
 import statistics
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 import kernels  # noqa: F401  (registers flash_attn_3/4, flex_attention and auto's table into model.BACKENDS)
-from bench.grid import BenchParser, cuda_graph, dispatch, failure_reason, free_device_memory, run_grid
+from bench.grid import BenchParser, dispatch, failure_reason, free_device_memory, run_grid
 from bench.report import panels_by, plot
 from kernels.timing import Timed, median_ms, timed
 from model import BACKENDS, AttentionMask, AttentionUse, resolve, sdpa_attention, why_not_sdpa_kernel
@@ -295,6 +296,25 @@ def check_forward(row: dict, first: Timed, reference: torch.Tensor) -> None:
     row["rel_err"] = (error.norm() / reference.norm()).item()
     if not math.isfinite(row["max_err"]):  # a NaN-producing kernel's time means nothing
         raise FloatingPointError(f"non-finite output (max error {row['max_err']})")
+
+
+def cuda_graph(fn: Callable[[], object], grads: Sequence[torch.Tensor], device: torch.device) -> torch.cuda.CUDAGraph:
+    """fn captured in a CUDA graph, after warm-up runs on a side stream (as torch.cuda.graph asks). grads:
+    leaves whose .grad fn accumulates into; cleared first, so the captured backward writes them afresh."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            for t in grads:
+                t.grad = None
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    for t in grads:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
 
 
 def capture_graphs(measurements: list[Measurement], device: torch.device):

@@ -8,7 +8,6 @@ from errors import as_command
 if __name__ == "__main__":  # before torch's seconds of importing: see as_command
     as_command()
 
-import contextlib
 import importlib.util
 import json
 import sys
@@ -22,7 +21,7 @@ import torch
 
 import generation
 from bench.grid import BenchParser, dispatch, fresh_row, profiled, run_grid
-from bench.report import GPT2_124M, model_settings, panels_by, plot, write_markdown
+from bench.report import GPT2_124M, model_settings, panels_by, plot, write, write_markdown
 from generation.loop import decode_step_for, generation_attention
 from kernels.timing import timed
 from model import GPT, GPTConfig
@@ -315,8 +314,7 @@ PROMPT, NEW_TOKENS, PROFILED_STEPS = 15496, 500, 20  # "Hello"
 def probe_variant(name: str, model: GPT, autocast: bool, profile_it=False, temperature=0.8, **options) -> dict:
     """Decode tokens/s after the prefill and the first decode step (the warm-up), which are timed apart."""
     device = torch.device("cuda")
-    context = torch.autocast("cuda", torch.bfloat16) if autocast else contextlib.nullcontext()
-    with context:
+    with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
         steps = generation.stream(
             model, [torch.tensor([PROMPT], device=device)], NEW_TOKENS, temperature, 200, vocab_size=50257, **options
         )
@@ -359,7 +357,7 @@ def probe(argv=None) -> int:
     rows.append(probe_variant("graph, auto, bf16 weights no autocast", half, False))
     rows.append(probe_variant("graph, auto, bf16 weights no autocast (profiled)", half, False, profile_it=True))
     summary = dict(card=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows)
-    (args.out / "sampling-probe.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write(args.out / "sampling-probe.json", json.dumps(summary, indent=1) + "\n")
     return 0
 
 

@@ -139,26 +139,3 @@ def profiled(device: torch.device, steps: int, step: Callable[[], object]) -> tu
     with profile(activities=activities) as prof:
         wall_ms = timed(lambda: [step() for _ in range(steps)], device).wall_ms / steps
     return prof, wall_ms
-
-
-# ----------------------------------------------------------------------------------------------
-# CUDA graphs (timed through kernels.timing like every call)
-
-
-def cuda_graph(fn: Callable[[], object], grads: Sequence[torch.Tensor], device: torch.device) -> torch.cuda.CUDAGraph:
-    """fn captured in a CUDA graph, after warm-up runs on a side stream (as torch.cuda.graph asks). grads:
-    leaves whose .grad fn accumulates into; cleared first, so the captured backward writes them afresh."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            for t in grads:
-                t.grad = None
-            fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    for t in grads:
-        t.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph

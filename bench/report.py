@@ -101,21 +101,23 @@ def save_results(out_dir, name: str, device: torch.device, rows: list[dict], col
     """The results writer of every bench: results_header(name, device, **fields) and the rows as <card>-<name>.json,
     .md and (when `plot` is given) .png under out_dir, each path printed. Returns the header."""
     header = results_header(name, device, **fields)
-    stem = Path(out_dir) / f"{header['card']}-{name}"
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.md"  # names may hold dots
-    json_path.write_text(json.dumps({"header": header, "rows": rows}, indent=1, default=str) + "\n")
+    stem = f"{Path(out_dir) / header['card']}-{name}"  # a name may hold dots: suffixes go after it
+    write(f"{stem}.json", json.dumps({"header": header, "rows": rows}, indent=1, default=str) + "\n")
     title = f"# {name}: {header['device_name']}, torch {header['torch']}, {header['date']}\n\n"
     notes = "".join(f"- {k}: {v}\n" for k, v in header.get("notes", {}).items())
     table = markdown_table(rows, columns)
-    md_path.write_text(title + (notes + "\n" if notes else "") + table + f"\n\n`{header['command']}`\n")
-    paths = [json_path, md_path]
+    write(f"{stem}.md", title + (notes + "\n" if notes else "") + table + f"\n\n`{header['command']}`\n")
     if plot is not None:
-        paths.append(stem.parent / f"{stem.name}.png")
-        plot(rows, paths[-1])
-    for path in paths:
-        print(f"wrote {path}")
+        plot(rows, Path(f"{stem}.png"))
+        print(f"wrote {stem}.png")
     return header
+
+
+def write(path, text: str) -> None:
+    """text into the file at path (its folder made), and the path said."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text)
+    print(f"wrote {path}")
 
 
 def write_markdown(out_dir: Path, name: str, device: torch.device, title: str, sections: list[str]) -> int:
@@ -123,11 +125,8 @@ def write_markdown(out_dir: Path, name: str, device: torch.device, title: str, s
     version)title`, written, printed, and its path said. Returns 0 (a tool's exit)."""
     card = card_slug() if device.type == "cuda" else "cpu"
     text = f"# {name} on {card} (torch {torch.__version__}){title}\n\n" + "\n".join(sections)
-    path = out_dir / f"{card}-{name}.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
     print(text)
-    print(f"wrote {path}")
+    write(out_dir / f"{card}-{name}.md", text)
     return 0
 
 
