@@ -335,8 +335,7 @@ def capture_graphs(measurements: list[Measurement], device: torch.device):
                 m.runs = eager  # its graphs go, and their memory with them
                 timing = f"eager (capture failed: {failure_reason(error)})"
                 free_device_memory()
-        for kind in eager:
-            m.row[f"{kind}_timing"] = timing
+        m.row.update({f"{kind}_timing": timing for kind in eager})
 
 
 def time_in_rounds(measurements: list[Measurement], args, device):

@@ -22,6 +22,7 @@ import torch
 import generation
 from bench.grid import BenchParser, dispatch, fresh_row, profiled, run_grid
 from bench.report import GPT2_124M, model_settings, panels_by, plot, write, write_markdown
+from configurator import parse_bool
 from generation.loop import decode_step_for, generation_attention
 from kernels.timing import timed
 from model import GPT, GPTConfig
@@ -222,7 +223,7 @@ def parse_args(argv=None):
     parser.option("--batch-sizes", [1, 32], [1, 3], type=int, nargs="+", help="batch sizes")
     parser.option("--prompt-lens", [128, 2048], [8], type=int, nargs="+", help="prompt lengths")
     parser.option("--new-tokens", 256, 4, type=int, help="tokens generated")
-    parser.option("--compile", str(cuda).lower(), "false", choices=("true", "false"), help="compiled rows too")
+    parser.option("--compile", cuda, False, type=parse_bool, help="compiled rows too, true or false")
     parser.add_argument("--compile-backends", nargs="+", default=["auto"], help="backends of the compiled rows")
     parser.add_argument("--hf", default="auto", choices=("auto", "off"), help="the transformers peer (auto: if there)")
     parser.add_argument("--mixed", action="store_true", help="prompts of 1/16 of a prompt length up to it per batch")
@@ -230,7 +231,6 @@ def parse_args(argv=None):
         "--slide", nargs="*", default=["half", "exact"], choices=("half", "exact"), help="3 windows past block_size"
     )
     args = parser.parse_args(argv)
-    args.compile = args.compile == "true"
     args.hf = args.hf == "auto" and not args.quick and importlib.util.find_spec("transformers") is not None
     return args
 

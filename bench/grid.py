@@ -75,8 +75,7 @@ def run_grid(cases: Iterable, args, device: torch.device, header: dict, **grid) 
         torch.set_num_threads(1)  # a tiny model gains nothing from threads, and a shared CPU makes them crawl
     start, rows = time.perf_counter(), []
     for case in cases:
-        elapsed = time.perf_counter() - start
-        if 0 < args.budget < elapsed:
+        if 0 < args.budget < time.perf_counter() - start:
             measured = grid["skipped"](case, f"skipped: --budget {args.budget:g} s used up")
         else:
             measured = grid["measure"](case)

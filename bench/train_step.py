@@ -21,6 +21,7 @@ import torch
 from bench import train_parts as parts
 from bench.grid import BenchParser, dispatch, fresh_row, profiled, run_grid
 from bench.report import model_settings, panels_by, plot, write_markdown
+from configurator import parse_bool
 from kernels.timing import timed
 from train import TrainConfig, train_step
 from training.profiling import summarize
@@ -183,7 +184,7 @@ def parse_args(argv=None):
     )
     # dtype auto: as train.py's, bfloat16 on CUDA, else float32
     parser.grid_options(("auto", "cpu"), ("auto", "auto"), ("auto", "bfloat16", "float16", "float32"), (200, 0))
-    parser.option("--compile", None, "false", choices=("true", "false"), help="torch.compile; None: as train.py")
+    parser.option("--compile", None, False, type=parse_bool, help="torch.compile, true or false; None: as train.py")
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, help="rows per switch set instead of per backend")
     parser.option("--batch-sizes", [16, 32, 8], [4, 8], type=int, nargs="*", help="at T=1024; the first runs first")
@@ -193,7 +194,6 @@ def parse_args(argv=None):
     parser.option("--chunks", 3, 1, type=int, help="timed chunks; the median is kept")
     parser.option("--warmup-steps", 2, 0, type=int, help="untimed steps after the first")
     args = parser.parse_args(argv)
-    args.compile = None if args.compile is None else args.compile == "true"
     args.model = dict(args.model)
     return args
 
