@@ -21,6 +21,7 @@ import torch
 
 import kernels  # noqa: F401  (registers flash_attn_3/4, flex_attention and auto's table into model.BACKENDS)
 from bench.grid import BenchParser, dispatch, failure_reason, free_device_memory, run_grid
+from bench.readme_table import backend_table
 from bench.report import panels_by, plot
 from kernels.timing import Timed, median_ms, timed
 from model import BACKENDS, AttentionMask, AttentionUse, resolve, sdpa_attention, why_not_sdpa_kernel
@@ -72,9 +73,8 @@ def parse_args(argv=None):
     parser.option("--seq-lens", list(DEFAULT_SEQ_LENS), [64, 128], type=int, nargs="+", help="T, in this order")
     parser.option("--tokens", 16384, 256, type=int, help="B*T per call (B >= 1)")
     parser.option("--heads", 16, 16, type=int, help="attention heads H, for every head dim")
-    parser.option(
-        "--backends", list(ALL_BACKENDS), list(QUICK_BACKENDS), nargs="+", choices=ALL_BACKENDS, help="in order"
-    )
+    backends = list(ALL_BACKENDS), list(QUICK_BACKENDS)
+    parser.option("--backends", *backends, nargs="+", choices=ALL_BACKENDS, help="in order")
     parser.option("--warmup-ms", 25, 5, type=float, help="do_bench warm-up per timing")
     parser.option("--rep-ms", 100, 20, type=float, help="do_bench repetition time per timing")
     parser.option("--rounds", 3, 1, type=int, help="timings per backend, interleaved over a cell's; median kept")
@@ -120,8 +120,6 @@ def grid(argv=None) -> int:
     settings.update(docs=list(args.masks), tokens_per_call=args.tokens)
     header = {"grid": settings, "flop_convention": FLOP_CONVENTION, "notes": notes}
     header, rows = run_grid(cells_in_order(args), args, device, header, **cell_grid)
-    from bench.readme_table import backend_table
-
     print(backend_table({"header": header, "rows": rows}))
     return 0
 

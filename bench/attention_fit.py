@@ -16,19 +16,16 @@ WITHOUT_FLASH_ATTN_4 = {"causal": "sdpa:auto", "documents": "flex_attention"}
 
 def fit(results: dict) -> dict[str, list[list[int]]]:
     """{masking: [[covered head dim, shortest T from which flash_attn_4 wins at every measured T], ...]}."""
-    times: dict[tuple[str, int, int], dict[str, float]] = {}
+    times: dict[tuple[str, int], dict[int, dict[str, float]]] = {}  # (masking, head dim): {T: {backend: ms}}
     for row in results["rows"]:
         if row.get("fwd_bwd_ms") is not None:
             masking = "documents" if row["docs"] else "causal"
-            times.setdefault((masking, row["head_dim"], row["seq_len"]), {})[row["backend"]] = row["fwd_bwd_ms"]
+            by_backend = times.setdefault((masking, row["head_dim"]), {}).setdefault(row["seq_len"], {})
+            by_backend[row["backend"]] = row["fwd_bwd_ms"]
     fitted: dict[str, list[list[int]]] = {}
-    for masking, head_dim in sorted({(m, d) for m, d, _ in times}):
+    for (masking, head_dim), by_seq_len in sorted(times.items()):
         rival = WITHOUT_FLASH_ATTN_4[masking]
-        cells = sorted(
-            (t, c)
-            for (m, d, t), c in times.items()
-            if (m, d) == (masking, head_dim) and "flash_attn_4" in c and rival in c
-        )
+        cells = sorted((t, c) for t, c in by_seq_len.items() if "flash_attn_4" in c and rival in c)
         start = None
         for seq_len, cell in reversed(cells):  # longest first; stop at the first T where flash-attn-4 loses
             if cell["flash_attn_4"] >= cell[rival]:

@@ -163,12 +163,9 @@ def rates(case: Case, prefill_s: float, decode_s: float) -> dict:
     }
 
 
-# ----------------------------------------------------------------------------------------------
-# The Hugging Face peer: GPT2LMHeadModel.generate with a static cache, on the same weights
-
-
 def hf_peer(case: Case, args, device, dtype) -> dict:
-    """The peer row: prefill = one forward pass over the prompts, decode = the whole generate minus it."""
+    """The Hugging Face peer's row: GPT2LMHeadModel.generate with a static cache, on the same weights; prefill = one
+    forward pass over the prompts, decode = the whole generate minus it."""
     import transformers
 
     from weights.hf import export_hf
@@ -227,9 +224,8 @@ def parse_args(argv=None):
     parser.add_argument("--compile-backends", nargs="+", default=["auto"], help="backends of the compiled rows")
     parser.add_argument("--hf", default="auto", choices=("auto", "off"), help="the transformers peer (auto: if there)")
     parser.add_argument("--mixed", action="store_true", help="prompts of 1/16 of a prompt length up to it per batch")
-    parser.add_argument(
-        "--slide", nargs="*", default=["half", "exact"], choices=("half", "exact"), help="3 windows past block_size"
-    )
+    slides = ("half", "exact")
+    parser.add_argument("--slide", nargs="*", default=list(slides), choices=slides, help="3 windows past block_size")
     args = parser.parse_args(argv)
     args.hf = args.hf == "auto" and not args.quick and importlib.util.find_spec("transformers") is not None
     return args
@@ -315,9 +311,8 @@ def probe_variant(name: str, model: GPT, autocast: bool, profile_it=False, tempe
     """Decode tokens/s after the prefill and the first decode step (the warm-up), which are timed apart."""
     device = torch.device("cuda")
     with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
-        steps = generation.stream(
-            model, [torch.tensor([PROMPT], device=device)], NEW_TOKENS, temperature, 200, vocab_size=50257, **options
-        )
+        prompt = [torch.tensor([PROMPT], device=device)]
+        steps = generation.stream(model, prompt, NEW_TOKENS, temperature, 200, vocab_size=50257, **options)
         prefill_ms, warmup_ms = (timed(lambda: next(steps), device).wall_ms for _ in range(2))
 
         def rest() -> int:  # a profiled variant's time includes the profiler's steps, its count does not

@@ -105,9 +105,8 @@ class Launch:
 
     def __init__(self, command: list[str], env: dict | None = None):
         self.start = time.perf_counter()
-        self.process = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
+        pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # stdout and stderr as one text
+        self.process = subprocess.Popen(command, cwd=ROOT, env=env, **pipe)
 
     def wait(self, timeout: float | None = None, stop_at_iter: int | None = None) -> Run:
         """Its end; or, once it logs iteration stop_at_iter, it is stopped (exit code 0: a probe has its answer,

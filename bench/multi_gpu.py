@@ -238,10 +238,8 @@ def variant_row(args, run: str, model: str, shape: dict, parallelism: str, gpus:
         if setting.startswith("--batch_size="):
             micro_batch = int(setting.partition("=")[2])
             accum_total = max(gpus, tokens // micro_batch)
-    settings = [s for s in settings if not s.startswith("--batch_size=")]
-    return measure(
-        args, run, model, shape, parallelism, gpus, micro_batch, settings, parallelism, accum_total=accum_total
-    )
+    kept = [s for s in settings if not s.startswith("--batch_size=")]  # the row's own micro-batch replaces it
+    return measure(args, run, model, shape, parallelism, gpus, micro_batch, kept, parallelism, accum_total=accum_total)
 
 
 def save(args, rows: list[dict], start: float) -> None:

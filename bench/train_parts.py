@@ -277,7 +277,7 @@ PLAIN = ["--attention_backend=sdpa", "--cross_entropy=plain"]
 RUNS = {"plain": (1337, PLAIN), "default": (1337, []), "plain, seed 2": (2, PLAIN)}  # name: (seed, switches)
 GPT2_SHAKESPEARE = [
     "--dataset=shakespeare",
-    *launch.flags({"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "batch_size": 16}),
+    *launch.flags({**GPT2_124M, "block_size": 1024, "batch_size": 16}),
     *launch.flags({"learning_rate": 6e-4, "min_lr": 6e-5, "warmup_iters": 30, "beta2": 0.95}),
 ]
 TINY_CHAR = ["--dataset=shakespeare_char", *launch.flags(TINY), "--block_size=32", "--batch_size=8", "--warmup_iters=3"]

@@ -179,9 +179,8 @@ def plot_rows(rows: list[dict], path: Path):
 
 def parse_args(argv=None):
     modes = ("profile", "phases", "context", "compare", "curves")
-    parser = BenchParser(
-        "train_step", __doc__, "tiny CPU model, T=64, 2 steps, no compile", modes, ("train", "train-quick")
-    )
+    quick_help = "tiny CPU model, T=64, 2 steps, no compile"
+    parser = BenchParser("train_step", __doc__, quick_help, modes, ("train", "train-quick"))
     # dtype auto: as train.py's, bfloat16 on CUDA, else float32
     parser.grid_options(("auto", "cpu"), ("auto", "auto"), ("auto", "bfloat16", "float16", "float32"), (200, 0))
     parser.option("--compile", None, False, type=parse_bool, help="torch.compile, true or false; None: as train.py")
