@@ -363,12 +363,7 @@ def finish_measurement(m: Measurement, cell: Cell, heads: int) -> dict:
             row[f"{kind}_tflops"] = flops[kind] / row[f"{kind}_ms"] / 1e9
             row[f"{kind}_ms_rounds"] = [round(t, 4) for t in times]
     row["fwd_status"], row["fwd_bwd_status"] = fwd, fwd_bwd = m.status["fwd"], m.status["fwd_bwd"]
-    if fwd != "ok":
-        row["status"] = fwd
-    elif fwd_bwd != "ok":
-        row["status"] = f"fwd only; fwd_bwd: {fwd_bwd}"
-    else:
-        row["status"] = "ok"
+    row["status"] = fwd if fwd != "ok" else "ok" if fwd_bwd == "ok" else f"fwd only; fwd_bwd: {fwd_bwd}"
     return row
 
 

@@ -64,9 +64,8 @@ def default_cases(args) -> list[Case]:
         cases += [Case("hf-transformers", "static", False, b, p, new) for b, p in shapes]
     if "none" in args.caches:
         cases += [Case(k, "none", False, b, p, new) for (b, p), k in product(shapes, args.backends)]
-    for slide in args.slide:  # past block_size, as sample.py runs a long sample: 3 windows of new tokens
-        window = block_size_for(args, 0, 0)
-        cases += [Case("auto", c, False, 1, 16, 3 * window, slide=slide) for c in cached]
+    window = block_size_for(args, 0, 0)  # the slide rows: past block_size, as sample.py runs a long sample
+    cases += [Case("auto", c, False, 1, 16, 3 * window, slide=slide) for slide in args.slide for c in cached]
     return cases
 
 
@@ -273,8 +272,7 @@ def profile_decoding(gpt: GPT, case: Case, args, device: torch.device) -> list[s
         options = dict(kv_cache=case.cache, compile=case.compile)
         return generation.stream(gpt, prompts, case.new_tokens, temperature=0, **options)
 
-    for _ in stream():  # compile, record graphs
-        pass
+    list(stream())  # a whole run first: compile, record graphs
     tokens = stream()
     for _ in range(args.skip):  # prefill and the first decode steps stay out of the profile
         next(tokens)

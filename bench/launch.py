@@ -55,7 +55,7 @@ def failure_line(output: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# The command and its environment
+# The command, and running it
 
 
 def flags(settings: dict) -> list[str]:
@@ -80,10 +80,6 @@ def corpus(folder: Path, longest: int = 0) -> Path:
     if not (folder / "meta.json").exists():
         prepare_text(text * copies, folder, "char")
     return folder
-
-
-# ----------------------------------------------------------------------------------------------
-# Running it
 
 
 @dataclass

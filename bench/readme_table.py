@@ -39,9 +39,7 @@ def cell_text(row: dict | None, key: str) -> str:
     if value is not None:
         return f"{value:,.0f}" if abs(value) >= 10 else f"{value:.2g}"
     status = row.get("fwd_bwd_status") or row.get("status", "")
-    if "OOM" in status:
-        return "OOM"
-    return "skipped" if status.startswith("skipped") else "n/a"
+    return "OOM" if "OOM" in status else "skipped" if status.startswith("skipped") else "n/a"
 
 
 def backend_label(rows: list[dict], backend: str) -> str:

@@ -36,10 +36,6 @@ def model_settings(quick: bool, **changes) -> dict:
     return {**shape, "vocab_size": 512 if quick else GPT2_VOCAB, "bias": False, "dropout": 0.0, **changes}
 
 
-# ----------------------------------------------------------------------------------------------
-# Device and environment
-
-
 def card_slug(device_name: str | None = None) -> str:
     """Short file-name form of the GPU's name: 'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA A100-SXM4-80GB' ->
     'a100', 'NVIDIA GeForce RTX 4090' -> 'rtx-4090'; 'cpu' without a GPU."""

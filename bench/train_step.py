@@ -75,17 +75,12 @@ def cases_for(args) -> list[Case]:
     """Most wanted first: each backend (or --variants switch set) at the first batch size, the long context at batch 1,
     then the other batch sizes; --quick: T=64, no long context."""
     seq_len, long_seq_lens = (64, []) if args.quick else (1024, args.long_seq_lens)
+    runs = [(backend, "") for backend in args.backends]
     if args.variants:
         runs = [(VARIANTS[v].get("attention_backend", "auto"), v) for v in args.variants]
-    else:
-        runs = [(backend, "") for backend in args.backends]
     cases = [Case(b, seq_len, size, v) for size in args.batch_sizes[:1] for b, v in runs]
     cases += [Case(b, t, 1, v) for t in long_seq_lens for b, v in runs]
     return cases + [Case(b, seq_len, size, v) for size in args.batch_sizes[1:] for b, v in runs]
-
-
-# ----------------------------------------------------------------------------------------------
-# Measuring one row
 
 
 def case_config(case: Case, args) -> TrainConfig:
