@@ -13,16 +13,17 @@ import functools
 import math
 import statistics
 import sys
-import time
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 import kernels  # noqa: F401  (registers flash_attn_3/4, flex_attention and auto's table into model.BACKENDS)
-from bench.grid import BenchParser, cuda_graph, dispatch, failure_reason, free_device_memory, run_grid
+from bench.grid import BenchParser, dispatch, failure_reason, free_device_memory, run_grid
+from bench.readme_table import backend_table
 from bench.report import panels_by, plot
-from kernels.timing import median_ms, synchronize
+from kernels.timing import Timed, median_ms, timed
 from model import BACKENDS, AttentionMask, AttentionUse, resolve, sdpa_attention, why_not_sdpa_kernel
 
 SDPA_VARIANTS = ("sdpa:auto", "sdpa:flash", "sdpa:cudnn", "sdpa:efficient", "sdpa:math")
@@ -64,24 +65,16 @@ def backend_and_mask(row: dict) -> str:
 
 
 def parse_args(argv=None):
-    parser = BenchParser(
-        "attention",
-        __doc__,
-        quick_help="tiny CPU run: T 64/128, D 64, float32, manual/sdpa/flex/auto (flex in one cell), with documents",
-        modes=("fit",),
-        device=("cuda" if torch.cuda.is_available() else "cpu", "cpu"),
-        dtype=("bfloat16", "float32"),
-        dtypes=("bfloat16", "float16", "float32"),
-        budget=(240, 0),
-        name=(None, "attention-quick"),  # None: attention[-docs][-<dtype>]
-    )
+    quick_help = "tiny CPU run: T 64/128, D 64, float32, manual/sdpa/flex/auto (flex in one cell), with documents"
+    parser = BenchParser("attention", __doc__, quick_help, ("fit",), (None, "attention-quick"))  # None: see below
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    parser.grid_options((device, "cpu"), ("bfloat16", "float32"), ("bfloat16", "float16", "float32"), (240, 0))
     parser.option("--head-dims", [64, 128], [64], type=int, nargs="+", help="head dims D")
     parser.option("--seq-lens", list(DEFAULT_SEQ_LENS), [64, 128], type=int, nargs="+", help="T, in this order")
     parser.option("--tokens", 16384, 256, type=int, help="B*T per call (B >= 1)")
     parser.option("--heads", 16, 16, type=int, help="attention heads H, for every head dim")
-    parser.option(
-        "--backends", list(ALL_BACKENDS), list(QUICK_BACKENDS), nargs="+", choices=ALL_BACKENDS, help="in order"
-    )
+    backends = list(ALL_BACKENDS), list(QUICK_BACKENDS)
+    parser.option("--backends", *backends, nargs="+", choices=ALL_BACKENDS, help="in order")
     parser.option("--warmup-ms", 25, 5, type=float, help="do_bench warm-up per timing")
     parser.option("--rep-ms", 100, 20, type=float, help="do_bench repetition time per timing")
     parser.option("--rounds", 3, 1, type=int, help="timings per backend, interleaved over a cell's; median kept")
@@ -127,8 +120,6 @@ def grid(argv=None) -> int:
     settings.update(docs=list(args.masks), tokens_per_call=args.tokens)
     header = {"grid": settings, "flop_convention": FLOP_CONVENTION, "notes": notes}
     header, rows = run_grid(cells_in_order(args), args, device, header, **cell_grid)
-    from bench.readme_table import backend_table
-
     print(backend_table({"header": header, "rows": rows}))
     return 0
 
@@ -147,10 +138,6 @@ class Cell:
     docs: bool
     dtype: torch.dtype
     seed: int = 0  # of the cell's random inputs
-
-
-# ----------------------------------------------------------------------------------------------
-# Inputs and the float32 reference
 
 
 def document_ids(batch: int, seq_len: int, generator: torch.Generator, n_docs: int = 4) -> torch.Tensor:
@@ -176,14 +163,12 @@ def make_inputs(cell: Cell, heads: int, tokens: int, device: torch.device):
 @contextlib.contextmanager
 def full_float32_matmuls():
     """The reference must not use TF32 (~1e-3 relative error), whatever the process set before."""
-    saved = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    saved = torch.get_float32_matmul_precision()  # the reference's matmuls; it runs no cuDNN kernel
     torch.set_float32_matmul_precision("highest")
-    torch.backends.cudnn.allow_tf32 = False
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(saved[0])
-        torch.backends.cudnn.allow_tf32 = saved[1]
+        torch.set_float32_matmul_precision(saved)
 
 
 @torch.no_grad()
@@ -231,43 +216,39 @@ def plan_backend(backend: str, cell: Cell, device: torch.device) -> tuple:
     return record.kernel, backend, record.why_not(need(False)), record.why_not(need(True))
 
 
-def memory_mib(run, device: torch.device, grads) -> float | None:
-    """Peak memory of one run() beyond what was allocated before it (inputs, mask, reference): the
-    attention's own memory, gradients of q, k, v included."""
-    if device.type != "cuda":
-        return None
+def memory_mib(run, device: torch.device, grads) -> float:
+    """Peak memory of one run() on CUDA beyond what was allocated before it (inputs, mask, reference): the
+    attention's own memory, gradients of q, k, v included (cleared before and after)."""
     for t in grads:
         t.grad = None
-    synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    run()
-    synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
+    timed(run, device)
     for t in grads:
         t.grad = None
-    return (peak - base) / 2**20
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
 @dataclass
 class Measurement:
-    """One backend in one cell: its row, and the runs still to be timed ('fwd', 'fwd_bwd' -> fn, grads)."""
+    """One backend in one cell: its row, the runs still to be timed ('fwd', 'fwd_bwd' -> fn, grads), each run's
+    status ('ok' or why it has no time) and its times, a round each."""
 
     row: dict
-    runs: dict
-    status: dict
-    times: dict
+    runs: dict = field(default_factory=dict)
+    status: dict = field(default_factory=dict)
+    times: dict = field(default_factory=lambda: {"fwd": [], "fwd_bwd": []})
 
 
 def prepare_backend(backend: str, cell: Cell, inputs, reference, args, device) -> Measurement:
-    """Everything but the timing: first call (compiles flex, builds the mask form), error, memory."""
+    """Everything but the timing: the first calls (they compile flex and flash-attn-4 and build the mask form the
+    backend needs), the forward's error, memory (of fwd+bwd; of the forward where only it runs). Any exception a
+    kernel raises (RuntimeError, a Triton compile error, OOM) is the status of its run."""
     q, k, v, grad_out, mask = inputs
     fn, resolved, forward_problem, backward_problem = plan_backend(backend, cell, device)
-    row = {**empty_row(backend, cell, q.size(0)), "resolved": resolved}
-    m = Measurement(row, {}, {}, {"fwd": [], "fwd_bwd": []})
-    skip = forward_problem or quick_skip_reason(backend, cell, args)
-    if skip:
-        m.status = {"fwd": skip, "fwd_bwd": skip}
+    m = Measurement({**empty_row(backend, cell, q.size(0)), "resolved": resolved})
+    m.status["fwd"] = m.status["fwd_bwd"] = forward_problem or quick_skip_reason(backend, cell, args)
+    if m.status["fwd"]:
         return m
     if backward_problem:  # forward-only (flex on CPU): autograd inputs would make it refuse to run
         q, k, v = (t.detach() for t in (q, k, v))
@@ -278,51 +259,60 @@ def prepare_backend(backend: str, cell: Cell, inputs, reference, args, device) -
     def forward_backward():
         fn(q, k, v, mask, 0.0).backward(grad_out)
 
-    m.status["fwd"] = first_forward(m, forward, reference, device)
+    passes = {"fwd": (forward, ())}  # and fwd+bwd, where the backward runs
+    if not backward_problem:
+        passes["fwd_bwd"] = (forward_backward, (q, k, v))
+    first_calls(m, passes, reference, device)
     if m.status["fwd"] != "ok" or backward_problem:
-        if m.status["fwd"] == "ok" and device.type == "cuda":
-            row["peak_mem_mib"], row["mem_pass"] = memory_mib(forward, device, ()), "fwd"
         m.status["fwd_bwd"] = backward_problem or m.status["fwd"]
-        return m
-    m.status["fwd_bwd"] = first_backward(m, forward_backward, (q, k, v), device)
     return m
 
 
-def first_forward(m: Measurement, forward, reference, device) -> str:
-    """The first call (compiles flex and flash-attn-4, builds the mask form the backend needs) and its error
-    against the reference: 'ok', or why it failed; any exception a kernel raises (RuntimeError, a Triton
-    compile error, OOM) is the reason."""
-    row = m.row
-    try:
-        start = time.perf_counter()
-        out = forward()
-        synchronize(device)
-        row["first_call_s"] = time.perf_counter() - start
-        error = out.detach().float() - reference
-        row["max_err"] = error.abs().max().item()
-        row["rel_err"] = (error.norm() / reference.norm()).item()
-        del out, error
-        if not math.isfinite(row["max_err"]):  # a NaN-producing kernel's time means nothing
-            raise FloatingPointError(f"non-finite output (max error {row['max_err']})")
-    except Exception as error:  # noqa: BLE001 - recorded, never swallowed
-        return failure_reason(error)
-    m.runs["fwd"] = (forward, ())
-    return "ok"
+def first_calls(m: Measurement, passes: dict, reference: torch.Tensor, device: torch.device) -> None:
+    """Each pass's first call, the forward's error, and the memory of the last pass; a pass that fails stops."""
+    for kind, (run, grads) in passes.items():
+        try:
+            first = timed(run, device)  # before memory is measured: compiling takes memory of its own
+            if kind == "fwd":
+                check_forward(m.row, first, reference)
+            del first
+            if device.type == "cuda" and kind == list(passes)[-1]:  # the memory of the largest pass that runs
+                m.row["peak_mem_mib"], m.row["mem_pass"] = memory_mib(run, device, grads), kind
+            m.runs[kind], m.status[kind] = (run, grads), "ok"
+        except Exception as error:  # noqa: BLE001 - recorded, never swallowed
+            m.status[kind] = failure_reason(error)
+            break
+        finally:
+            for t in grads:
+                t.grad = None
 
 
-def first_backward(m: Measurement, forward_backward, grads, device) -> str:
-    """The first fwd+bwd (compiles the backward of flex and flash-attn-4) and its memory: 'ok' or why not."""
-    try:
-        forward_backward()  # before memory is measured: compiling takes memory of its own
-        if device.type == "cuda":
-            m.row["peak_mem_mib"], m.row["mem_pass"] = memory_mib(forward_backward, device, grads), "fwd_bwd"
-        m.runs["fwd_bwd"] = (forward_backward, grads)
-        status = "ok"
-    except Exception as error:  # noqa: BLE001 - recorded, never swallowed
-        status = failure_reason(error)
+def check_forward(row: dict, first: Timed, reference: torch.Tensor) -> None:
+    """The first call's seconds and its output's error against the reference, which must be finite."""
+    error = first.result.detach().float() - reference
+    row["first_call_s"], row["max_err"] = first.wall_ms / 1e3, error.abs().max().item()
+    row["rel_err"] = (error.norm() / reference.norm()).item()
+    if not math.isfinite(row["max_err"]):  # a NaN-producing kernel's time means nothing
+        raise FloatingPointError(f"non-finite output (max error {row['max_err']})")
+
+
+def cuda_graph(fn: Callable[[], object], grads: Sequence[torch.Tensor], device: torch.device) -> torch.cuda.CUDAGraph:
+    """fn captured in a CUDA graph, after warm-up runs on a side stream (as torch.cuda.graph asks). grads:
+    leaves whose .grad fn accumulates into; cleared first, so the captured backward writes them afresh."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            for t in grads:
+                t.grad = None
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
     for t in grads:
         t.grad = None
-    return status
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
 
 
 def capture_graphs(measurements: list[Measurement], device: torch.device):
@@ -343,8 +333,7 @@ def capture_graphs(measurements: list[Measurement], device: torch.device):
                 m.runs = eager  # its graphs go, and their memory with them
                 timing = f"eager (capture failed: {failure_reason(error)})"
                 free_device_memory()
-        for kind in eager:
-            m.row[f"{kind}_timing"] = timing
+        m.row.update({f"{kind}_timing": timing for kind in eager})
 
 
 def time_in_rounds(measurements: list[Measurement], args, device):
@@ -364,6 +353,7 @@ def time_in_rounds(measurements: list[Measurement], args, device):
 
 
 def finish_measurement(m: Measurement, cell: Cell, heads: int) -> dict:
+    """The row: each run's median over its rounds and TFLOP/s, each run's status, and the row's status."""
     row = m.row
     forward = 4 * row["batch_size"] * heads * cell.seq_len**2 * cell.head_dim / 2  # FLOP_CONVENTION
     flops = {"fwd": forward, "fwd_bwd": 3.5 * forward}
@@ -372,7 +362,9 @@ def finish_measurement(m: Measurement, cell: Cell, heads: int) -> dict:
             row[f"{kind}_ms"] = statistics.median(times)
             row[f"{kind}_tflops"] = flops[kind] / row[f"{kind}_ms"] / 1e9
             row[f"{kind}_ms_rounds"] = [round(t, 4) for t in times]
-    return finish_row(row, m.status["fwd"], m.status["fwd_bwd"])
+    row["fwd_status"], row["fwd_bwd_status"] = fwd, fwd_bwd = m.status["fwd"], m.status["fwd_bwd"]
+    row["status"] = fwd if fwd != "ok" else "ok" if fwd_bwd == "ok" else f"fwd only; fwd_bwd: {fwd_bwd}"
+    return row
 
 
 def quick_skip_reason(backend: str, cell: Cell, args) -> str:
@@ -394,17 +386,6 @@ def empty_row(backend: str, cell: Cell, batch: int) -> dict:
     return {"backend": backend, "resolved": None, **shape, **dict.fromkeys(FIGURES + TIMES)}
 
 
-def finish_row(row: dict, fwd_status: str, fwd_bwd_status: str) -> dict:
-    row["fwd_status"], row["fwd_bwd_status"] = fwd_status, fwd_bwd_status
-    if fwd_status != "ok":
-        row["status"] = fwd_status
-    elif fwd_bwd_status != "ok":
-        row["status"] = f"fwd only; fwd_bwd: {fwd_bwd_status}"
-    else:
-        row["status"] = "ok"
-    return row
-
-
 def measure_cell(cell: Cell, args, device: torch.device) -> list[dict]:
     """Every backend's row in one cell: all prepared on the same inputs, then timed in turn (time_in_rounds)."""
     inputs = make_inputs(cell, args.heads, args.tokens, device)
@@ -424,8 +405,8 @@ def measure_cell(cell: Cell, args, device: torch.device) -> list[dict]:
 
 
 def skipped_cell(cell: Cell, reason: str, args) -> list[dict]:
-    batch = max(1, args.tokens // cell.seq_len)
-    return [finish_row(empty_row(backend, cell, batch), reason, reason) for backend in args.backends]
+    rows = [empty_row(backend, cell, max(1, args.tokens // cell.seq_len)) for backend in args.backends]
+    return [finish_measurement(Measurement(row, status={"fwd": reason, "fwd_bwd": reason}), cell, 0) for row in rows]
 
 
 def main(argv=None) -> int:

@@ -16,19 +16,16 @@ WITHOUT_FLASH_ATTN_4 = {"causal": "sdpa:auto", "documents": "flex_attention"}
 
 def fit(results: dict) -> dict[str, list[list[int]]]:
     """{masking: [[covered head dim, shortest T from which flash_attn_4 wins at every measured T], ...]}."""
-    times: dict[tuple[str, int, int], dict[str, float]] = {}
+    times: dict[tuple[str, int], dict[int, dict[str, float]]] = {}  # (masking, head dim): {T: {backend: ms}}
     for row in results["rows"]:
         if row.get("fwd_bwd_ms") is not None:
             masking = "documents" if row["docs"] else "causal"
-            times.setdefault((masking, row["head_dim"], row["seq_len"]), {})[row["backend"]] = row["fwd_bwd_ms"]
+            by_backend = times.setdefault((masking, row["head_dim"]), {}).setdefault(row["seq_len"], {})
+            by_backend[row["backend"]] = row["fwd_bwd_ms"]
     fitted: dict[str, list[list[int]]] = {}
-    for masking, head_dim in sorted({(m, d) for m, d, _ in times}):
+    for (masking, head_dim), by_seq_len in sorted(times.items()):
         rival = WITHOUT_FLASH_ATTN_4[masking]
-        cells = sorted(
-            (t, c)
-            for (m, d, t), c in times.items()
-            if (m, d) == (masking, head_dim) and "flash_attn_4" in c and rival in c
-        )
+        cells = sorted((t, c) for t, c in by_seq_len.items() if "flash_attn_4" in c and rival in c)
         start = None
         for seq_len, cell in reversed(cells):  # longest first; stop at the first T where flash-attn-4 loses
             if cell["flash_attn_4"] >= cell[rival]:
@@ -41,14 +38,6 @@ def fit(results: dict) -> dict[str, list[list[int]]]:
             )
         fitted.setdefault(masking, []).append([64 if head_dim <= 64 else 256, start])
     return fitted
-
-
-def updated_table(table: dict, card: str, fitted: dict, source: str) -> dict:
-    """The table file's content with `card`'s entry refitted (maskings not in `fitted` kept)."""
-    cards = dict(table.get("cards", {}))
-    entry = {"first": "flash_attn_4", **cards.get(card, {}), **fitted}
-    entry["source"] = source
-    return {**table, "cards": {**cards, card: entry}}
 
 
 def main(argv=None) -> int:
@@ -73,7 +62,9 @@ def main(argv=None) -> int:
     device_name = results["header"].get("device_name", card)
     source = f"fitted by python -m bench.attention fit from {args.results.name} ({device_name})"
     table = json.loads(args.table.read_text()) if args.table.exists() else {}
-    table = updated_table(table, card, fitted, source)
+    cards = dict(table.get("cards", {}))  # card's entry refitted: maskings not in `fitted` kept
+    cards[card] = {"first": "flash_attn_4", **cards.get(card, {}), **fitted, "source": source}
+    table = {**table, "cards": cards}
     print(json.dumps({card: table["cards"][card]}, indent=1))
     if args.write:
         with atomic_path(args.table) as tmp:

@@ -8,7 +8,6 @@ from errors import as_command
 if __name__ == "__main__":  # before torch's seconds of importing: see as_command
     as_command()
 
-import contextlib
 import importlib.util
 import json
 import sys
@@ -17,11 +16,13 @@ from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
 
+import numpy
 import torch
 
 import generation
-from bench.grid import BenchParser, dispatch, fresh_row, mode_parser, profiled, run_grid
-from bench.report import GPT2_124M, model_settings, panels_by, plot, write_markdown
+from bench.grid import BenchParser, dispatch, fresh_row, profiled, run_grid
+from bench.report import GPT2_124M, model_settings, panels_by, plot, write, write_markdown
+from configurator import parse_bool
 from generation.loop import decode_step_for, generation_attention
 from kernels.timing import timed
 from model import GPT, GPTConfig
@@ -45,11 +46,8 @@ class Case:
     slide: str = ""  # "": block_size fits prompt + new (no sliding); half | exact: block_size stays, rows slide
 
     def prompt_lens(self) -> list[int]:
-        if not self.mixed or self.batch_size == 1:
-            return [self.prompt_len] * self.batch_size
-        shortest = max(1, self.prompt_len // 16)
-        step = (self.prompt_len - shortest) / (self.batch_size - 1)
-        return [round(shortest + b * step) for b in range(self.batch_size)]
+        shortest = max(1, self.prompt_len // 16) if self.mixed and self.batch_size > 1 else self.prompt_len
+        return [round(n) for n in numpy.linspace(shortest, self.prompt_len, self.batch_size)]
 
 
 def default_cases(args) -> list[Case]:
@@ -66,9 +64,8 @@ def default_cases(args) -> list[Case]:
         cases += [Case("hf-transformers", "static", False, b, p, new) for b, p in shapes]
     if "none" in args.caches:
         cases += [Case(k, "none", False, b, p, new) for (b, p), k in product(shapes, args.backends)]
-    for slide in args.slide:  # past block_size, as sample.py runs a long sample: 3 windows of new tokens
-        window = block_size_for(args, 0, 0)
-        cases += [Case("auto", c, False, 1, 16, 3 * window, slide=slide) for c in cached]
+    window = block_size_for(args, 0, 0)  # the slide rows: past block_size, as sample.py runs a long sample
+    cases += [Case("auto", c, False, 1, 16, 3 * window, slide=slide) for slide in args.slide for c in cached]
     return cases
 
 
@@ -165,12 +162,9 @@ def rates(case: Case, prefill_s: float, decode_s: float) -> dict:
     }
 
 
-# ----------------------------------------------------------------------------------------------
-# The Hugging Face peer: GPT2LMHeadModel.generate with a static cache, on the same weights
-
-
 def hf_peer(case: Case, args, device, dtype) -> dict:
-    """The peer row: prefill = one forward pass over the prompts, decode = the whole generate minus it."""
+    """The Hugging Face peer's row: GPT2LMHeadModel.generate with a static cache, on the same weights; prefill = one
+    forward pass over the prompts, decode = the whole generate minus it."""
     import transformers
 
     from weights.hf import export_hf
@@ -216,38 +210,32 @@ def plot_rows(rows: list[dict], path: Path):
 
 def parse_args(argv=None):
     cuda = torch.cuda.is_available()
-    parser = BenchParser(
-        "generation",
-        __doc__,
-        quick_help="tiny CPU model, prompts of 8, 4 new tokens",
-        modes=("profile", "probe"),
-        device=("cuda" if cuda else "cpu", "cpu"),
-        dtype=("bfloat16" if cuda else "float32", "float32"),
-        dtypes=("bfloat16", "float16", "float32"),
-        budget=(480, 0),
-        name=("generate", "generate-quick"),
-    )
+    quick_help = "tiny CPU model, prompts of 8, 4 new tokens"
+    parser = BenchParser("generation", __doc__, quick_help, ("profile", "probe"), ("generate", "generate-quick"))
+    device, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
+    parser.grid_options((device, "cpu"), (dtype, "float32"), ("bfloat16", "float16", "float32"), (480, 0))
     parser.option("--backends", list(BACKENDS), ["sdpa", "manual"], nargs="+", help="attention backends")
     parser.add_argument("--caches", nargs="+", default=list(CACHES), choices=CACHES)
     parser.option("--batch-sizes", [1, 32], [1, 3], type=int, nargs="+", help="batch sizes")
     parser.option("--prompt-lens", [128, 2048], [8], type=int, nargs="+", help="prompt lengths")
     parser.option("--new-tokens", 256, 4, type=int, help="tokens generated")
-    parser.option("--compile", str(cuda).lower(), "false", choices=("true", "false"), help="compiled rows too")
+    parser.option("--compile", cuda, False, type=parse_bool, help="compiled rows too, true or false")
     parser.add_argument("--compile-backends", nargs="+", default=["auto"], help="backends of the compiled rows")
     parser.add_argument("--hf", default="auto", choices=("auto", "off"), help="the transformers peer (auto: if there)")
     parser.add_argument("--mixed", action="store_true", help="prompts of 1/16 of a prompt length up to it per batch")
-    parser.add_argument(
-        "--slide", nargs="*", default=["half", "exact"], choices=("half", "exact"), help="3 windows past block_size"
-    )
+    slides = ("half", "exact")
+    parser.add_argument("--slide", nargs="*", default=list(slides), choices=slides, help="3 windows past block_size")
     args = parser.parse_args(argv)
-    args.compile = args.compile == "true"
     args.hf = args.hf == "auto" and not args.quick and importlib.util.find_spec("transformers") is not None
     return args
 
 
-def header_fields(args, cases: list[Case]) -> dict:
+def speed(argv=None) -> int:
+    args = parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    cases = default_cases(args)
     shapes, block_size = model_settings(args.quick, bias=True), 64 if args.quick else 1024
-    return {
+    header = {
         "model": shapes,
         "grid": {"cases": [vars(c) for c in cases], "dtype": args.dtype},
         "notes": {
@@ -260,12 +248,6 @@ def header_fields(args, cases: list[Case]) -> dict:
             else "not run",
         },
     }
-
-
-def speed(argv=None) -> int:
-    args = parse_args(argv)
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    cases = default_cases(args)
     grid = dict(
         measure=lambda case: measure_case(case, args, device, dtype),
         skipped=lambda case, reason: [{**empty_row(case, dtype), "status": reason}],
@@ -273,51 +255,48 @@ def speed(argv=None) -> int:
         columns=COLUMNS,
         plot=plot_rows,
     )
-    run_grid(cases, args, device, header_fields(args, cases), **grid)
+    run_grid(cases, args, device, header, **grid)
     return 0
 
 
 # ----------------------------------------------------------------------------------------------
 # profile: steady decoding, eager and compiled (where a decode step's time goes)
 
+PROFILE_TOP = 15  # kernels and host ops listed
 
-def profile_decoding(gpt: GPT, args, device: torch.device, compile: bool) -> list[str]:
-    case = Case("auto", args.cache, compile, args.batch_size, args.prompt_len, args.skip + args.tokens)
+
+def profile_decoding(gpt: GPT, case: Case, args, device: torch.device) -> list[str]:
     prompts = prompts_for(case, gpt.config.vocab_size, device)
 
     def stream():
-        return generation.stream(gpt, prompts, case.new_tokens, temperature=0, kv_cache=case.cache, compile=compile)
+        options = dict(kv_cache=case.cache, compile=case.compile)
+        return generation.stream(gpt, prompts, case.new_tokens, temperature=0, **options)
 
-    for _ in stream():  # compile, record graphs
-        pass
+    list(stream())  # a whole run first: compile, record graphs
     tokens = stream()
     for _ in range(args.skip):  # prefill and the first decode steps stay out of the profile
         next(tokens)
     prof, wall_ms = profiled(device, args.tokens, lambda: next(tokens))
     tokens.close()
-    lines = [f"## {'compiled' if compile else 'eager'}, {args.cache} cache", ""]
-    lines += summarize(prof, args.tokens, wall_ms, device.type == "cuda", args.top, "token")
+    lines = [f"## {'compiled' if case.compile else 'eager'}, {case.cache} cache", ""]
+    lines += summarize(prof, args.tokens, wall_ms, device.type == "cuda", PROFILE_TOP, "token")
     host = [e for e in prof.key_averages() if e.device_type.name == "CPU"]
-    top = top_table("host ops (self CPU)", host, lambda e: e.self_cpu_time_total, args.tokens, args.top, "token")
+    top = top_table("host ops (self CPU)", host, lambda e: e.self_cpu_time_total, args.tokens, PROFILE_TOP, "token")
     return lines + [""] + top
 
 
 def profile(argv=None) -> int:
     doc = "torch.profiler over steady decoding: GPU time by kernel kind, host ops"
-    parser = mode_parser("generation", "profile", doc, quick="tiny model on CPU")
+    parser = BenchParser("generation profile", doc, quick_help="tiny model on CPU")
     args = parser.parse_args(argv)
-    args.batch_size, args.cache, args.top = 1, "contiguous", 15
-    args.prompt_len, args.skip, args.tokens = (4, 1, 2) if args.quick else (128, 16, 64)
-    name = "profile-generate" + ("-quick" if args.quick else "")
+    prompt_len, args.skip, args.tokens = (4, 1, 2) if args.quick else (128, 16, 64)
     device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.manual_seed(0)
-    config = GPTConfig(block_size=1024, **model_settings(args.quick, bias=True))
-    gpt = GPT(config).to(device, dtype).eval()
     compiles = (False, True) if device.type == "cuda" else (False,)
-    sections = ["\n".join(profile_decoding(gpt, args, device, compile)) + "\n" for compile in compiles]
-    title = f": batch {args.batch_size}, prompt {args.prompt_len}, greedy, {args.tokens} tokens after {args.skip}"
-    return write_markdown(args.out, name, device, title, sections)
+    cases = [Case("auto", "contiguous", compile, 1, prompt_len, args.skip + args.tokens) for compile in compiles]
+    gpt = build_model(cases[0], args, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    sections = ["\n".join(profile_decoding(gpt, case, args, device)) + "\n" for case in cases]
+    title = f": batch 1, prompt {prompt_len}, greedy, {args.tokens} tokens after {args.skip}"
+    return write_markdown(args.out, "profile-generate" + ("-quick" if args.quick else ""), device, title, sections)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -329,11 +308,9 @@ PROMPT, NEW_TOKENS, PROFILED_STEPS = 15496, 500, 20  # "Hello"
 def probe_variant(name: str, model: GPT, autocast: bool, profile_it=False, temperature=0.8, **options) -> dict:
     """Decode tokens/s after the prefill and the first decode step (the warm-up), which are timed apart."""
     device = torch.device("cuda")
-    context = torch.autocast("cuda", torch.bfloat16) if autocast else contextlib.nullcontext()
-    with context:
-        steps = generation.stream(
-            model, [torch.tensor([PROMPT], device=device)], NEW_TOKENS, temperature, 200, vocab_size=50257, **options
-        )
+    with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+        prompt = [torch.tensor([PROMPT], device=device)]
+        steps = generation.stream(model, prompt, NEW_TOKENS, temperature, 200, vocab_size=50257, **options)
         prefill_ms, warmup_ms = (timed(lambda: next(steps), device).wall_ms for _ in range(2))
 
         def rest() -> int:  # a profiled variant's time includes the profiler's steps, its count does not
@@ -350,7 +327,7 @@ def probe_variant(name: str, model: GPT, autocast: bool, profile_it=False, tempe
 
 
 def probe(argv=None) -> int:
-    parser = mode_parser("generation", "probe", "a default sampling step's tok/s per decode variant (CUDA)")
+    parser = BenchParser("generation probe", "a default sampling step's tok/s per decode variant (CUDA)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: the sampling probe times CUDA graphs on a CUDA GPU, and this machine has none", file=sys.stderr)
@@ -373,7 +350,7 @@ def probe(argv=None) -> int:
     rows.append(probe_variant("graph, auto, bf16 weights no autocast", half, False))
     rows.append(probe_variant("graph, auto, bf16 weights no autocast (profiled)", half, False, profile_it=True))
     summary = dict(card=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows)
-    (args.out / "sampling-probe.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write(args.out / "sampling-probe.json", json.dumps(summary, indent=1) + "\n")
     return 0
 
 

@@ -21,20 +21,24 @@ from kernels.timing import timed
 
 
 class BenchParser(OneLineParser):
-    """A bench's command line: --quick, --out and --name (a grid's also --device, --dtype, --budget), then options
-    that each have a full-run default and a --quick one (option())."""
+    """The command line of `python -m bench.TOOL [MODE]`: --out, --quick where quick_help says what it runs, --name
+    where `name` gives its defaults, a grid's --device, --dtype and --budget (grid_options()), then options that
+    each have a full-run default and a --quick one (option())."""
 
-    def __init__(self, tool: str, doc: str, *, quick_help: str, modes: Sequence[str] = (), **common: tuple):
+    def __init__(self, tool: str, doc: str, quick_help="", modes: Sequence[str] = (), name: tuple | None = None):
         epilog = f"modes: python -m bench.{tool} {' | '.join(modes)} (each with its own --help)" if modes else None
         super().__init__(prog=f"python -m bench.{tool}", description=doc, epilog=epilog)
         self.defaults: dict[str, tuple] = {}
-        self.add_argument("--quick", action="store_true", help=quick_help)
+        if quick_help:
+            self.add_argument("--quick", action="store_true", help=quick_help)
         self.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
-        self.option("--name", *common["name"], help="results name")
-        if "device" in common:  # a grid's: multi_gpu has none of these
-            self.option("--device", *common["device"], help="where it runs")
-            self.option("--dtype", *common["dtype"], choices=common["dtypes"], help="compute dtype")
-            self.option("--budget", *common["budget"], type=float, help="seconds for all cases, the rest skipped")
+        if name:
+            self.option("--name", *name, help="results name")
+
+    def grid_options(self, device: tuple, dtype: tuple, dtypes: Sequence[str], budget: tuple):
+        self.option("--device", *device, help="where it runs")
+        self.option("--dtype", *dtype, choices=dtypes, help="compute dtype")
+        self.option("--budget", *budget, type=float, help="seconds for all cases, the rest skipped")
 
     def option(self, flag: str, full, quick, help: str, **kwargs):
         """--flag: `full` when left unset, `quick` with --quick."""
@@ -46,7 +50,7 @@ class BenchParser(OneLineParser):
         parsed = super().parse_args(args, namespace)
         for key, (full, quick) in self.defaults.items():
             if getattr(parsed, key) is None:
-                setattr(parsed, key, quick if parsed.quick else full)
+                setattr(parsed, key, quick if getattr(parsed, "quick", False) else full)
         return parsed
 
 
@@ -56,15 +60,6 @@ def dispatch(argv, default: Callable[[list[str]], int], **modes: Callable[[list[
     if argv and argv[0] in modes:
         return modes[argv[0]](argv[1:])
     return default(argv)
-
-
-def mode_parser(tool: str, mode: str, description: str, quick: str = "") -> OneLineParser:
-    """The command line of `python -m bench.TOOL MODE`: --out, and --quick when `quick` says what it runs."""
-    parser = OneLineParser(prog=f"python -m bench.{tool} {mode}", description=description)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder (default bench/results)")
-    if quick:
-        parser.add_argument("--quick", action="store_true", help=quick)
-    return parser
 
 
 # ----------------------------------------------------------------------------------------------
@@ -80,8 +75,7 @@ def run_grid(cases: Iterable, args, device: torch.device, header: dict, **grid) 
         torch.set_num_threads(1)  # a tiny model gains nothing from threads, and a shared CPU makes them crawl
     start, rows = time.perf_counter(), []
     for case in cases:
-        elapsed = time.perf_counter() - start
-        if 0 < args.budget < elapsed:
+        if 0 < args.budget < time.perf_counter() - start:
             measured = grid["skipped"](case, f"skipped: --budget {args.budget:g} s used up")
         else:
             measured = grid["measure"](case)
@@ -144,26 +138,3 @@ def profiled(device: torch.device, steps: int, step: Callable[[], object]) -> tu
     with profile(activities=activities) as prof:
         wall_ms = timed(lambda: [step() for _ in range(steps)], device).wall_ms / steps
     return prof, wall_ms
-
-
-# ----------------------------------------------------------------------------------------------
-# CUDA graphs (timed through kernels.timing like every call)
-
-
-def cuda_graph(fn: Callable[[], object], grads: Sequence[torch.Tensor], device: torch.device) -> torch.cuda.CUDAGraph:
-    """fn captured in a CUDA graph, after warm-up runs on a side stream (as torch.cuda.graph asks). grads:
-    leaves whose .grad fn accumulates into; cleared first, so the captured backward writes them afresh."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            for t in grads:
-                t.grad = None
-            fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    for t in grads:
-        t.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph

@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # ----------------------------------------------------------------------------------------------
 # train.py's log lines (training/progress.py's format_log_line)
 
-LOG_LINE = re.compile(
-    r"iter (?P<iter>\d+) \| loss (?P<loss>\S+) \| lr (?P<lr>\S+) \| (?P<ms>[\d.]+) ms \| (?P<tok_s>[\d,]+) tok/s \| "
-    r"MFU (?P<mfu>[\d.]+%|n/a) \| mem (?P<mem>[\d.]+) GiB"
+LOG_LINE = re.compile(  # group names: the keys of parse_log_line's dict
+    r"iter (?P<iter>\d+) \| loss (?P<loss>\S+) \| lr (?P<lr>\S+) \| (?P<ms_per_iter>[\d.]+) ms \| "
+    r"(?P<tokens_per_sec>[\d,]+) tok/s \| MFU (?P<mfu>[\d.]+%|n/a) \| mem (?P<mem_gib>[\d.]+) GiB"
 )
 
 
@@ -32,16 +32,10 @@ def parse_log_line(line: str) -> dict | None:
     match = LOG_LINE.search(line)
     if match is None:
         return None
-    mfu = match["mfu"]
-    return {
-        "iter": int(match["iter"]),
-        "loss": float(match["loss"]),
-        "lr": float(match["lr"]),
-        "ms_per_iter": float(match["ms"]),
-        "tokens_per_sec": float(match["tok_s"].replace(",", "")),
-        "mfu": None if mfu == "n/a" else float(mfu.rstrip("%")) / 100,
-        "mem_gib": float(match["mem"]),
-    }
+    fields = {key: float(text.replace(",", "").rstrip("%")) for key, text in match.groupdict().items() if text != "n/a"}
+    fields["iter"] = int(fields["iter"])
+    fields["mfu"] = fields["mfu"] / 100 if "mfu" in fields else None  # n/a: no peak FLOP/s known for the device
+    return fields
 
 
 def log_lines(output: str) -> list[dict]:
@@ -61,7 +55,7 @@ def failure_line(output: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# The command and its environment
+# The command, and running it
 
 
 def flags(settings: dict) -> list[str]:
@@ -88,10 +82,6 @@ def corpus(folder: Path, longest: int = 0) -> Path:
     return folder
 
 
-# ----------------------------------------------------------------------------------------------
-# Running it
-
-
 @dataclass
 class Run:
     """A finished run: exit code (124 past its timeout; 0 once stopped at the iteration waited for), stdout and
@@ -111,9 +101,8 @@ class Launch:
 
     def __init__(self, command: list[str], env: dict | None = None):
         self.start = time.perf_counter()
-        self.process = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
+        pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # stdout and stderr as one text
+        self.process = subprocess.Popen(command, cwd=ROOT, env=env, **pipe)
 
     def wait(self, timeout: float | None = None, stop_at_iter: int | None = None) -> Run:
         """Its end; or, once it logs iteration stop_at_iter, it is stopped (exit code 0: a probe has its answer,
@@ -157,10 +146,8 @@ def kill_tree(pid: int) -> None:
         with contextlib.suppress(OSError, ValueError, IndexError):
             fields = stat.read_text().rsplit(")", 1)[1].split()
             children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    family, index = [pid], 0
-    while index < len(family):
-        family += children.get(family[index], [])
-        index += 1
-    for member in family:
+    family = [pid]
+    for member in family:  # the list grows as it is walked: each member's children join it
+        family += children.get(member, [])
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(member, signal.SIGKILL)

@@ -63,10 +63,10 @@ def run_settings(args, shape: dict, parallelism: str, micro_batch: int, accum_to
 def measure(args, run, model, shape, parallelism, gpus, micro_batch, settings=(), baseline=None, **own) -> dict:
     """One row: train.py under torchrun on `gpus` processes, its iter lines past the warmup summed up. `own`:
     warmup, stop_at_iter, block_size and accum_total (micro-steps over all GPUs) of this run, else the bench's."""
-    warmup, stop_at_iter = own.get("warmup", args.warmup), own.get("stop_at_iter")
-    accum_total, block_size = own.get("accum_total"), own.get("block_size")
-    accum_total = accum_total or max(args.gpus) * args.accum
-    block_size = block_size or args.block_size
+    # stopped once it logs its last step: its checkpoint (minutes for GPT-2 XL) is not what is measured
+    warmup, last_iter = own.get("warmup", args.warmup), own.get("stop_at_iter", args.iters)
+    accum_total = own.get("accum_total", max(args.gpus) * args.accum)
+    block_size = own.get("block_size", args.block_size)
     row = {
         "run": run,
         "baseline": baseline or run,  # the run whose 1-GPU row scales this one
@@ -80,11 +80,8 @@ def measure(args, run, model, shape, parallelism, gpus, micro_batch, settings=()
         "tokens_per_step": accum_total * micro_batch * block_size,
     }
     settings = run_settings(args, shape, parallelism, micro_batch, accum_total, block_size) + list(settings)
-    out_dir = args.work / f"{run}-{model}-{gpus}"
-    settings += [f"--out_dir={out_dir}", "--overwrite_out_dir=true"]
+    settings += [f"--out_dir={args.work / f'{run}-{model}-{gpus}'}", "--overwrite_out_dir=true"]
     command = launch.train_command(settings, ["--standalone", f"--nproc_per_node={gpus}"])
-    # stopped once it logs its last step: its checkpoint (minutes for GPT-2 XL) is not what is measured
-    last_iter = stop_at_iter or args.iters
     result = launch.run(command, torchrun_env(args.quick), args.timeout, last_iter)
     shaped = [arg[2:] for arg in args.extra if arg.split("=")[0] in SHAPE_SETTINGS]
     if shaped:  # settings after -- changed the model: its name says how, and train.py counts its parameters
@@ -100,13 +97,13 @@ def figures(result: launch.Run, warmup: int, last_iter: int, gpus: int) -> dict:
     at the same iteration (the loss a row ends with is then comparable)."""
     lines = [line for line in result.lines if line["iter"] <= last_iter]
     steady = [line for line in lines if line["iter"] > warmup]
+    wall_s = round(result.seconds, 1)
     if result.code != 0 or not steady:
-        failure = launch.failure_line(result.output)
-        return {"wall_s": round(result.seconds, 1), "status": f"exit {result.code}: {failure}"}
+        return {"wall_s": wall_s, "status": f"exit {result.code}: {launch.failure_line(result.output)}"}
     mfus = [line["mfu"] for line in steady if line["mfu"] is not None]
     tokens_per_sec = statistics.median(line["tokens_per_sec"] for line in steady)
     return {
-        "wall_s": round(result.seconds, 1),
+        "wall_s": wall_s,
         "ms_per_iter": statistics.median(line["ms_per_iter"] for line in steady),
         "tokens_per_sec": tokens_per_sec,
         "mfu": statistics.median(mfus) if mfus else None,
@@ -199,7 +196,7 @@ def plot_rows(rows: list[dict], path: Path) -> None:
 
 def parse_args(argv=None):
     quick_help = "CPU, gloo, tiny model: checks the script"
-    parser = BenchParser("multi_gpu", __doc__, quick_help=quick_help, name=("ddp", "ddp-quick"))
+    parser = BenchParser("multi_gpu", __doc__, quick_help, name=("ddp", "ddp-quick"))
     parser.option("--gpus", [1, 2, 4], [1, 2], type=int, nargs="+", help="GPU counts")
     parser.option("--micro-batch", 16, 4, type=int, help="sequences per GPU and micro-step")
     parser.add_argument("--accum", type=int, default=2, help="micro-steps per GPU on the largest GPU count (2)")
@@ -241,10 +238,8 @@ def variant_row(args, run: str, model: str, shape: dict, parallelism: str, gpus:
         if setting.startswith("--batch_size="):
             micro_batch = int(setting.partition("=")[2])
             accum_total = max(gpus, tokens // micro_batch)
-    settings = [s for s in settings if not s.startswith("--batch_size=")]
-    return measure(
-        args, run, model, shape, parallelism, gpus, micro_batch, settings, parallelism, accum_total=accum_total
-    )
+    kept = [s for s in settings if not s.startswith("--batch_size=")]  # the row's own micro-batch replaces it
+    return measure(args, run, model, shape, parallelism, gpus, micro_batch, kept, parallelism, accum_total=accum_total)
 
 
 def save(args, rows: list[dict], start: float) -> None:
@@ -276,19 +271,17 @@ def main(argv=None) -> int:
 
     small = ("tiny", TINY) if args.quick else ("gpt2-124M", GPT2_124M)
     large = small if args.quick else (args.fsdp_model, FSDP_MODELS[args.fsdp_model])
-    runs = ([] if args.skip_ddp else [("ddp", *small)]) + ([("fsdp", *large)] if args.fsdp else [])
-    # the FSDP models at half the micro-batch
-    micro_batch = {
-        model: args.micro_batch if model == small[0] else max(1, args.micro_batch // 2) for _, model, _ in runs
-    }
-    for parallelism, model, shape in runs:
+    half = args.micro_batch if large == small else max(1, args.micro_batch // 2)  # the FSDP models' micro-batch
+    runs = [("ddp", *small, args.micro_batch)] if not args.skip_ddp else []
+    runs += [("fsdp", *large, half)] if args.fsdp else []
+    for parallelism, model, shape, micro_batch in runs:
         for gpus in args.gpus:
-            on_row(measure(args, parallelism, model, shape, parallelism, gpus, micro_batch[model]))
-    for parallelism, model, shape in runs:
+            on_row(measure(args, parallelism, model, shape, parallelism, gpus, micro_batch))
+    for parallelism, model, shape, micro_batch in runs:
         for name, settings in args.variants:
             run, settings = f"{parallelism} {name}", settings.split(",")
             for gpus in args.variant_gpus or [g for g in args.gpus if g > 1]:
-                on_row(variant_row(args, run, model, shape, parallelism, gpus, micro_batch[model], settings))
+                on_row(variant_row(args, run, model, shape, parallelism, gpus, micro_batch, settings))
     if args.largest:
         for parallelism in args.largest_parallelism:
             largest(args, parallelism, on_row)

@@ -27,10 +27,6 @@ def markers(docs: bool = False, train: bool = False) -> tuple[str, str]:
     return f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
 
 
-# ----------------------------------------------------------------------------------------------
-# The table
-
-
 def short_t(seq_len: int) -> str:
     return f"{seq_len // 1024}k" if seq_len % 1024 == 0 else str(seq_len)
 
@@ -43,9 +39,7 @@ def cell_text(row: dict | None, key: str) -> str:
     if value is not None:
         return f"{value:,.0f}" if abs(value) >= 10 else f"{value:.2g}"
     status = row.get("fwd_bwd_status") or row.get("status", "")
-    if "OOM" in status:
-        return "OOM"
-    return "skipped" if status.startswith("skipped") else "n/a"
+    return "OOM" if "OOM" in status else "skipped" if status.startswith("skipped") else "n/a"
 
 
 def backend_label(rows: list[dict], backend: str) -> str:
@@ -67,9 +61,8 @@ def backend_table(results: dict, docs: bool = False, source: str | None = None) 
     head_dims = sorted({r["head_dim"] for r in rows})
     present = sorted({r["seq_len"] for r in rows})
     shown = [t for t in README_SEQ_LENS if t in present] or present[:4]
-    longest = max(
-        (t for t in present if all((b, d, t) in index for b in backends for d in head_dims)), default=present[-1]
-    )
+    complete = [t for t in present if all((b, d, t) in index for b in backends for d in head_dims)]
+    longest = max(complete, default=present[-1])
     titles = [f"D={d} T={short_t(t)}" for d in head_dims for t in shown]
     titles += [f"mem D={d} T={short_t(longest)} (MiB)" for d in head_dims]
     lines = ["| backend | " + " | ".join(titles) + " |", "|---|" + "---:|" * len(titles)]
@@ -102,10 +95,8 @@ def train_table(results_list: list[dict], sources: list[str]) -> str:
             name = f"auto (→ {r['resolved']})" if r["backend"] == "auto" else r["backend"]
             mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "n/a"
             mem = f"{r['peak_mem_mib'] / 1024:.1f} GiB" if r.get("peak_mem_mib") is not None else "n/a"
-            lines.append(
-                f"| {name} | {r['seq_len']} | {r['batch_size']} | {r['ms_per_iter']:.1f} | "
-                f"{r['tokens_per_sec']:,.0f} | {mfu} | {mem} |"
-            )
+            speed = f"{r['ms_per_iter']:.1f} | {r['tokens_per_sec']:,.0f}"
+            lines.append(f"| {name} | {r['seq_len']} | {r['batch_size']} | {speed} | {mfu} | {mem} |")
     header = results_list[0]["header"]
     files = ", ".join(f"`{s}`" for s in sources)
     lines += [

@@ -29,19 +29,11 @@ GPT2_VOCAB = 50304
 TINY = {"n_layer": 2, "n_head": 2, "n_embd": 64}
 
 
-def model_shape(quick: bool) -> dict:
-    """A copy of TINY (quick) or of GPT2_124M."""
-    return dict(TINY if quick else GPT2_124M)
-
-
 def model_settings(quick: bool, **changes) -> dict:
     """GPT-2 124M (or the tiny --quick model) as the step and generation grids run it: no bias, no dropout, GPT-2's
     padded vocabulary (512 --quick); `changes` over it."""
-    return {**model_shape(quick), "vocab_size": 512 if quick else GPT2_VOCAB, "bias": False, "dropout": 0.0, **changes}
-
-
-# ----------------------------------------------------------------------------------------------
-# Device and environment
+    shape = TINY if quick else GPT2_124M
+    return {**shape, "vocab_size": 512 if quick else GPT2_VOCAB, "bias": False, "dropout": 0.0, **changes}
 
 
 def card_slug(device_name: str | None = None) -> str:
@@ -63,7 +55,7 @@ def results_header(name: str, device: torch.device, **extra) -> dict:
     """What a reader needs to trust or reproduce the numbers: card, versions, date, command line."""
     report = attention_report(device)
     on_gpu = device.type == "cuda"
-    header = {
+    return {
         "bench": name,
         "card": card_slug(torch.cuda.get_device_name(device)) if on_gpu else "cpu",
         "device_name": torch.cuda.get_device_name(device) if on_gpu else "cpu",
@@ -79,9 +71,8 @@ def results_header(name: str, device: torch.device, **extra) -> dict:
         "auto_picks": report["auto"],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        **extra,
     }
-    header.update(extra)
-    return header
 
 
 # ----------------------------------------------------------------------------------------------
@@ -106,21 +97,23 @@ def save_results(out_dir, name: str, device: torch.device, rows: list[dict], col
     """The results writer of every bench: results_header(name, device, **fields) and the rows as <card>-<name>.json,
     .md and (when `plot` is given) .png under out_dir, each path printed. Returns the header."""
     header = results_header(name, device, **fields)
-    stem = Path(out_dir) / f"{header['card']}-{name}"
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.md"  # names may hold dots
-    json_path.write_text(json.dumps({"header": header, "rows": rows}, indent=1, default=str) + "\n")
+    stem = f"{Path(out_dir) / header['card']}-{name}"  # a name may hold dots: suffixes go after it
+    write(f"{stem}.json", json.dumps({"header": header, "rows": rows}, indent=1, default=str) + "\n")
     title = f"# {name}: {header['device_name']}, torch {header['torch']}, {header['date']}\n\n"
     notes = "".join(f"- {k}: {v}\n" for k, v in header.get("notes", {}).items())
     table = markdown_table(rows, columns)
-    md_path.write_text(title + (notes + "\n" if notes else "") + table + f"\n\n`{header['command']}`\n")
-    paths = [json_path, md_path]
+    write(f"{stem}.md", title + (notes + "\n" if notes else "") + table + f"\n\n`{header['command']}`\n")
     if plot is not None:
-        paths.append(stem.parent / f"{stem.name}.png")
-        plot(rows, paths[-1])
-    for path in paths:
-        print(f"wrote {path}")
+        plot(rows, Path(f"{stem}.png"))
+        print(f"wrote {stem}.png")
     return header
+
+
+def write(path, text: str) -> None:
+    """text into the file at path (its folder made), and the path said."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text)
+    print(f"wrote {path}")
 
 
 def write_markdown(out_dir: Path, name: str, device: torch.device, title: str, sections: list[str]) -> int:
@@ -128,29 +121,18 @@ def write_markdown(out_dir: Path, name: str, device: torch.device, title: str, s
     version)title`, written, printed, and its path said. Returns 0 (a tool's exit)."""
     card = card_slug() if device.type == "cuda" else "cpu"
     text = f"# {name} on {card} (torch {torch.__version__}){title}\n\n" + "\n".join(sections)
-    path = out_dir / f"{card}-{name}.md"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
     print(text)
-    print(f"wrote {path}")
+    write(out_dir / f"{card}-{name}.md", text)
     return 0
-
-
-def pyplot():
-    """matplotlib.pyplot drawing into files: no display on the bench machines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def plot(rows: list[dict], path: Path, *, x: str, panels, series: Callable[[dict], str], title="", log_x=False):
     """One panel per (title, y key, its rows) of `panels`: y against x, one line per series(row); a row without a
     positive y leaves a gap. A `scaling` panel gets a line at 1.0 (perfect scaling)."""
-    plt = pyplot()
-    figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels) + 1, 4.5), squeeze=False)
+    from matplotlib.figure import Figure  # here: importing this module stays cheap; no pyplot, no display
+
+    figure = Figure(figsize=(5.5 * len(panels) + 1, 4.5))
+    axes = figure.subplots(1, len(panels), squeeze=False)
     for axis, (name, y, shown) in zip(axes[0], panels):
         for label in dict.fromkeys(series(r) for r in shown):
             mine = [r for r in shown if series(r) == label and isinstance(r.get(y), (int, float)) and r[y] > 0]
@@ -166,7 +148,6 @@ def plot(rows: list[dict], path: Path, *, x: str, panels, series: Callable[[dict
     figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
-    plt.close(figure)
 
 
 def panels_by(rows: list[dict], key: str, y: str) -> list:
@@ -180,13 +161,14 @@ def plot_bars(label: str, value: str, title: str) -> Callable[[list[dict], Path]
     """save_results' plot: horizontal bars of row[value], one per row, labelled label.format(**row)."""
 
     def draw(rows: list[dict], path: Path):
-        plt = pyplot()
-        figure, axis = plt.subplots(figsize=(9, 1 + 0.4 * len(rows)))
+        from matplotlib.figure import Figure
+
+        figure = Figure(figsize=(9, 1 + 0.4 * len(rows)))
+        axis = figure.subplots()
         axis.barh([label.format(**row) for row in rows], [row[value] or 0 for row in rows])
         axis.invert_yaxis()
         axis.set(xlabel=value, title=title)
         figure.tight_layout()
         figure.savefig(path, dpi=110)
-        plt.close(figure)
 
     return draw

@@ -17,9 +17,7 @@ export PYTHONUNBUFFERED=1
 if ls .whl/flash_attn-*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/fa .whl/flash_attn-*.whl && export PYTHONPATH=/tmp/fa:${PYTHONPATH:-}
 fi
-if ls .stage*/* >/dev/null 2>&1; then
-    mkdir -p /tmp/stage && for part in .stage*/*; do cp "$part" /tmp/stage/; done
-fi
+mkdir -p /tmp/stage && cp .stage*/* /tmp/stage/ 2>/dev/null  # the parts that have arrived
 if [ -f /tmp/stage/SHA256SUMS ] && [ ! -d /tmp/site ]; then
     if (cd /tmp/stage && cat site.tar.xz.part-* > site.tar.xz && sha256sum -c --quiet SHA256SUMS); then
         mkdir -p /tmp/site.new && tar xJf /tmp/stage/site.tar.xz -C /tmp/site.new && mv /tmp/site.new /tmp/site
@@ -28,9 +26,8 @@ if [ -f /tmp/stage/SHA256SUMS ] && [ ! -d /tmp/site ]; then
         echo "staged packages: $(ls /tmp/stage | tr '\n' ' ')- not complete yet"
     fi
 fi
-if [ -d /tmp/site ]; then  # dsl_packages: what nvidia-cutlass-dsl's .pth would add in a real site folder
-    export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
-fi
+# dsl_packages: what nvidia-cutlass-dsl's .pth would add in a real site folder
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
 # flash-attn-4 compiles its kernels on first use; keep them for the next process of this machine
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-kernels
 

@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 
 from bench import launch
-from bench.grid import mode_parser
-from bench.report import GPT2_VOCAB, TINY, markdown_table, model_shape, plot, plot_bars, save_results
+from bench.grid import BenchParser
+from bench.report import GPT2_124M, GPT2_VOCAB, TINY, markdown_table, plot, plot_bars, save_results
 from kernels.timing import median_ms, timed
-from train import TrainConfig, build_model, build_train_state
+from train import TrainConfig, build_model, build_train_state, clip_and_step, train_step
 from training.context import CHUNK_KERNELS, REFERENCE, attend_chunk, resolve_chunk_kernel
+from training.parallel import gradient_sync
 from training.progress import TrainState
 from training.runtime import setup_runtime
 
@@ -72,16 +73,13 @@ PHASES = (
 
 def phase_model(quick: bool) -> dict:
     """GPT-2 124M at T=1024 (with vocab_size 50304), or the tiny --quick model at T=64."""
-    return {**model_shape(quick), "block_size": 64 if quick else 1024}
+    return {**(TINY if quick else GPT2_124M), "block_size": 64 if quick else 1024}
 
 
 def phase_works(parallelism: str, runtime, quick: bool) -> tuple:
     """What each of PHASES runs, in order, on one batch throughout (the timings do not depend on its tokens)."""
-    import train
-    from training.parallel import gradient_sync
-
     settings = dict(vocab_size=256 if quick else GPT2_VOCAB, batch_size=16, dropout=0.0, compile=not quick)
-    cfg = train.TrainConfig(**phase_model(quick), **settings, parallelism=parallelism)
+    cfg = TrainConfig(**phase_model(quick), **settings, parallelism=parallelism)
     cfg.gradient_accumulation_steps = runtime.world_size
     state = build_state(cfg, runtime)
     batch = random_batches(cfg, runtime.device, count=1)[0]
@@ -95,9 +93,9 @@ def phase_works(parallelism: str, runtime, quick: bool) -> tuple:
     return (
         lambda: forward_backward(reduce=True),
         lambda: forward_backward(reduce=False),
-        lambda: train.clip_and_step(state.optimizer, state.scaler, state.model, 1.0, runtime.dtype),
+        lambda: clip_and_step(state.optimizer, state.scaler, state.model, 1.0, runtime.dtype),
         lambda: state.optimizer.zero_grad(set_to_none=True),
-        lambda: train.train_step(state),
+        lambda: train_step(state),
     )
 
 
@@ -131,13 +129,11 @@ def time_phases(parallelism: str, runtime, steps: int, quick: bool) -> list[dict
 
 def phases(argv=None) -> int:
     doc = "one optimizer step phase by phase, DDP and FSDP (under torchrun)"
-    parser = mode_parser("train_step", "phases", doc, quick="CPU, gloo, a tiny model: checks the script")
+    quick_help = "CPU, gloo, a tiny model: checks the script"
+    parser = BenchParser("train_step phases", doc, quick_help, name=("step-phases", "step-phases-quick"))
     parser.add_argument("parallelism", nargs="+", choices=("ddp", "fsdp"))
     parser.add_argument("--steps", type=int, default=20, help="steps per parallelism; the first quarter is left out")
-    parser.add_argument("--name", default=None, help="results name (default step-phases; --quick step-phases-quick)")
     args = parser.parse_args(argv)
-    from training.runtime import setup_runtime
-
     ranks = int(os.environ.get("WORLD_SIZE", "1"))  # one micro-step per rank
     device, dtype, backend = ("cpu", "float32", "gloo") if args.quick else ("auto", "auto", "nccl")
     runtime = setup_runtime(device, dtype, backend, ranks)
@@ -146,8 +142,7 @@ def phases(argv=None) -> int:
         print(markdown_table(rows, PHASE_COLUMNS))
         model = ", ".join(f"{key} {value}" for key, value in phase_model(args.quick).items())
         notes = {"model": f"{model}, micro-batch 16, one micro-step per rank", "environment": "NCCL_NVLS_ENABLE=0"}
-        name = args.name or ("step-phases-quick" if args.quick else "step-phases")
-        save_results(args.out, name, runtime.device, rows, PHASE_COLUMNS, PLOT_PHASES, notes=notes)
+        save_results(args.out, args.name, runtime.device, rows, PHASE_COLUMNS, PLOT_PHASES, notes=notes)
     if runtime.ddp:
         dist.destroy_process_group()
     return 0
@@ -205,17 +200,14 @@ def measure_chunks(args, device: torch.device, dtype: torch.dtype) -> list[dict]
 
 def context_args(argv=None) -> argparse.Namespace:
     doc = "context parallelism's chunk kernels on one device, against the reference"
-    parser = mode_parser("train_step", "context", doc, quick="CPU, float64, T=256, 2 heads of 16")
-    parser.add_argument("--T", type=int, default=32768, help="the whole sequence's length (32768)")
+    parser = BenchParser("train_step context", doc, "CPU, float64, T=256, 2 heads of 16", name=("context", "context"))
+    parser.option("--T", 32768, 256, type=int, help="the whole sequence's length")
     parser.add_argument("--ranks", type=int, default=2, help="ranks the sequence is split over (2)")
     parser.add_argument("--rank", type=int, default=0, help="the rank measured (0: the first and last chunks)")
     parser.add_argument("--kernels", nargs="+", default=list(CHUNK_KERNELS), choices=CHUNK_KERNELS)
-    parser.add_argument("--repeats", type=int, default=10, help="about this many timed runs (10)")
-    parser.add_argument("--name", default="context")
+    parser.option("--repeats", 10, 2, type=int, help="about this many timed runs")
     args = parser.parse_args(argv)
     args.heads, args.head_dim = (2, 16) if args.quick else (12, 64)
-    if args.quick:
-        args.T, args.repeats = 256, 2
     if not 0 <= args.rank < args.ranks or args.T % (2 * args.ranks):
         parser.error(f"--rank must be below --ranks ({args.ranks}) and --T a multiple of 2 x ranks; got {args.T}")
     return args
@@ -252,16 +244,12 @@ def compare_row(backend: str, log_text: str, exit_code: int) -> dict:
     # without gradients and may resolve to another backend later).
     runs = re.findall(r"attention backend: ([\w:]+)", log_text)
     row = {"backend": backend, "runs": runs[0] if runs else None, **(parsed[-1] if parsed else {})}
-    if exit_code == 0 and parsed:
-        row["status"] = "ok"
-    else:
-        last = [line for line in log_text.splitlines() if line.strip()][-1:] or ["(no output)"]
-        row["status"] = f"exit {exit_code}: {last[0][:160]}"
+    row["status"] = "ok" if exit_code == 0 and parsed else f"exit {exit_code}: {launch.failure_line(log_text)}"
     return row
 
 
 def compare(argv=None) -> int:
-    parser = mode_parser("train_step", "compare", "train.py once per attention backend: its last log line each")
+    parser = BenchParser("train_step compare", "train.py once per attention backend: its last log line each")
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), help=f"default {' '.join(BACKENDS)}")
     parser.add_argument("train_args", nargs="*", help="train.py's config file and --key=value settings (after --)")
     args = parser.parse_args(argv)
@@ -289,7 +277,7 @@ PLAIN = ["--attention_backend=sdpa", "--cross_entropy=plain"]
 RUNS = {"plain": (1337, PLAIN), "default": (1337, []), "plain, seed 2": (2, PLAIN)}  # name: (seed, switches)
 GPT2_SHAKESPEARE = [
     "--dataset=shakespeare",
-    *launch.flags({"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "batch_size": 16}),
+    *launch.flags({**GPT2_124M, "block_size": 1024, "batch_size": 16}),
     *launch.flags({"learning_rate": 6e-4, "min_lr": 6e-5, "warmup_iters": 30, "beta2": 0.95}),
 ]
 TINY_CHAR = ["--dataset=shakespeare_char", *launch.flags(TINY), "--block_size=32", "--batch_size=8", "--warmup_iters=3"]
@@ -324,11 +312,11 @@ def plot_curves(rows: list[dict], path: Path) -> None:
 
 def curves(argv=None) -> int:
     doc = "the loss curves of plain, default and plain from another seed"
-    parser = mode_parser("train_step", "curves", doc, quick="tiny char model on CPU, 30 iterations")
-    parser.add_argument("--iters", type=int, default=None, help="iterations per run (default 300; --quick 30)")
+    parser = BenchParser("train_step curves", doc, quick_help="tiny char model on CPU, 30 iterations")
+    parser.option("--iters", 300, 30, type=int, help="iterations per run")
     parser.add_argument("--work", type=Path, default=Path("out-loss-curves"), help="folder for the runs' out_dirs")
     args = parser.parse_args(argv)
-    iters = args.iters or (30 if args.quick else 300)
+    iters = args.iters
     settings = [*TINY_CHAR, "--device=cpu"] if args.quick else GPT2_SHAKESPEARE
     steps = [f"--max_iters={iters}", f"--lr_decay_iters={iters}", "--log_interval=1", f"--eval_interval={iters}"]
     start, rows, tail = time.perf_counter(), [], max(1, iters // 3)  # the last third, where the curves have settled

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from bench import train_parts as parts
-from bench.grid import BenchParser, dispatch, fresh_row, mode_parser, profiled, run_grid
+from bench.grid import BenchParser, dispatch, fresh_row, profiled, run_grid
 from bench.report import model_settings, panels_by, plot, write_markdown
+from configurator import parse_bool
 from kernels.timing import timed
 from train import TrainConfig, train_step
 from training.profiling import summarize
@@ -74,21 +75,12 @@ def cases_for(args) -> list[Case]:
     """Most wanted first: each backend (or --variants switch set) at the first batch size, the long context at batch 1,
     then the other batch sizes; --quick: T=64, no long context."""
     seq_len, long_seq_lens = (64, []) if args.quick else (1024, args.long_seq_lens)
+    runs = [(backend, "") for backend in args.backends]
     if args.variants:
         runs = [(VARIANTS[v].get("attention_backend", "auto"), v) for v in args.variants]
-    else:
-        runs = [(backend, "") for backend in args.backends]
     cases = [Case(b, seq_len, size, v) for size in args.batch_sizes[:1] for b, v in runs]
     cases += [Case(b, t, 1, v) for t in long_seq_lens for b, v in runs]
     return cases + [Case(b, seq_len, size, v) for size in args.batch_sizes[1:] for b, v in runs]
-
-
-# ----------------------------------------------------------------------------------------------
-# One training state, built as train.py builds it; its step is train.py's train_step
-
-
-# ----------------------------------------------------------------------------------------------
-# Measuring one row
 
 
 def case_config(case: Case, args) -> TrainConfig:
@@ -180,22 +172,13 @@ def plot_rows(rows: list[dict], path: Path):
     plot(rows, path, x="batch_size", panels=panels, series=lambda r: r["variant"] or r["backend"], title="train step")
 
 
-# ----------------------------------------------------------------------------------------------
-
-
 def parse_args(argv=None):
-    parser = BenchParser(
-        "train_step",
-        __doc__,
-        quick_help="tiny CPU model, T=64, 2 steps, no compile",
-        modes=("profile", "phases", "context", "compare", "curves"),
-        device=("auto", "cpu"),
-        dtype=("auto", "auto"),  # as train.py's: bfloat16 on CUDA, else float32
-        dtypes=("auto", "bfloat16", "float16", "float32"),
-        budget=(200, 0),
-        name=("train", "train-quick"),
-    )
-    parser.option("--compile", None, "false", choices=("true", "false"), help="torch.compile; None: as train.py")
+    modes = ("profile", "phases", "context", "compare", "curves")
+    quick_help = "tiny CPU model, T=64, 2 steps, no compile"
+    parser = BenchParser("train_step", __doc__, quick_help, modes, ("train", "train-quick"))
+    # dtype auto: as train.py's, bfloat16 on CUDA, else float32
+    parser.grid_options(("auto", "cpu"), ("auto", "auto"), ("auto", "bfloat16", "float16", "float32"), (200, 0))
+    parser.option("--compile", None, False, type=parse_bool, help="torch.compile, true or false; None: as train.py")
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, help="rows per switch set instead of per backend")
     parser.option("--batch-sizes", [16, 32, 8], [4, 8], type=int, nargs="*", help="at T=1024; the first runs first")
@@ -205,17 +188,19 @@ def parse_args(argv=None):
     parser.option("--chunks", 3, 1, type=int, help="timed chunks; the median is kept")
     parser.option("--warmup-steps", 2, 0, type=int, help="untimed steps after the first")
     args = parser.parse_args(argv)
-    args.compile = None if args.compile is None else args.compile == "true"
     args.model = dict(args.model)
     return args
 
 
-def header_fields(args, cases: list[Case], dtype: torch.dtype) -> dict:
+def grid(argv=None) -> int:
+    args = parse_args(argv)
+    cases = cases_for(args)
+    probe = setup_runtime(args.device, args.dtype)  # the device and dtype every row will use
     model = model_settings(args.quick, **args.model)
     variants, case_fields = {v: VARIANTS[v] for v in args.variants or ()}, [vars(case) for case in cases]
-    return {
+    header = {
         "model": model,
-        "grid": {"backends": args.backends, "variants": variants, "cases": case_fields, "dtype": str(dtype)},
+        "grid": {"backends": args.backends, "variants": variants, "cases": case_fields, "dtype": str(probe.dtype)},
         "flop_convention": "MFU: model.flops_per_token(T) (6N + 12*L*H*D*T) * tokens / time / dense bf16 peak",
         "notes": {
             "model": ", ".join(f"{k}={v}" for k, v in model.items()),
@@ -225,12 +210,6 @@ def header_fields(args, cases: list[Case], dtype: torch.dtype) -> dict:
             "memory": "peak_mem_mib = torch.cuda.max_memory_allocated over the row; none on CPU",
         },
     }
-
-
-def grid(argv=None) -> int:
-    args = parse_args(argv)
-    cases = cases_for(args)
-    probe = setup_runtime(args.device, args.dtype)  # the device and dtype every row will use
     step_grid = dict(
         measure=lambda case: measure_case(case, args, probe.dtype),
         skipped=lambda case, reason: [{**empty_row(case, case_config(case, args), probe.dtype), "status": reason}],
@@ -239,7 +218,7 @@ def grid(argv=None) -> int:
         plot=plot_rows,
         finish=add_ratios,
     )
-    run_grid(cases, args, probe.device, header_fields(args, cases, probe.dtype), **step_grid)
+    run_grid(cases, args, probe.device, header, **step_grid)
     return 0
 
 
@@ -268,7 +247,7 @@ def profile_lines(variant: str, state: TrainState, args) -> list[str]:
 
 def profile(argv=None) -> int:
     doc = "torch.profiler over train.py's step per variant: GPU time by kernel kind"
-    parser = mode_parser("train_step", "profile", doc, quick="tiny model on CPU, no compile")
+    parser = BenchParser("train_step profile", doc, quick_help="tiny model on CPU, no compile")
     parser.add_argument("--variants", nargs="+", default=["plain", "default"], choices=VARIANTS)
     parser.add_argument("--steps", type=int, default=5, help="steps profiled (5)")
     args = parser.parse_args(argv)

@@ -202,17 +202,18 @@ def test_multi_gpu_quick_runs_train_py_under_torchrun_and_reads_its_log(runs):
 
 
 def test_every_bench_takes_its_models_from_one_place():
-    assert report.model_shape(quick=True) == report.TINY == {"n_layer": 2, "n_head": 2, "n_embd": 64}
-    assert report.model_shape(quick=False) == report.GPT2_124M
-    report.model_shape(quick=True)["n_layer"] = 99  # a copy: a bench cannot change the shared shape
+    assert report.TINY == {"n_layer": 2, "n_head": 2, "n_embd": 64}
+    assert report.model_settings(quick=True).items() >= report.TINY.items()
+    assert report.model_settings(quick=False).items() >= report.GPT2_124M.items()
+    report.model_settings(quick=True)["n_layer"] = 99  # a copy: a bench cannot change the shared shape
     assert report.TINY["n_layer"] == 2
     assert launch.flags(report.TINY) == ["--n_layer=2", "--n_head=2", "--n_embd=64"]
 
 
 def test_bench_parser_fills_what_is_left_unset_from_the_quick_or_the_full_defaults():
     def parse(*argv):
-        common = dict(device=("cuda", "cpu"), dtype=("bfloat16", "float32"), budget=(60, 0), name=("demo", "demo-q"))
-        parser = grid.BenchParser("demo", "Demo bench.", quick_help="tiny", dtypes=("bfloat16", "float32"), **common)
+        parser = grid.BenchParser("demo", "Demo bench.", quick_help="tiny", name=("demo", "demo-q"))
+        parser.grid_options(("cuda", "cpu"), ("bfloat16", "float32"), ("bfloat16", "float32"), (60, 0))
         parser.option("--sizes", [8, 16], [1], type=int, nargs="*", help="sizes")
         return parser.parse_args(list(argv))
 
