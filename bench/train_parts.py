@@ -274,14 +274,17 @@ def compare(argv=None) -> int:
 # curves: the loss curves of plain and default
 
 PLAIN = ["--attention_backend=sdpa", "--cross_entropy=plain"]
-RUNS = {"plain": (1337, PLAIN), "default": (1337, []), "plain, seed 2": (2, PLAIN)}  # name: (seed, switches)
+RUN_SETS = {  # --runs: {run: (seed, switches)}; each run's gap is to the first run's losses
+    "switches": {"plain": (1337, PLAIN), "default": (1337, []), "plain, seed 2": (2, PLAIN)},
+    "fp8": {"bf16": (1337, ["--fp8=off"]), "fp8 tensorwise": (1337, ["--fp8=tensorwise"])},
+}
 GPT2_SHAKESPEARE = [
     "--dataset=shakespeare",
     *launch.flags({**GPT2_124M, "block_size": 1024, "batch_size": 16}),
     *launch.flags({"learning_rate": 6e-4, "min_lr": 6e-5, "warmup_iters": 30, "beta2": 0.95}),
 ]
 TINY_CHAR = ["--dataset=shakespeare_char", *launch.flags(TINY), "--block_size=32", "--batch_size=8", "--warmup_iters=3"]
-CURVE_COLUMNS = "run seed switches first_loss tail_loss gap_vs_plain log_tokens_per_sec log_mfu".split()
+CURVE_COLUMNS = "run seed switches first_loss tail_loss gap_vs_first log_tokens_per_sec log_mfu".split()
 
 
 def curve_row(run: str, seed: int, switches: list[str], log: list[dict], tail: int) -> dict:
@@ -311,16 +314,18 @@ def plot_curves(rows: list[dict], path: Path) -> None:
 
 
 def curves(argv=None) -> int:
-    doc = "the loss curves of plain, default and plain from another seed"
-    parser = BenchParser("train_step curves", doc, quick_help="tiny char model on CPU, 30 iterations")
+    doc = "loss curves of runs that differ in one switch: plain, default and plain from another seed; or bf16 and FP8"
+    parser = BenchParser("train_step curves", doc, "tiny char model on CPU, 30 iterations", name=("loss-curves", None))
     parser.option("--iters", 300, 30, type=int, help="iterations per run")
     parser.add_argument("--work", type=Path, default=Path("out-loss-curves"), help="folder for the runs' out_dirs")
+    parser.add_argument("--runs", choices=RUN_SETS, default="switches", help="the runs compared (default switches)")
+    parser.add_argument("train_args", nargs="*", help="more train.py settings for every run (after --)")
     args = parser.parse_args(argv)
     iters = args.iters
-    settings = [*TINY_CHAR, "--device=cpu"] if args.quick else GPT2_SHAKESPEARE
+    settings = [*([*TINY_CHAR, "--device=cpu"] if args.quick else GPT2_SHAKESPEARE), *args.train_args]
     steps = [f"--max_iters={iters}", f"--lr_decay_iters={iters}", "--log_interval=1", f"--eval_interval={iters}"]
     start, rows, tail = time.perf_counter(), [], max(1, iters // 3)  # the last third, where the curves have settled
-    for index, (run, (seed, switches)) in enumerate(RUNS.items()):
+    for index, (run, (seed, switches)) in enumerate(RUN_SETS[args.runs].items()):
         out_dir = f"--out_dir={args.work / f'run{index}'}"
         result = train_log([*settings, *switches, f"--seed={seed}", *steps, "--eval_iters=5", out_dir])
         if result.code != 0 or len(result.lines) != iters:
@@ -330,13 +335,11 @@ def curves(argv=None) -> int:
         print(f"{run}: first {rows[-1]['first_loss']:.4f}, mean of the last {tail} {rows[-1]['tail_loss']:.4f}")
     for row in rows:
         pairs = zip(row["losses"][-tail:], rows[0]["losses"][-tail:])
-        row["gap_vs_plain"] = statistics.fmean(abs(a - b) for a, b in pairs)
-    notes = {
-        "settings": " ".join(settings) + f" --max_iters={iters}",
-        "gap": f"mean |loss - plain's loss| per iteration over the last {tail} iterations; "
-        "'plain, seed 2' against 'plain' is the run-to-run noise",
-    }
-    device, name = torch.device("cpu" if args.quick else "cuda"), "loss-curves-quick" if args.quick else "loss-curves"
+        row["gap_vs_first"] = statistics.fmean(abs(a - b) for a, b in pairs)
+    first = rows[0]["run"]  # 'plain, seed 2' against 'plain': the run-to-run noise
+    gap = f"mean |loss - {first}'s loss| per iteration over the last {tail} iterations; the same seed, the same data"
+    notes = {"settings": " ".join(settings) + f" --max_iters={iters}", "gap": gap}
+    device, name = torch.device("cpu" if args.quick else "cuda"), args.name or "loss-curves-quick"
     wall_s = round(time.perf_counter() - start, 1)
     save_results(args.out, name, device, rows, CURVE_COLUMNS, plot_curves, wall_s=wall_s, notes=notes)
     return 0

@@ -664,3 +664,23 @@ def test_multi_gpu_variants_keep_the_tokens_of_a_step_for_each_family(monkeypatc
         ("fsdp mb16", "xl", 2, 16, 2, ["--compile=true"], "fsdp"),  # 4 x 8 sequences a step = 2 x 16
         ("ddp plain", "small", 2, 16, 4, ["--ddp_graph_split=true"], "ddp"),
     ]
+
+
+def test_curves_compare_a_run_set_on_the_same_settings_and_measure_each_gap_to_the_first(monkeypatch, tmp_path):
+    """`curves --runs fp8 -- SETTINGS`: bf16 then FP8, each run with the settings after the dashes, each row's gap
+    the mean distance of its losses to the first run's over the last third (train.py's runs made up here)."""
+    launched = []
+
+    def made_up_run(settings):
+        launched.append(settings)
+        shift = 0.01 if "--fp8=tensorwise" in settings else 0.0
+        lines = [{"loss": 3.0 - 0.1 * i + shift, "tokens_per_sec": 1e3, "mfu": None} for i in range(6)]
+        return types.SimpleNamespace(code=0, lines=lines, output="")
+
+    monkeypatch.setattr(train_parts, "train_log", made_up_run)
+    argv = ["--quick", "--runs", "fp8", "--iters", "6", "--out", str(tmp_path), "--", "--n_embd=64"]
+    assert train_parts.curves(argv) == 0
+    assert all("--n_embd=64" in settings for settings in launched) and len(launched) == 2
+    rows = json.loads((tmp_path / "cpu-loss-curves-quick.json").read_text())["rows"]
+    assert [(r["run"], r["switches"]) for r in rows] == [("bf16", "--fp8=off"), ("fp8 tensorwise", "--fp8=tensorwise")]
+    assert rows[0]["gap_vs_first"] == 0 and rows[1]["gap_vs_first"] == pytest.approx(0.01)
