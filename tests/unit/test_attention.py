@@ -766,9 +766,15 @@ def test_training_and_inference_resolve_apart_for_flex_on_cpu():
     assert gpt.setup_attention(CPU, torch.float32, training=False).used == "flex_attention"
 
 
-def test_the_first_forward_resolves_for_the_mode_the_model_is_in(caplog):
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_the_first_forward_resolves_for_the_mode_the_model_is_in(caplog, monkeypatch):
     """A model in eval mode under no_grad runs inference: flex_attention on CPU, without a fallback; a later
-    forward that trains resolves again (flex has no backward on CPU), and an eval forward then keeps that."""
+    forward that trains resolves again (flex has no backward on CPU), and an eval forward then keeps that.
+    Resolution is what is tested: flex runs eagerly here (compiling it on the CPU takes up to a minute cold; the
+    flex tests above check the compiled kernel)."""
+    from torch.nn.attention.flex_attention import flex_attention as eager_flex
+
+    monkeypatch.setattr(kernels.flex, "compiled_flex_attention", lambda: eager_flex)
     caplog.set_level(logging.INFO, logger="model")
     gpt = GPT(tiny_config(attention_backend="flex_attention", n_embd=32, n_head=2)).eval()
     idx = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
