@@ -392,7 +392,7 @@ def setup_or_resume(
             document_separator=cfg.document_separator,
         )
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        sharded = cfg.parallelism == "fsdp" and runtime.ddp  # rank 0 builds the whole model for all
+        sharded = runtime.shards(cfg.parallelism)  # rank 0 builds the whole model for all
         weights_bytes = 4 * cfg.model_config(vocab_size=vocab_size).parameter_count()
         device = parallel.build_device(runtime, weights_bytes, sharded=sharded)
         model = build_model(cfg, vocab_size, checkpoint, shape_only=sharded and not runtime.master, device=device)
@@ -440,7 +440,7 @@ def build_train_state(cfg: TrainConfig, runtime: Runtime, model: GPT, next_batch
     sees one backend), and build the compiled and DDP-wrapped (or FSDP-sharded) views, optimizer, GradScaler."""
     device = runtime.device
     use_compile = cfg.compile if cfg.compile is not None else device.type == "cuda"
-    lora, sharded = cfg.lora_rank > 0, runtime.ddp and cfg.parallelism == "fsdp"  # as place_model shards
+    lora, sharded = cfg.lora_rank > 0, runtime.shards(cfg.parallelism)
     fp8_choice = fp8.setup_fp8(model, cfg.fp8, device, runtime.dtype, compiled=use_compile, lora=lora, sharded=sharded)
     model = parallel.place_model(
         model,

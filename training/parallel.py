@@ -65,7 +65,7 @@ def place_model(
     """The model on its device; under FSDP each rank's shard only, so a model too large for one GPU fits.
     Under FSDP the weights are rank 0's: the other ranks may have built the model on the meta device (train.py
     does), so that only rank 0 holds and initializes the whole model in host memory."""
-    if runtime.ddp and parallelism == "fsdp":
+    if runtime.shards(parallelism):
         weights = plain_tensors(model.state_dict()) if runtime.master else {}
         # moves each shard to the device
         shard_model(model, runtime, reshard_after_forward=reshard_after_forward, blocks_per_unit=blocks_per_unit)

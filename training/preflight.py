@@ -347,7 +347,7 @@ def claim_run_out_dir(cfg, runtime: Runtime, model: GPT, hold: contextlib.ExitSt
 def first_save_files(cfg, runtime: Runtime) -> int:
     """The files (inodes) the first save creates: FILES_PER_SAVE checkpoint files; under FSDP also a folder of
     shards, with a file per rank and its .metadata."""
-    sharded = cfg.parallelism == "fsdp" and runtime.ddp
+    sharded = runtime.shards(cfg.parallelism)
     return FILES_PER_SAVE + (runtime.world_size + 2 if sharded else 0)
 
 
@@ -393,7 +393,7 @@ def first_save_size(cfg, runtime: Runtime, model: GPT) -> SaveSize:
     trained = [p for p in model.parameters() if p.requires_grad]
     moments = sum(8 * p.numel() + 4 for p in trained)
     other = len(pickle.dumps(dataclasses.asdict(cfg))) + META_BYTES_PER_ID * model.config.vocab_size
-    sharded = cfg.parallelism == "fsdp" and runtime.ddp  # the moments then go once to a folder of shards
+    sharded = runtime.shards(cfg.parallelism)  # the moments then go once to a folder of shards
     in_files = (0, 0) if sharded else (moments, 3 * len(trained))
     file_bytes = checkpoint_file_bytes(
         sum(storages.values()) + in_files[0], len(storages) + in_files[1], ranks=runtime.world_size
@@ -466,7 +466,7 @@ def check_memory(cfg, vocab_size: int, runtime: Runtime) -> None:
     kept = {"none": 8, "mlp": 4, "block": 1}[cfg.activation_checkpointing]
     activation_bytes = tokens * 4 * (logits + kept * cfg.n_layer * cfg.n_embd)
     # FSDP without resharding keeps every unit's gathered weights, in the run's dtype, from forward to backward
-    kept_whole = cfg.parallelism == "fsdp" and runtime.ddp and not cfg.fsdp_reshard_after_forward
+    kept_whole = runtime.shards(cfg.parallelism) and not cfg.fsdp_reshard_after_forward
     gathered_bytes = params * runtime.dtype.itemsize if kept_whole else 0
     need = int(params * bytes_per_param) + gathered_bytes + activation_bytes
     available, where = available_memory(runtime.device)

@@ -42,6 +42,10 @@ class Runtime:
     def ddp(self) -> bool:
         return self.world_size > 1
 
+    def shards(self, parallelism: str) -> bool:
+        """Whether a run of this parallelism shards the model: FSDP under torchrun (one process trains it whole)."""
+        return self.ddp and parallelism == "fsdp"
+
     @property
     def data_rank(self) -> int:
         """Which share of the data this rank reads: the ranks of one context-parallel group read the same."""

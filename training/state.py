@@ -57,7 +57,7 @@ def restore_progress(state, batches: Batches, checkpoint: dict) -> None:
     try:
         if checkpoint.get("sharded"):  # an FSDP run's optimizer state, in a DCP folder beside the checkpoint
             load_sharded_optimizer(state.model, state.optimizer, path.parent / checkpoint["sharded"])
-        elif state.cfg.parallelism == "fsdp" and runtime.ddp:
+        elif runtime.shards(state.cfg.parallelism):
             raise CheckpointError(
                 f"{path} was saved without FSDP, its optimizer state unsharded; resume it with --parallelism=ddp"
             )
@@ -100,7 +100,7 @@ def write_checkpoint(state, batches: Batches, meta: dict, is_best: bool) -> Path
         entries = (
             {"model": full_model_state(state.model)} if is_sharded(state.model) else checkpoint_entries(state.model)
         )
-        if cfg.parallelism == "fsdp" and runtime.ddp:
+        if runtime.shards(cfg.parallelism):
             sharded = f"ckpt-{state.iter_num:07d}.dcp"
             save_sharded_optimizer(state.model, state.optimizer, Path(cfg.out_dir) / sharded, runtime)
         gather_optimizer_state(state.optimizer, runtime.device)  # ZeRO: every rank's share to rank 0
