@@ -641,8 +641,15 @@ def import_flash_package(name: str, pretty: str) -> tuple[object | None, str, st
     return module, getattr(module, "__version__", ""), ""
 
 
-def why_not_flash(use: AttentionUse, module, label: str, has_dropout: bool = True) -> str:
-    """What every flash-attn package asks of a use on a GPU it supports ('' when it can run it)."""
+def why_not_flash(use: AttentionUse, module, label: str, gpu_rule: Callable, has_dropout: bool = True) -> str:
+    """What every flash-attn package asks of a use ('' when it can run it); gpu_rule(capability, 'smXY', use):
+    the package's own rule for the GPU."""
+    if use.device.type != "cuda":
+        return f"flash-attn runs on CUDA GPUs only (device is {use.device.type})"
+    capability = cuda_capability(use.device)
+    why = gpu_rule(capability, "sm{}{}".format(*capability), use)
+    if why:
+        return why
     if use.dtype not in HALF:
         return f"flash-attn needs float16 or bfloat16 (this run is {dtype_name(use.dtype)})"
     if use.head_dim % 8 or use.head_dim > 256:
@@ -682,12 +689,11 @@ class FlashAttn2:
         return self.why_missing
 
     def why_not(self, use: AttentionUse) -> str:
-        if self.load() or use.device.type != "cuda":
-            return self.why_missing or f"flash-attn runs on CUDA GPUs only (device is {use.device.type})"
-        capability = cuda_capability(use.device)
-        if capability < (8, 0):
-            return "flash-attn 2 needs compute capability >= 8.0 (this GPU is sm{}{})".format(*capability)
-        return why_not_flash(use, self.module, "flash-attn 2")
+        return self.load() or why_not_flash(use, self.module, "flash-attn 2", self.why_not_gpu)
+
+    @staticmethod
+    def why_not_gpu(capability: tuple[int, int], sm: str, use: AttentionUse) -> str:
+        return "" if capability >= (8, 0) else f"flash-attn 2 needs compute capability >= 8.0 (this GPU is {sm})"
 
     def __call__(self, q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
         self.load()  # imported already where a check ran; a bench may call a kernel without one

@@ -18,7 +18,6 @@ from model import (
     AttentionBackend,
     AttentionMask,
     AttentionUse,
-    cuda_capability,
     flash_attention,
     import_flash_package,
     register,
@@ -60,11 +59,7 @@ class FlashAttention:
         return ""
 
     def why_not(self, use: AttentionUse) -> str:
-        if self.load() or use.device.type != "cuda":
-            return self.why_missing or f"flash-attn runs on CUDA GPUs only (device is {use.device.type})"
-        capability = cuda_capability(use.device)
-        why = self.why_not_gpu(capability, "sm{}{}".format(*capability), use)
-        return why or why_not_flash(use, self.module, self.label, has_dropout=False)
+        return self.load() or why_not_flash(use, self.module, self.label, self.why_not_gpu, has_dropout=False)
 
     def __call__(self, q, k, v, mask: AttentionMask, dropout_p: float = 0.0):
         self.load()  # imported already where a check ran; a bench may call a kernel without one
