@@ -326,8 +326,9 @@ def curves(argv=None) -> int:
     steps = [f"--max_iters={iters}", f"--lr_decay_iters={iters}", "--log_interval=1", f"--eval_interval={iters}"]
     start, rows, tail = time.perf_counter(), [], max(1, iters // 3)  # the last third, where the curves have settled
     for index, (run, (seed, switches)) in enumerate(RUN_SETS[args.runs].items()):
-        out_dir = f"--out_dir={args.work / f'run{index}'}"
-        result = train_log([*settings, *switches, f"--seed={seed}", *steps, "--eval_iters=5", out_dir])
+        out_dir = args.work / f"run{index}"
+        result = train_log([*settings, *switches, f"--seed={seed}", *steps, "--eval_iters=5", f"--out_dir={out_dir}"])
+        shutil.rmtree(out_dir, ignore_errors=True)  # only the log is read; a 4096-wide run's checkpoints are 34 GiB
         if result.code != 0 or len(result.lines) != iters:
             lines = f"{len(result.lines)} of {iters} iter lines"
             raise SystemExit(f"{run}: exit {result.code}, {lines}\n{result.output[-4000:]}")
