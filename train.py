@@ -272,7 +272,7 @@ def clip_and_step(
     are whole on every rank (DDP averaged them), so the norm is the global one; the flag goes to this rank's own
     AdamW, which steps its share of the parameters. Under FSDP the norm, and so the flag, is a DTensor replicated
     over the ranks, which the fused kernel takes beside the sharded parameters."""
-    if dtype == torch.float16 or not optimizer.defaults.get("fused"):  # param groups agree (keep_kernels)
+    if dtype == torch.float16 or not optimizer.defaults.get("fused"):  # param groups agree (keep_run_settings)
         scaler.unscale_(optimizer)
         grad_norm = parallel.replicated(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
         if scaler.is_enabled():

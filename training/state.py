@@ -33,27 +33,39 @@ from weights.lora import checkpoint_entries
 log = logging.getLogger("train")
 
 
-def keep_kernels(optimizer: torch.optim.Optimizer) -> None:
-    """Give the param groups back this run's AdamW kernel (fused or foreach, as in the optimizer's defaults),
-    which loading a state dict replaces by the saving run's: a foreach AdamW (FSDP's, in checkpoints from before
-    FSDP took the fused kernel; a device without it) must not come back into a run whose fused one clip_and_step
-    drives. The fused kernel keeps its step counts on the parameters' device. Under ZeRO this rank's own
-    optimizer holds the state, and takes the wrapper's groups."""
-    kernel = {key: optimizer.defaults.get(key) for key in ("fused", "foreach")}
+def group_settings(optimizer: torch.optim.Optimizer) -> list[list[dict]]:
+    """Each param group's settings (all but its parameters), of the optimizer and, under ZeRO, of this rank's own."""
     local = local_optimizer(optimizer)
-    for group in (*optimizer.param_groups, *local.param_groups):
-        group.update(kernel)
-    if kernel["fused"]:
+    optimizers = (optimizer,) if local is optimizer else (optimizer, local)
+    return [[{k: v for k, v in group.items() if k != "params"} for group in o.param_groups] for o in optimizers]
+
+
+def keep_run_settings(optimizer: torch.optim.Optimizer, settings: list[list[dict]]) -> list[str]:
+    """Give the param groups back this run's settings (group_settings before loading), which loading a state dict
+    replaces by the saving run's: the weight decay and betas the user set now, and this run's AdamW kernel (fused
+    or foreach: a foreach AdamW, FSDP's in checkpoints from before it took the fused kernel, must not come back
+    into a run whose fused one clip_and_step drives). The fused kernel keeps its step counts on the parameters'
+    device. Returns the settings that differ from the checkpoint's, 'name: saved -> now'."""
+    local = local_optimizer(optimizer)
+    changed = []
+    for o, groups in zip((optimizer, local), settings):
+        for group, own in zip(o.param_groups, groups):
+            for key in ("weight_decay", "betas", "eps"):
+                if o is optimizer and key in group and group[key] != own.get(key) and own.get(key) is not None:
+                    changed.append(f"{key}: {group[key]} -> {own[key]}")
+            group.update({k: v for k, v in own.items() if k not in ("lr", "initial_lr")})  # lr: the schedule's
+    if optimizer.defaults.get("fused"):
         for param, param_state in local.state.items():
             if "step" in param_state:
                 param_state["step"] = param_state["step"].to(param.device, torch.float32)
+    return list(dict.fromkeys(changed))
 
 
 def restore_progress(state, batches: Batches, checkpoint: dict) -> None:
     """Optimizer, scaler, counters, the data stream, and (with the same number of ranks) each rank's RNG.
     Checkpoints of earlier versions hold a data position per rank instead of one stream: rank 0's continues."""
     runtime, path = state.runtime, checkpoint_path(state.cfg)
-    ranks = checkpoint["rng"]
+    ranks, settings = checkpoint["rng"], group_settings(state.optimizer)
     try:
         if checkpoint.get("sharded"):  # an FSDP run's optimizer state, in a DCP folder beside the checkpoint
             load_sharded_optimizer(state.model, state.optimizer, path.parent / checkpoint["sharded"])
@@ -63,7 +75,7 @@ def restore_progress(state, batches: Batches, checkpoint: dict) -> None:
             )
         else:
             load_optimizer_state(state.optimizer, checkpoint["optimizer"])  # ZeRO: this rank's share
-        keep_kernels(state.optimizer)
+        changed = keep_run_settings(state.optimizer, settings)
         state.scaler.load_state_dict(checkpoint["scaler"])
         batches.restore(checkpoint["data"] if "data" in checkpoint else ranks[0]["data"])
         if len(ranks) == runtime.world_size:
@@ -75,6 +87,8 @@ def restore_progress(state, batches: Batches, checkpoint: dict) -> None:
         raise CheckpointError(f"{path}: its optimizer or RNG state cannot be restored ({reason})") from None
     state.iter_num, state.best_val_loss = checkpoint["iter_num"], float(checkpoint["best_val_loss"])
     state.ckpt_iter = state.resumed_iter = state.iter_num
+    if runtime.master and changed:
+        log.info(f"the optimizer takes this run's settings, not the checkpoint's: {', '.join(changed)}")
     if runtime.master and "data" not in checkpoint and len(ranks) > 1:
         log.warning(f"{path} holds a data position per rank (an earlier version's): the stream continues rank 0's")
     if runtime.master and len(ranks) != runtime.world_size and state.cfg.dropout > 0:
