@@ -30,7 +30,7 @@ from training.runtime import Runtime, join_process_group, leave_process_group
 from weights.load import load_checkpoint
 
 ACCUM = 4  # micro-steps per optimizer step over all ranks: 1 rank x 4, 2 x 2, 4 x 1
-MAX_ITERS = 60
+MAX_ITERS = 30  # the restart test: a failure near iter 20, a kill at iter 12, a resume from 10 to the end
 
 
 def run_args(data_dir, out_dir, *extra) -> list[str]:
@@ -133,6 +133,7 @@ def reference(char_data, tmp_path_factory):
     return out, losses(stdout.getvalue())
 
 
+@pytest.mark.slow
 def test_fsdp_over_two_launch_agents_trains_like_one_process_and_resumes_on_one(
     reference, char_data, tmp_path, warm_interpreter
 ):
@@ -181,6 +182,7 @@ def test_fsdp_over_two_launch_agents_trains_like_one_process_and_resumes_on_one(
     resume_in_one_process(char_data, out, reference, 5, 10)
 
 
+@pytest.mark.slow
 def test_a_failed_or_killed_rank_is_reported_and_the_job_restarts_from_the_last_checkpoint(
     reference, char_data, tmp_path, monkeypatch, warm_interpreter
 ):
