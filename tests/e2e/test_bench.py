@@ -130,7 +130,6 @@ def quick_runs(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("bench-runs")  # they share `runs`
 def test_attention_quick_has_a_row_with_a_status_for_every_backend_and_cell(quick_runs):
     results, out = quick_runs["attention-quick"]
     header, rows = results["header"], results["rows"]
@@ -165,7 +164,6 @@ def test_attention_quick_has_a_row_with_a_status_for_every_backend_and_cell(quic
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("bench-runs")  # they share `runs`
 def test_train_quick_times_the_real_step_and_records_why_a_backend_cannot_run(quick_runs):
     results, out = quick_runs["train-quick"]
     header, rows = results["header"], results["rows"]
@@ -186,7 +184,6 @@ def test_train_quick_times_the_real_step_and_records_why_a_backend_cannot_run(qu
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("bench-runs")  # they share `runs`
 def test_step_phases_time_train_pys_own_step_phase_by_phase(runs):
     code, stdout, stderr, out = runs["step-phases-quick"]
     assert code == 0, (stdout + stderr)[-3000:]
@@ -199,7 +196,6 @@ def test_step_phases_time_train_pys_own_step_phase_by_phase(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("bench-runs")  # they share `runs`
 def test_multi_gpu_quick_runs_train_py_under_torchrun_and_reads_its_log(runs):
     code, stdout, stderr, out = runs["multi-gpu-quick"]
     assert code == 0, (stdout + stderr)[-3000:]
@@ -376,7 +372,6 @@ def test_readme_update_replaces_only_between_markers(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("bench-runs")  # they share `runs`
 def test_compare_backends_tabulates_each_backends_last_log_line(runs):
     """One real run of the script for two backends: a row each, from its last log line."""
     code, stdout, stderr, out = runs["compare"]

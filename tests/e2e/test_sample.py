@@ -70,7 +70,6 @@ def test_sample_cli(trained_out, warm_interpreter):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("sample-fresh-run")  # they share its fixture
 def test_sample_does_not_import_train(fresh_run_to_a_closed_pipe):
     _, _, imported = fresh_run_to_a_closed_pipe
     assert {"training.runtime", "model", "storage.checkpoint", "generation.loop"} <= imported  # the list is real
@@ -80,7 +79,6 @@ def test_sample_does_not_import_train(fresh_run_to_a_closed_pipe):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("sample-fresh-run")  # they share its fixture
 def test_a_closed_stdout_is_quiet(fresh_run_to_a_closed_pipe):
     """stdout closed before the first write: nobody reads, so exit 0 and nothing said, at exit either (what an
     interpreter does with a closed stdout is part of the test: a fresh one, from start to exit)."""
