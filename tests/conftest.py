@@ -14,9 +14,6 @@ pytest_plugins = ("gpu.results_table",)  # tests/gpu's results table, written by
 
 
 def pytest_collection_modifyitems(config, items):
-    # Slow tests first (after pytest-randomly's shuffle, whose order this keeps within each part): each worker takes
-    # the next file as it finishes one, in this order, so the last files to start are short and the workers end together
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     import torch
 
     if torch.cuda.is_available():

@@ -129,7 +129,6 @@ def quick_runs(runs):
     return results
 
 
-@pytest.mark.slow
 def test_attention_quick_has_a_row_with_a_status_for_every_backend_and_cell(quick_runs):
     results, out = quick_runs["attention-quick"]
     header, rows = results["header"], results["rows"]
@@ -163,7 +162,6 @@ def test_attention_quick_has_a_row_with_a_status_for_every_backend_and_cell(quic
     assert (out / "cpu-attention-quick.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.slow
 def test_train_quick_times_the_real_step_and_records_why_a_backend_cannot_run(quick_runs):
     results, out = quick_runs["train-quick"]
     header, rows = results["header"], results["rows"]
@@ -183,7 +181,6 @@ def test_train_quick_times_the_real_step_and_records_why_a_backend_cannot_run(qu
 # ---- shared helpers ---------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_step_phases_time_train_pys_own_step_phase_by_phase(runs):
     code, stdout, stderr, out = runs["step-phases-quick"]
     assert code == 0, (stdout + stderr)[-3000:]
@@ -195,7 +192,6 @@ def test_step_phases_time_train_pys_own_step_phase_by_phase(runs):
     assert (out / "cpu-step-phases-quick.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.slow
 def test_multi_gpu_quick_runs_train_py_under_torchrun_and_reads_its_log(runs):
     code, stdout, stderr, out = runs["multi-gpu-quick"]
     assert code == 0, (stdout + stderr)[-3000:]
@@ -371,7 +367,6 @@ def test_readme_update_replaces_only_between_markers(tmp_path):
     assert quoted.read_text() == f"see `{start}` below\n{start}\n| new |\n{end}\n"
 
 
-@pytest.mark.slow
 def test_compare_backends_tabulates_each_backends_last_log_line(runs):
     """One real run of the script for two backends: a row each, from its last log line."""
     code, stdout, stderr, out = runs["compare"]

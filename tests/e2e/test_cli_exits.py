@@ -168,7 +168,6 @@ def test_every_command_of_the_repo_is_in_the_list(warm_interpreter):
     assert {modules[name] for name, what in runs.items() if what != "nothing"} == listed
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("command, args, names", COMMANDS)
 def test_bad_input_to_every_command_is_one_line_and_exit_2(command, args, names, trained_out, tmp_path):
     """Each command runs as a user runs it: a script as `__main__` (whose module a repo module may import again

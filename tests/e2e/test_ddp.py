@@ -25,7 +25,6 @@ def ddp_args(data_dir, out_dir, *extra):
     return tiny_args(data_dir, out_dir, "--dist_backend=gloo", "--gradient_accumulation_steps=4", *extra)
 
 
-@pytest.mark.slow
 def test_sigterm_stops_every_rank_at_the_same_step_and_the_run_resumes(char_data, tmp_path, warm_interpreter):
     out = tmp_path / "out"
     # log_interval=1: a few dozen steps fill its pipe, and there it waits instead of taking the CPU from the

@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[2]
 OURS = ("model", "train", "sample", "configurator", "errors", "kernels", "generation", "weights", "training")
 OURS += ("storage", "data", "bench", "tests", "helpers", "conftest")
@@ -47,7 +45,6 @@ def loaded_by(imports: str) -> list[str]:
     return json.loads(done.stdout)
 
 
-@pytest.mark.slow
 def test_the_model_alone_loads_no_other_module_falls_back_down_the_chain_and_says_why():
     """`from model import GPT, GPTConfig` in a fresh interpreter, and a forward, backward and generate with each of
     the card's kernels and both blocks: nothing else of this repo is imported. Without the flash-attn package

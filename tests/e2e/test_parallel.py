@@ -133,7 +133,6 @@ def reference(char_data, tmp_path_factory):
     return out, losses(stdout.getvalue())
 
 
-@pytest.mark.slow
 def test_fsdp_over_two_launch_agents_trains_like_one_process_and_resumes_on_one(
     reference, char_data, tmp_path, warm_interpreter
 ):
@@ -182,7 +181,6 @@ def test_fsdp_over_two_launch_agents_trains_like_one_process_and_resumes_on_one(
     resume_in_one_process(char_data, out, reference, 5, 10)
 
 
-@pytest.mark.slow
 def test_a_failed_or_killed_rank_is_reported_and_the_job_restarts_from_the_last_checkpoint(
     reference, char_data, tmp_path, monkeypatch, warm_interpreter
 ):

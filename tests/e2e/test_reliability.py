@@ -77,7 +77,6 @@ def test_an_ignored_sighup_stays_ignored():
         assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)
 
 
-@pytest.mark.slow
 def test_a_closed_stdout_does_not_stop_the_run(char_data, tmp_path, warm_interpreter):
     """`python train.py | head -1`: the log lines stop, the run trains on, saves and exits 0. The pipe holds
     4 KB and the run prints far more after its first line, so its writes do meet the closed pipe. (sample.py's

@@ -69,7 +69,6 @@ def test_sample_cli(trained_out, warm_interpreter):
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.slow
 def test_sample_does_not_import_train(fresh_run_to_a_closed_pipe):
     _, _, imported = fresh_run_to_a_closed_pipe
     assert {"training.runtime", "model", "storage.checkpoint", "generation.loop"} <= imported  # the list is real
@@ -78,7 +77,6 @@ def test_sample_does_not_import_train(fresh_run_to_a_closed_pipe):
     assert not training_code & imported, training_code & imported
 
 
-@pytest.mark.slow
 def test_a_closed_stdout_is_quiet(fresh_run_to_a_closed_pipe):
     """stdout closed before the first write: nobody reads, so exit 0 and nothing said, at exit either (what an
     interpreter does with a closed stdout is part of the test: a fresh one, from start to exit)."""

@@ -106,7 +106,6 @@ def test_train_trains_on_and_saves_whatever_way_a_stream_fails(char_data, tmp_pa
     assert not (out / ".lock").exists()
 
 
-@pytest.mark.slow
 def test_train_to_dev_full_in_a_fresh_interpreter_trains_and_saves(char_data, tmp_path):
     """`python train.py ... > /dev/full`, a fresh interpreter from start to exit, with stdout block-buffered as a
     file is (no PYTHONUNBUFFERED): what the interpreter flushes at exit must not fail either. stderr's last line
@@ -250,7 +249,6 @@ def test_sample_with_a_stderr_that_fails_prints_every_sample(trained_out, kind, 
     assert out.count(f"\n{SEPARATOR}\n") == 2, out
 
 
-@pytest.mark.slow
 def test_sample_to_dev_full_in_a_fresh_interpreter_is_one_line(trained_out):
     """A fresh interpreter, stdout block-buffered as a file is: the failure may first show at a flush, or at exit."""
     env = {key: value for key, value in subprocess_env().items() if key != "PYTHONUNBUFFERED"}

@@ -258,7 +258,6 @@ def no_eager_flex():
         yield
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "docs, shape", [(False, (2, 3, 130, 64)), (True, (3, 2, 77, 64))], ids=["causal-2x3x130x64", "docs-3x2x77x64"]
 )
@@ -835,7 +834,6 @@ def test_a_registered_toy_backend_runs_and_falls_back(monkeypatch, caplog):
     assert "toy requested but toy needs float32 (this run is float64); falling back to manual" in caplog.text
 
 
-@pytest.mark.slow
 def test_model_alone_registers_its_own_three_kernels_and_kernels_adds_the_rest():
     """A script that imports model.py alone gets manual, sdpa and flash_attn_2 and the default auto order;
     `import kernels` registers flash-attn 3 and 4, flex_attention and auto's per-card order into the same

