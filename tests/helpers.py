@@ -238,6 +238,7 @@ def run_as_main(script: str, args: list[str], stdout, stderr, path: tuple[str, .
     if environ is not None:
         os.environ.clear()
         os.environ.update(environ)
+        tempfile.tempdir = None  # the folder is read from TMPDIR afresh, as a fresh interpreter does
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)

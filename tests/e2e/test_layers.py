@@ -49,8 +49,7 @@ def test_the_model_alone_loads_no_other_module_falls_back_down_the_chain_and_say
     """`from model import GPT, GPTConfig` in a fresh interpreter, and a forward, backward and generate with each of
     the card's kernels and both blocks: nothing else of this repo is imported. Without the flash-attn package
     (this machine), flash_attn_2 falls back to sdpa with a WARNING naming the cause, and one INFO line names the
-    backend used."""
-    assert loaded_by("from model import GPT, GPTConfig") == ["model"]
+    backend used. (One interpreter: what the import and the use load, together, is model.py alone.)"""
     script = MODEL_ALONE.replace("{ours!r}", repr(OURS))
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

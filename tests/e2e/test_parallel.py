@@ -30,7 +30,7 @@ from training.runtime import Runtime, join_process_group, leave_process_group
 from weights.load import load_checkpoint
 
 ACCUM = 4  # micro-steps per optimizer step over all ranks: 1 rank x 4, 2 x 2, 4 x 1
-MAX_ITERS = 60
+MAX_ITERS = 30  # the restart test: a failure near iter 20, a kill at iter 12, a resume from 10 to the end
 
 
 def run_args(data_dir, out_dir, *extra) -> list[str]:

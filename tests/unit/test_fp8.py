@@ -83,8 +83,9 @@ def test_converted_linears_keep_their_weights_the_tie_and_the_checkpoint_format(
 
 
 def wide_mlp_config(**overrides):
-    """A model whose MLP c_fc (2048 x 64) converts for tensorwise, as its lm_head (2048 x 64, tied) does."""
-    return tiny_config(n_embd=64, n_head=2, vocab_size=2048, mlp_hidden=2048, bias=False, **overrides)
+    """A model whose MLP c_fc (1040 x 32) converts for tensorwise, as its lm_head (1040 x 32, tied) does: N past 1024,
+    the smallest such multiple of 16 (on a CPU, FP8 matmuls run a slow reference kernel)."""
+    return tiny_config(n_embd=32, n_head=2, vocab_size=1040, mlp_hidden=1040, bias=False, **overrides)
 
 
 @pytest.mark.parametrize(
@@ -149,7 +150,7 @@ def test_fsdp_with_the_fp8_all_gather_trains_as_fp8_unsharded_and_saves_plain_we
     monkeypatch.setattr(
         torchao.float8, "precompute_float8_dynamic_scale_for_fsdp", lambda m: precomputed.append(1) or precompute(m)
     )
-    idx = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(0))
+    idx = torch.randint(0, 1040, (2, 16), generator=torch.Generator().manual_seed(0))
     results = {}
     for world_size in (1, 2):
         torch.manual_seed(0)
