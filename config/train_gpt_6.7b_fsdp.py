@@ -7,9 +7,9 @@
 # Measured on 4 H100 80GB cards with these settings at 2 micro-steps a GPU (bench/results/h100-fsdp-6p7b-451743d.json):
 # 45.7% MFU, 10,894 tokens/s a GPU, 61.8 GiB a GPU. Four blocks a unit without resharding, as the GPT-2 XL config
 # has it, was slower here (34.5%, 74.2 GiB: too close to the card's memory).
-# On 141 GB cards (H200): --batch_size=8 --gradient_accumulation_steps=64 (the same tokens a step) and
-# --fp8=tensorwise: on 4 H200s at one micro-step a GPU, micro-batch 8 was 1.12x micro-batch 4 in bf16, and FP8
-# 1.31x bf16 at micro-batch 8 (bench/results/h200-fsdp-6.7b-fp8-variants-2ae115c.md).
+# On H100s and H200s fp8="auto" (the default) trains this width with torchao's FP8 (tensorwise) matmuls: on 4
+# H200s 1.15x bf16 at micro-batch 4, and 1.31x at 8 (bench/results/h200-fsdp-6.7b-fp8-variants-2ae115c.md). On
+# 141 GB cards use --batch_size=8 --gradient_accumulation_steps=64 (the same tokens a step); fp8="off" is bf16.
 # One save writes ckpt-<iter>.pt (26.6 GB of float32 weights), best.pt and ckpt.pt (copies of it; clones that take
 # no space on XFS or Btrfs) and ckpt-<iter>.dcp/ (53.2 GB of AdamW moments, sharded): 133 GB, 80 GB with clones.
 # The sharded state resumes on any number of GPUs (saved on 4 H200s, resumed on 2 with activation_checkpointing=

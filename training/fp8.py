@@ -27,11 +27,12 @@ log = logging.getLogger("train")
 
 FP8_MODES = ("off", "tensorwise", "rowwise", "auto")
 # auto: per card family, the narrowest model width from which a recipe measured faster than bf16 for the whole
-# train step (bench: python -m bench.train_step --variants bf16 fp8-tensorwise fp8-rowwise, per width). On an H200,
-# 4-layer models, tensorwise ran 1.17x bf16's speed at width 1600 and 1.41x at 4096 (bench/results/
-# h200-fp8-width-*-76cd1bb.md). An entry also needs loss parity at its width: at 4096, 300 iterations ended 0.021
-# above bf16 (h200-fp8-parity-4096-994869b.md), past the 0.02 asked, so auto trains in bf16 everywhere for now.
-AUTO_FP8: dict[str, tuple[int, str]] = {}
+# train step (bench: python -m bench.train_step --variants bf16 fp8-tensorwise fp8-rowwise, per width) and trained
+# to bf16's loss. On an H200, 4-layer models: tensorwise ran 1.17x bf16's speed at width 1600 and 1.41x at 4096
+# (bench/results/h200-fp8-width-*-76cd1bb.md); at 4096 with GPT-3 6.7B's learning rate, 300 iterations ended
+# 0.002 from bf16 (h200-fp8-parity-4096-lr1.2e-4-3d3c795.md; 0.021 at GPT-2 124M's 6e-4, too high for that width).
+# Below 4096 no parity run was made, so auto stays bf16 there (GPT-2 124M and XL).
+AUTO_FP8: dict[str, tuple[int, str]] = {"sm90": (4096, "tensorwise")}
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89), Hopper (sm90) and newer
 
 

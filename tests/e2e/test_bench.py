@@ -669,13 +669,17 @@ def test_curves_compare_a_run_set_on_the_same_settings_and_measure_each_gap_to_t
 
     def made_up_run(settings):
         launched.append(settings)
+        out_dir = Path(next(s for s in settings if s.startswith("--out_dir=")).partition("=")[2])
+        out_dir.mkdir(parents=True)
+        (out_dir / "ckpt.pt").write_bytes(b"weights")  # a 4096-wide run's are 34 GiB: removed once the log is read
         shift = 0.01 if "--fp8=tensorwise" in settings else 0.0
         lines = [{"loss": 3.0 - 0.1 * i + shift, "tokens_per_sec": 1e3, "mfu": None} for i in range(6)]
         return types.SimpleNamespace(code=0, lines=lines, output="")
 
     monkeypatch.setattr(train_parts, "train_log", made_up_run)
-    argv = ["--quick", "--runs", "fp8", "--iters", "6", "--out", str(tmp_path), "--", "--n_embd=64"]
-    assert train_parts.curves(argv) == 0
+    argv = ["--quick", "--runs", "fp8", "--iters", "6", "--out", str(tmp_path), "--work", str(tmp_path / "w")]
+    assert train_parts.curves([*argv, "--", "--n_embd=64"]) == 0
+    assert len(launched) == 2 and not any((tmp_path / "w").iterdir())
     assert all("--n_embd=64" in settings for settings in launched) and len(launched) == 2
     rows = json.loads((tmp_path / "cpu-loss-curves-quick.json").read_text())["rows"]
     assert [(r["run"], r["switches"]) for r in rows] == [("bf16", "--fp8=off"), ("fp8 tensorwise", "--fp8=tensorwise")]

@@ -51,6 +51,18 @@ def test_auto_is_off_where_no_measurement_says_fp8_wins(caplog, monkeypatch):
 
 
 @pytest.mark.parametrize(
+    ("n_embd", "recipe"), [(768, "off"), (1600, "off"), (4096, "tensorwise"), (5120, "tensorwise")]
+)
+def test_auto_turns_fp8_on_for_hopper_from_width_4096_and_never_for_gpt2_widths(monkeypatch, n_embd, recipe):
+    """The shipped table: GPT-2 124M (768) and XL (1600) train in bf16, the 6.7B GPT's width (4096) in FP8."""
+    monkeypatch.setattr(fp8, "why_fp8_cannot_run", lambda *args, **kwargs: "")
+    for family, expected in (("sm90", recipe), ("sm89", "off"), ("sm100", "off")):
+        monkeypatch.setattr(fp8, "card_family", lambda device, family=family: family)
+        choice = fp8.choose_fp8("auto", n_embd, CPU, torch.bfloat16, compiled=True, lora=False)
+        assert choice.recipe == expected, (family, choice)
+
+
+@pytest.mark.parametrize(
     ("shape", "tensorwise", "rowwise"),
     [
         ((768, 768), False, False),  # GPT-2 124M's attention c_proj
