@@ -33,29 +33,19 @@ from weights.lora import checkpoint_entries
 log = logging.getLogger("train")
 
 
-def group_settings(optimizer: torch.optim.Optimizer) -> list[list[dict]]:
-    """Each param group's settings (all but its parameters), of the optimizer and, under ZeRO, of this rank's own."""
-    local = local_optimizer(optimizer)
-    optimizers = (optimizer,) if local is optimizer else (optimizer, local)
-    return [[{k: v for k, v in group.items() if k != "params"} for group in o.param_groups] for o in optimizers]
-
-
-def keep_run_settings(optimizer: torch.optim.Optimizer, settings: list[list[dict]]) -> list[str]:
-    """Give the param groups back this run's settings (group_settings before loading), which loading a state dict
-    replaces by the saving run's: the weight decay and betas the user set now, and this run's AdamW kernel (fused
-    or foreach: a foreach AdamW, FSDP's in checkpoints from before it took the fused kernel, must not come back
-    into a run whose fused one clip_and_step drives). The fused kernel keeps its step counts on the parameters'
-    device. Returns the settings that differ from the checkpoint's, 'name: saved -> now'."""
-    local = local_optimizer(optimizer)
+def keep_run_settings(optimizer: torch.optim.Optimizer, settings: list[dict]) -> list[str]:
+    """Give the param groups back this run's settings (each group's all but params, taken before loading), which
+    loading a state dict replaces by the saving run's: the weight decay and betas the user set now, and this run's
+    AdamW kernel (fused or foreach: a foreach AdamW, FSDP's in checkpoints from before it took the fused kernel,
+    must not come back into a run whose fused one clip_and_step drives). Under ZeRO this rank's own optimizer
+    takes them from these groups at each step. The fused kernel keeps its step counts on the parameters' device.
+    Returns the settings that differ from the checkpoint's, 'name: saved -> now'."""
     changed = []
-    for o, groups in zip((optimizer, local), settings):
-        for group, own in zip(o.param_groups, groups):
-            for key in ("weight_decay", "betas", "eps"):
-                if o is optimizer and key in group and group[key] != own.get(key) and own.get(key) is not None:
-                    changed.append(f"{key}: {group[key]} -> {own[key]}")
-            group.update({k: v for k, v in own.items() if k not in ("lr", "initial_lr")})  # lr: the schedule's
+    for group, own in zip(optimizer.param_groups, settings):
+        changed += [f"{key}: {group[key]} -> {own[key]}" for key in ("weight_decay", "betas") if group[key] != own[key]]
+        group.update({key: value for key, value in own.items() if key not in ("lr", "initial_lr")})  # the schedule's
     if optimizer.defaults.get("fused"):
-        for param, param_state in local.state.items():
+        for param, param_state in local_optimizer(optimizer).state.items():
             if "step" in param_state:
                 param_state["step"] = param_state["step"].to(param.device, torch.float32)
     return list(dict.fromkeys(changed))
@@ -65,7 +55,10 @@ def restore_progress(state, batches: Batches, checkpoint: dict) -> None:
     """Optimizer, scaler, counters, the data stream, and (with the same number of ranks) each rank's RNG.
     Checkpoints of earlier versions hold a data position per rank instead of one stream: rank 0's continues."""
     runtime, path = state.runtime, checkpoint_path(state.cfg)
-    ranks, settings = checkpoint["rng"], group_settings(state.optimizer)
+    ranks = checkpoint["rng"]
+    settings = [
+        {key: value for key, value in group.items() if key != "params"} for group in state.optimizer.param_groups
+    ]
     try:
         if checkpoint.get("sharded"):  # an FSDP run's optimizer state, in a DCP folder beside the checkpoint
             load_sharded_optimizer(state.model, state.optimizer, path.parent / checkpoint["sharded"])

@@ -679,7 +679,7 @@ def test_curves_compare_a_run_set_on_the_same_settings_and_measure_each_gap_to_t
     monkeypatch.setattr(train_parts, "train_log", made_up_run)
     argv = ["--quick", "--runs", "fp8", "--iters", "6", "--out", str(tmp_path), "--work", str(tmp_path / "w")]
     assert train_parts.curves([*argv, "--", "--n_embd=64"]) == 0
-    assert len(launched) == 2 and not any((tmp_path / "w").iterdir())
+    assert not any((tmp_path / "w").iterdir())  # each run's out_dir
     assert all("--n_embd=64" in settings for settings in launched) and len(launched) == 2
     rows = json.loads((tmp_path / "cpu-loss-curves-quick.json").read_text())["rows"]
     assert [(r["run"], r["switches"]) for r in rows] == [("bf16", "--fp8=off"), ("fp8 tensorwise", "--fp8=tensorwise")]
