@@ -142,6 +142,7 @@ class TrainConfig:
     ddp_graph_split: bool = False  # compiled DDP: a graph per bucket, all-reduce overlapping backward (bench/NOTES.md)
     fsdp_reshard_after_forward: bool = True  # FSDP frees gathered weights after forward; False: kept for backward
     fsdp_blocks_per_unit: int = 1  # FSDP gathers and reduces this many consecutive blocks at once (fewer hooks)
+    fsdp_reduce_every_micro_step: bool = False  # FSDP: no unsharded float32 gradients kept between micro-steps
     ddp_reduce_dtype: str = "float32"  # DDP's gradient all-reduce: float32 | bfloat16 (half the traffic; NCCL only)
     shard_optimizer: bool = False  # DDP: each rank keeps AdamW state for, and steps, 1/N of the weights (ZeRO-1)
     dist_timeout_s: float = 600.0  # a rank waiting this long for the others in a collective gives up
@@ -244,8 +245,11 @@ def train_step(state: TrainState) -> StepReport:
     loss_sum = torch.zeros((), device=runtime.device)
     for micro_step in range(state.accum):
         last_micro_step = micro_step == state.accum - 1
-        # gradients are averaged over ranks on the last micro-step only
-        with parallel.gradient_sync(state.model, state.train_model, enabled=last_micro_step):
+        # gradients are averaged over ranks on the last micro-step only (FSDP: on each, where asked)
+        sync = parallel.gradient_sync(
+            state.model, state.train_model, last_micro_step, sharded_every_step=cfg.fsdp_reduce_every_micro_step
+        )
+        with sync:
             with runtime.autocast():
                 _, loss = state.train_model(*batch)
                 loss = loss / state.accum

@@ -466,14 +466,21 @@ def check_memory(cfg, vocab_size: int, runtime: Runtime) -> None:
     kept = {"none": 8, "mlp": 4, "block": 1}[cfg.activation_checkpointing]
     activation_bytes = tokens * 4 * (logits + kept * cfg.n_layer * cfg.n_embd)
     # FSDP without resharding keeps every unit's gathered weights, in the run's dtype, from forward to backward
-    kept_whole = runtime.shards(cfg.parallelism) and not cfg.fsdp_reshard_after_forward
+    sharded = runtime.shards(cfg.parallelism)
+    kept_whole = sharded and not cfg.fsdp_reshard_after_forward
     gathered_bytes = params * runtime.dtype.itemsize if kept_whole else 0
-    need = int(params * bytes_per_param) + gathered_bytes + activation_bytes
+    # FSDP accumulating over micro-steps without reduce-scattering each keeps every gradient whole, in float32
+    accumulates_whole = sharded and runtime.micro_steps(cfg.gradient_accumulation_steps) > 1
+    whole_grad_bytes = params * 4 if accumulates_whole and not cfg.fsdp_reduce_every_micro_step else 0
+    need = int(params * bytes_per_param) + gathered_bytes + whole_grad_bytes + activation_bytes
     available, where = available_memory(runtime.device)
     if available and need > available:
         gathered = f", {format_bytes(gathered_bytes)} of weights gathered for backward" if gathered_bytes else ""
+        whole = f", {format_bytes(whole_grad_bytes)} of gradients kept whole" if whole_grad_bytes else ""
+        fix = " (or fsdp_reduce_every_micro_step=true)" if whole_grad_bytes else ""
         raise UsageError(
             f"this run needs at least {format_bytes(need)} of memory ({params:,} parameters x {bytes_per_param:.3g} "
-            f"bytes{gathered}, and {format_bytes(activation_bytes)} of activations for batch_size={cfg.batch_size} x "
-            f"block_size={cfg.block_size}) but {where}; use a smaller model (n_layer, n_embd, vocab_size) or batch_size"
+            f"bytes{gathered}{whole}, and {format_bytes(activation_bytes)} of activations for batch_size="
+            f"{cfg.batch_size} x block_size={cfg.block_size}) but {where}; use a smaller model (n_layer, n_embd, "
+            f"vocab_size) or batch_size{fix}"
         )

@@ -428,6 +428,27 @@ def test_fsdp_keeps_gathered_weights_for_backward_only_when_asked(monkeypatch, g
     torch.testing.assert_close(results[True], results[False], rtol=0, atol=0)
 
 
+def test_fsdp_reduces_every_micro_step_only_when_asked_with_the_same_gradients(gloo_world_of_one):
+    """Between two micro-steps FSDP holds its gradients whole (no shard on the weights yet) unless
+    sharded_every_step reduce-scatters each; after the last, both hold the same sharded gradients."""
+    from torch.distributed.tensor import DTensor
+
+    runtime = Runtime(torch.device("cpu"), torch.float32, world_size=2)  # shards; one process here
+    batches = torch.randint(0, 64, (2, 2, 16), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for every_step in (False, True):
+        torch.manual_seed(0)
+        model = parallel.place_model(GPT(tiny_config()), runtime, "fsdp")
+        for micro_step, idx in enumerate(batches):
+            last = micro_step == len(batches) - 1
+            with parallel.gradient_sync(model, model, last, sharded_every_step=every_step):
+                model(idx, idx)[1].backward()
+            sharded = [isinstance(p.grad, DTensor) for p in model.parameters()]
+            assert sharded == [every_step or last] * len(sharded), (every_step, micro_step)
+        results[every_step] = [parallel.replicated(p.grad) for p in model.parameters()]
+    torch.testing.assert_close(results[True], results[False], rtol=1e-6, atol=1e-7)
+
+
 def test_fsdp_gathers_runs_of_blocks_as_one_unit_with_the_same_loss_and_gradients(gloo_world_of_one):
     """fsdp_blocks_per_unit=2 over 3 blocks: blocks 0 and 1 are one FSDP unit (gathering block 0 gathers block 1's
     weights too), block 2 its own; the loss and gradients are those of one unit per block."""

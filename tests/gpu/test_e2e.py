@@ -299,16 +299,21 @@ PARALLEL = {  # cell id: (model, train.py settings); DDP the default
     "context_parallel-block_recomputation": (MODEL, ["--context_parallel=2", "--activation_checkpointing=block"]),
     "ddp-fp8": (FP8_MODEL, ["--fp8=tensorwise", "--compile=true"]),
     "fsdp-fp8": (FP8_MODEL, ["--parallelism=fsdp", "--fp8=tensorwise", "--compile=true"]),
+    "fsdp-fp8-accumulated-reduce_every_micro_step": (  # the 6.7B config's way: 2 micro-steps a rank
+        FP8_MODEL,
+        ["--parallelism=fsdp", "--fp8=tensorwise", "--compile=true", "--gradient_accumulation_steps=4"]
+        + ["--fsdp_reduce_every_micro_step=true"],
+    ),
 }
 
 
 def parallel_command(name: str, data: Path, out_dir: Path) -> list[str]:
     """The cell's torchrun command: gradient_accumulation_steps counts the micro-steps of all ranks together,
-    as in nanoGPT, so 2 gives each rank one."""
+    as in nanoGPT, so 2 (unless the cell sets its own) gives each rank one."""
     model, settings = PARALLEL[name]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     train = ["train.py", f"--data_dir={data}", f"--out_dir={out_dir}", *model, *TRAIN, "--dtype=bfloat16"]
-    return [*torchrun, *train, *settings, "--gradient_accumulation_steps=2"]
+    return [*torchrun, *train, "--gradient_accumulation_steps=2", *settings]
 
 
 @pytest.mark.parametrize(

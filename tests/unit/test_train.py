@@ -702,6 +702,16 @@ def test_the_memory_check_counts_what_each_rank_holds(monkeypatch):
             check_memory(sharded, 256, ranks)
         assert (f", {gathered} of weights gathered for backward" in str(refusal.value)) is not reshard
 
+    # FSDP accumulating over micro-steps keeps its gradients whole in float32 unless it reduce-scatters each
+    for accum, every_step, whole in ((4, False, True), (4, True, False), (2, False, False)):  # over 2 ranks
+        sharded = dataclasses.replace(
+            cfg, parallelism="fsdp", gradient_accumulation_steps=accum, fsdp_reduce_every_micro_step=every_step
+        )
+        with pytest.raises(UsageError, match="needs at least") as refusal:
+            check_memory(sharded, 256, ranks)
+        said = f", {gathered} of gradients kept whole" in str(refusal.value)
+        assert said is whole and ("fsdp_reduce_every_micro_step=true" in str(refusal.value)) is whole, accum
+
 
 def test_profile_steps_reports_where_the_steps_time_goes(char_data, tmp_path, capsys):
     """--profile_steps=2 on CPU: after the 6 steps the profiler waits and warms up on, steps 7 and 8 recorded;
