@@ -192,9 +192,16 @@ def out_of_memory_line(cfg) -> str:
             f" (e.g. --batch_size={cfg.batch_size // 2} "
             f"--gradient_accumulation_steps={cfg.gradient_accumulation_steps * 2})"
         )
+    # FSDP accumulating without a reduce-scatter each micro-step holds every gradient whole in float32
+    sharded = cfg is not None and cfg.parallelism == "fsdp" and not cfg.fsdp_reduce_every_micro_step
+    fsdp = (
+        "; under FSDP, --fsdp_reduce_every_micro_step=true keeps only this GPU's shard of the gradients"
+        if sharded
+        else ""
+    )
     return (
         f"error: CUDA out of memory; lower --batch_size and raise --gradient_accumulation_steps by the same "
-        f"factor{example}: same tokens per step, less memory; or shorten --block_size"
+        f"factor{example}: same tokens per step, less memory; or shorten --block_size{fsdp}"
     )
 
 

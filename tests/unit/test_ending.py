@@ -14,9 +14,12 @@ from errors import CheckpointError, ConfigError, DataError, PeerFailed, Stopped,
 from training.ending import RUN_FAILURES, exit_for
 
 
-def settings(out_dir, batch_size: int = 8, gradient_accumulation_steps: int = 3):
+def settings(out_dir, batch_size: int = 8, gradient_accumulation_steps: int = 3, **more):
     return types.SimpleNamespace(
-        out_dir=str(out_dir), batch_size=batch_size, gradient_accumulation_steps=gradient_accumulation_steps
+        out_dir=str(out_dir),
+        batch_size=batch_size,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        **{"parallelism": "ddp", "fsdp_reduce_every_micro_step": False, **more},
     )
 
 
@@ -64,3 +67,7 @@ def test_out_of_memory_names_the_settings_that_keep_the_tokens_per_step(tmp_path
     )
     assert "(e.g." not in exit_for(error, settings(tmp_path, batch_size=1))[1]
     assert "(e.g." not in exit_for(error, None)[1]
+    fsdp = "; under FSDP, --fsdp_reduce_every_micro_step=true keeps only this GPU's shard of the gradients"
+    assert exit_for(error, settings(tmp_path, parallelism="fsdp"))[1].endswith(fsdp)
+    every_step = settings(tmp_path, parallelism="fsdp", fsdp_reduce_every_micro_step=True)
+    assert fsdp not in exit_for(error, every_step)[1] and fsdp not in line
