@@ -143,7 +143,7 @@ def plot(rows: list[dict], path: Path, *, x: str, panels, series: Callable[[dict
             axis.axhline(1.0, color="gray", linewidth=0.8)
         axis.set(title=name, xlabel=x, ylabel=y, xscale="log" if log_x else "linear")
         axis.grid(alpha=0.3)
-        if axis.lines:
+        if axis.get_legend_handles_labels()[0]:  # a panel of only the 1.0 line has no series to name
             axis.legend(fontsize=7)
     figure.suptitle(title)
     figure.tight_layout()

@@ -197,6 +197,18 @@ def test_multi_gpu_quick_runs_train_py_under_torchrun_and_reads_its_log(runs):
     assert (out / "cpu-ddp-quick.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_plot_panel_without_a_series_draws_no_legend_and_warns_nothing(tmp_path):
+    """A scaling panel whose rows have no scaling (one GPU count) holds only the 1.0 line: no legend, no warning."""
+    import warnings
+
+    rows = [{"gpus": 1, "scaling": None, "run": "ddp"}, {"gpus": 2, "scaling": 0.9, "run": "ddp"}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for shown in (rows[:1], rows):
+            report.plot(shown, tmp_path / "p.png", x="gpus", panels=[("scaling", "scaling", shown)], series=str)
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_every_bench_takes_its_models_from_one_place():
     assert report.TINY == {"n_layer": 2, "n_head": 2, "n_embd": 64}
     assert report.model_settings(quick=True).items() >= report.TINY.items()
